@@ -1,0 +1,39 @@
+// Entry point of the `leasehold` command: dispatches to one module per command.
+
+import { serve } from "./serve.js";
+
+const usage = `Usage: leasehold <command> [flags]
+
+Commands:
+  serve           run the lease server
+
+Run "leasehold <command> --help" for the flags of a command.
+`;
+
+const commands: Record<string, (argv: string[]) => Promise<number>> = {
+  serve,
+};
+
+async function main(argv: string[]): Promise<number> {
+  const [name, ...rest] = argv;
+  if (name === undefined || name === "--help" || name === "-h" || name === "help") {
+    process.stdout.write(usage);
+    return name === undefined ? 2 : 0;
+  }
+  const command = commands[name];
+  if (!command) {
+    process.stderr.write(`leasehold: unknown command ${JSON.stringify(name)}\n\n${usage}`);
+    return 2;
+  }
+  return command(rest);
+}
+
+main(process.argv.slice(2)).then(
+  (code) => {
+    process.exitCode = code;
+  },
+  (error: unknown) => {
+    process.stderr.write(`leasehold: ${error instanceof Error ? error.message : String(error)}\n`);
+    process.exitCode = 1;
+  },
+);

@@ -1,0 +1,50 @@
+// `leasehold serve`: the lease server, until SIGINT or SIGTERM.
+
+import { ConfigError, parseServerConfig, serverSettings } from "../server/config.js";
+import { createLogger } from "../server/logger.js";
+import { startServer } from "../server/server.js";
+
+export const serveHelp = `Usage: leasehold serve [flags]
+
+Serves LeaseService over gRPC, gRPC-Web and Connect on one port (HTTP/2
+cleartext and HTTP/1.1). Without --database-url (DATABASE_URL) it starts an
+embedded PostgreSQL with its data under --data-dir, and stops it on exit.
+
+Flags (each also read from the environment variable shown):
+${Object.entries(serverSettings)
+  .map(([flag, s]) => `  --${flag.padEnd(18)} ${s.env.padEnd(28)} ${s.help}`)
+  .join("\n")}
+`;
+
+export async function serve(argv: string[]): Promise<number> {
+  if (argv.includes("--help") || argv.includes("-h")) {
+    process.stdout.write(serveHelp);
+    return 0;
+  }
+  let config: ReturnType<typeof parseServerConfig>;
+  try {
+    config = parseServerConfig(argv);
+  } catch (error) {
+    if (
+      error instanceof ConfigError ||
+      (error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")
+    ) {
+      process.stderr.write(`leasehold serve: ${(error as Error).message}\n`);
+      return 2;
+    }
+    throw error;
+  }
+  const logger = createLogger();
+  const server = await startServer(config, logger);
+  process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
+  await new Promise<void>((resolve) => {
+    const stop = (signal: string) => {
+      logger.info({ signal }, "shutting down");
+      resolve();
+    };
+    process.once("SIGINT", stop);
+    process.once("SIGTERM", stop);
+  });
+  await server.close();
+  return 0;
+}

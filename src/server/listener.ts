@@ -1,0 +1,105 @@
+// One port for every protocol: gRPC clients speak HTTP/2 without TLS (h2c),
+// browsers and curl speak HTTP/1.1. Node's cleartext http2 server does not
+// fall back to HTTP/1.1, so a plain TCP server peeks at the first bytes and
+// hands the socket to the HTTP/2 server when they are the connection preface,
+// else to the HTTP/1.1 server. Both run the same request handler.
+
+import http from "node:http";
+import http2 from "node:http2";
+import net from "node:net";
+
+type Handler = (
+  req: http.IncomingMessage | http2.Http2ServerRequest,
+  res: http.ServerResponse | http2.Http2ServerResponse,
+) => void;
+
+const preface = Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+
+export interface Listener {
+  /** The bound address, with the port the OS chose when 0 was asked. */
+  readonly host: string;
+  readonly port: number;
+  /**
+   * Stops accepting, lets in-flight requests finish for up to `graceMs`,
+   * then destroys what is left.
+   */
+  close(graceMs: number): Promise<void>;
+}
+
+export interface ListenerOptions {
+  host: string;
+  port: number;
+  handler: Handler;
+  /** Upper bound on concurrent streams per HTTP/2 connection. */
+  maxConcurrentStreams?: number;
+  /** Largest accepted request body, in bytes (HTTP/2 frames and headers). */
+  maxSessionMemoryMb?: number;
+}
+
+export async function listen(options: ListenerOptions): Promise<Listener> {
+  const h1 = http.createServer(options.handler as http.RequestListener);
+  // Long-lived streams (KeepAlive, Watch) must not be cut by Node's defaults.
+  h1.requestTimeout = 0;
+  h1.headersTimeout = 30_000;
+  h1.keepAliveTimeout = 65_000;
+  const h2 = http2.createServer(
+    {
+      settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
+      maxSessionMemory: options.maxSessionMemoryMb ?? 32,
+    },
+    options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
+  );
+  const sessions = new Set<http2.ServerHttp2Session>();
+  h2.on("session", (session) => {
+    sessions.add(session);
+    session.once("close", () => sessions.delete(session));
+  });
+  const sockets = new Set<net.Socket>();
+  let onDrained: (() => void) | undefined;
+
+  const tcp = net.createServer((socket) => {
+    sockets.add(socket);
+    socket.once("close", () => {
+      sockets.delete(socket);
+      if (sockets.size === 0) onDrained?.();
+    });
+    socket.setNoDelay(true);
+    const route = (chunk: Buffer) => {
+      const n = Math.min(chunk.length, preface.length);
+      const isH2 = chunk.subarray(0, n).equals(preface.subarray(0, n));
+      socket.pause();
+      socket.unshift(chunk);
+      (isH2 ? h2 : h1).emit("connection", socket);
+      socket.resume();
+    };
+    socket.once("data", route);
+    socket.once("error", () => socket.destroy());
+  });
+
+  await new Promise<void>((resolve, reject) => {
+    tcp.once("error", reject);
+    tcp.listen({ host: options.host, port: options.port }, () => {
+      tcp.off("error", reject);
+      resolve();
+    });
+  });
+  const address = tcp.address() as net.AddressInfo;
+
+  return {
+    host: address.address,
+    port: address.port,
+    close: async (graceMs) => {
+      const closed = new Promise<void>((resolve) => tcp.close(() => resolve()));
+      for (const session of sessions) session.close();
+      h1.closeIdleConnections();
+      const drained = new Promise<void>((resolve) => {
+        onDrained = resolve;
+        if (sockets.size === 0) resolve();
+      });
+      const timer = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
+      await Promise.race([drained, timer]);
+      for (const socket of sockets) socket.destroy();
+      await closed;
+    },
+  };
+}

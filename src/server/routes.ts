@@ -1,0 +1,13 @@
+// Routes of the lease server: one plain function from a router to services.
+
+import type { ConnectRouter } from "@connectrpc/connect";
+import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { createLeaseService, type LeaseServiceDeps } from "./lease-service.js";
+
+export function leaseRoutes(deps: LeaseServiceDeps) {
+  return (router: ConnectRouter) => {
+    router.service(LeaseService, {
+      ...createLeaseService(deps),
+    });
+  };
+}

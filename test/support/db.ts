@@ -1,0 +1,60 @@
+// A fresh, migrated database per test file, cloned from the run's template.
+// Databases are not dropped: an embedded run deletes its whole data folder at
+// the end, and with DATABASE_URL a failed test's data stays for inspection.
+
+import { randomBytes } from "node:crypto";
+import postgres from "postgres";
+import { inject } from "vitest";
+import { openDatabase, type Sql } from "../../src/server/db.js";
+
+export interface TestDatabase {
+  url: string;
+  /** A pool like the server's (bigint, camelCase, timeouts). */
+  sql: Sql;
+  /** A pool with its own connections and the given size. */
+  connect(max?: number, options?: { lockTimeoutMs?: number }): Sql;
+  close(): Promise<void>;
+}
+
+export async function createTestDatabase(): Promise<TestDatabase> {
+  const adminUrl = inject("adminUrl");
+  const name = `leasehold_test_${randomBytes(6).toString("hex")}`;
+  const admin = postgres(adminUrl, { max: 1, onnotice: () => {} });
+  // CREATE DATABASE … TEMPLATE fails while another session is copying the
+  // same template; test files start together, so retry that one error.
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await admin.unsafe(`CREATE DATABASE ${name} TEMPLATE ${inject("templateDatabase")}`);
+      break;
+    } catch (error) {
+      if ((error as { code?: string }).code !== "55006" || attempt > 50) throw error;
+      await new Promise((r) => setTimeout(r, 50 + Math.random() * 100));
+    }
+  }
+  await admin.end();
+  const u = new URL(adminUrl);
+  u.pathname = `/${name}`;
+  const url = u.toString();
+  const pools: Sql[] = [];
+  const connect = (max = 10, options: { lockTimeoutMs?: number } = {}) => {
+    const sql = openDatabase({
+      url,
+      maxConnections: max,
+      statementTimeoutMs: 10_000,
+      lockTimeoutMs: options.lockTimeoutMs ?? 1_000,
+      idleInTransactionTimeoutMs: 20_000,
+      applicationName: "leasehold-test",
+    });
+    pools.push(sql);
+    return sql;
+  };
+  const sql = connect();
+  return {
+    url,
+    sql,
+    connect,
+    close: async () => {
+      await Promise.all(pools.map((p) => p.end({ timeout: 1 })));
+    },
+  };
+}

@@ -1,0 +1,45 @@
+// Starts one PostgreSQL for the whole run (embedded, unless DATABASE_URL is
+// set) and migrates a template database once; every test file clones it.
+
+import { randomBytes } from "node:crypto";
+import { mkdtemp } from "node:fs/promises";
+import os from "node:os";
+import path from "node:path";
+import postgres from "postgres";
+import type { TestProject } from "vitest/node";
+import {
+  type EmbeddedDatabase,
+  startEmbeddedPostgres,
+} from "../../src/server/embedded-postgres.js";
+import { migrate } from "../../src/server/migrate.js";
+
+declare module "vitest" {
+  export interface ProvidedContext {
+    adminUrl: string;
+    templateDatabase: string;
+  }
+}
+
+let embedded: EmbeddedDatabase | undefined;
+
+export async function setup(project: TestProject): Promise<void> {
+  let adminUrl = process.env.DATABASE_URL;
+  if (!adminUrl) {
+    const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-test-"));
+    embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
+    adminUrl = embedded.url;
+  }
+  const templateDatabase = `leasehold_template_${randomBytes(4).toString("hex")}`;
+  const admin = postgres(adminUrl, { max: 1, onnotice: () => {} });
+  await admin.unsafe(`CREATE DATABASE ${templateDatabase}`);
+  await admin.end();
+  const url = new URL(adminUrl);
+  url.pathname = `/${templateDatabase}`;
+  await migrate(url.toString());
+  project.provide("adminUrl", adminUrl);
+  project.provide("templateDatabase", templateDatabase);
+}
+
+export async function teardown(): Promise<void> {
+  await embedded?.stop();
+}
