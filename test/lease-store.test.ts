@@ -1,0 +1,302 @@
+// The lease rules of DESIGN §1, checked at the store against real PostgreSQL
+// over independent connections.
+
+import { randomUUID } from "node:crypto";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { Sql } from "../src/server/db.js";
+import { DatabaseUnavailableError } from "../src/server/errors.js";
+import { createLeaseStore, type LeaseStore } from "../src/server/lease-store.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey, untilExpired } from "./support/leases.js";
+
+let db: TestDatabase;
+let store: LeaseStore;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  store = createLeaseStore(db.sql);
+});
+afterAll(async () => {
+  await db.close();
+});
+
+const acquire = (s: LeaseStore, key: { accountId: string; sessionId: string }, ttlMs = 30_000) =>
+  s.acquire({ ...key, runId: randomUUID(), ttlMs, holder: "test" });
+
+describe("S2 atomic acquire", () => {
+  it("S1, S2: two independent connections racing for one key: exactly one wins, 200 rounds", async () => {
+    const a = createLeaseStore(db.connect(1));
+    const b = createLeaseStore(db.connect(1));
+    // Both connections are open before the race so neither pays a connect.
+    await Promise.all([a.get(freshKey()), b.get(freshKey())]);
+    for (let round = 0; round < 200; round++) {
+      const key = freshKey("race");
+      const [ra, rb] = await Promise.all([acquire(a, key), acquire(b, key)]);
+      const winners = [ra, rb].filter((r) => r.acquired);
+      expect(winners).toHaveLength(1);
+      const loser = [ra, rb].find((r) => !r.acquired);
+      const winner = winners[0];
+      if (!loser || loser.acquired || !winner?.acquired) throw new Error("unreachable");
+      expect(loser.current?.runId).toBe(winner.lease.runId);
+    }
+  });
+
+  it("S1, S2: 32 racers on 32 connections: exactly one wins each round", async () => {
+    const pools: Sql[] = Array.from({ length: 32 }, () => db.connect(1));
+    const stores = pools.map(createLeaseStore);
+    await Promise.all(stores.map((s) => s.get(freshKey())));
+    for (let round = 0; round < 10; round++) {
+      const key = freshKey("race32");
+      const results = await Promise.all(stores.map((s) => acquire(s, key)));
+      expect(results.filter((r) => r.acquired)).toHaveLength(1);
+      const held = await store.get(key);
+      const winner = results.find((r) => r.acquired);
+      expect(held?.runId).toBe(winner?.acquired ? winner.lease.runId : "none");
+    }
+  });
+});
+
+describe("S3 no overwrite", () => {
+  it("S3: a valid lease is not taken by a new run; the loser is told who holds it", async () => {
+    const key = freshKey();
+    const first = await acquire(store, key);
+    const second = await store.acquire({
+      ...key,
+      runId: randomUUID(),
+      ttlMs: 30_000,
+      holder: "browser",
+    });
+    expect(first.acquired).toBe(true);
+    expect(second.acquired).toBe(false);
+    if (!first.acquired || second.acquired) throw new Error("unreachable");
+    expect(second.current?.runId).toBe(first.lease.runId);
+    expect(second.current?.fencingToken).toBe(first.lease.fencingToken);
+    expect((await store.get(key))?.runId).toBe(first.lease.runId);
+  });
+
+  it("S3, S6: the same run_id re-acquiring its valid lease gets the same token and a new deadline", async () => {
+    const key = freshKey();
+    const runId = randomUUID();
+    const first = await store.acquire({ ...key, runId, ttlMs: 10_000, holder: "a" });
+    const again = await store.acquire({ ...key, runId, ttlMs: 20_000, holder: "a" });
+    if (!first.acquired || !again.acquired) throw new Error("both must be granted");
+    expect(again.retried).toBe(true);
+    expect(again.lease.fencingToken).toBe(first.lease.fencingToken);
+    expect(again.lease.acquiredAtUs).toBe(first.lease.acquiredAtUs);
+    expect(again.lease.expiresAtUs).toBeGreaterThan(first.lease.expiresAtUs);
+  });
+});
+
+describe("S4 no resurrection, S5 owner-checked release", () => {
+  it("S4, S5: after expiry another run takes over; the old run can neither renew nor release it", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key, 100);
+    if (!a.acquired) throw new Error("a must be granted");
+    await untilExpired(db.sql, key);
+    const b = await acquire(store, key);
+    if (!b.acquired) throw new Error("b must take over after expiry");
+    expect(b.lease.fencingToken).toBeGreaterThan(a.lease.fencingToken);
+
+    expect(await store.renew(key, a.lease.runId, undefined)).toEqual({
+      held: false,
+      cause: "taken_over",
+    });
+    expect(await store.release(key, a.lease.runId)).toBeUndefined();
+    const now = await store.get(key);
+    expect(now?.runId).toBe(b.lease.runId);
+    expect(now?.expiresAtUs).toBe(b.lease.expiresAtUs);
+  });
+
+  it("S4: a late renewal of an expired run fails even when nobody took over", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key, 100);
+    if (!a.acquired) throw new Error("a must be granted");
+    await untilExpired(db.sql, key);
+    expect(await store.renew(key, a.lease.runId, 30_000)).toEqual({
+      held: false,
+      cause: "expired",
+    });
+    expect(await store.get(key)).toBeUndefined();
+  });
+
+  it("S4: renewal of a released or unknown lease names the cause", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key);
+    if (!a.acquired) throw new Error("a must be granted");
+    await store.release(key, a.lease.runId);
+    expect(await store.renew(key, a.lease.runId, undefined)).toEqual({
+      held: false,
+      cause: "released",
+    });
+    expect(await store.renew(freshKey(), randomUUID(), undefined)).toEqual({
+      held: false,
+      cause: "not_found",
+    });
+    const b = await acquire(store, key);
+    if (!b.acquired) throw new Error("b must be granted");
+    await store.revoke(key, "operator");
+    expect(await store.renew(key, b.lease.runId, undefined)).toEqual({
+      held: false,
+      cause: "revoked",
+    });
+  });
+
+  it("S4: a valid renewal extends the deadline from the database clock and keeps the token", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key, 5_000);
+    if (!a.acquired) throw new Error("a must be granted");
+    const renewed = await store.renew(key, a.lease.runId, 60_000);
+    if (!renewed.held) throw new Error("renewal of a valid lease must succeed");
+    expect(renewed.lease.fencingToken).toBe(a.lease.fencingToken);
+    expect(renewed.lease.ttlMs).toBe(60_000n);
+    expect(renewed.lease.expiresAtUs).toBeGreaterThan(a.lease.expiresAtUs);
+    expect(renewed.lease.remainingUs).toBeLessThanOrEqual(60_000_000n);
+    expect(renewed.lease.remainingUs).toBeGreaterThan(59_000_000n);
+  });
+
+  it("S5: a release by another run_id leaves the lease; releasing nothing is released=false", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key);
+    if (!a.acquired) throw new Error("a must be granted");
+    expect(await store.release(key, randomUUID())).toBeUndefined();
+    expect((await store.get(key))?.runId).toBe(a.lease.runId);
+    expect((await store.release(key, a.lease.runId))?.runId).toBe(a.lease.runId);
+    expect(await store.release(key, a.lease.runId)).toBeUndefined();
+    expect(await store.get(key)).toBeUndefined();
+  });
+
+  it("S5, S6: release keeps a tombstone, so the next acquire draws a larger token", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key);
+    if (!a.acquired) throw new Error("a must be granted");
+    await store.release(key, a.lease.runId);
+    const [row] = await db.sql`
+      SELECT run_id, ended, expires_at <= clock_timestamp() AS past FROM leases
+      WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+    expect(row).toMatchObject({ runId: a.lease.runId, ended: "released", past: true });
+    const b = await acquire(store, key);
+    if (!b.acquired) throw new Error("b must be granted");
+    expect(b.lease.fencingToken).toBeGreaterThan(a.lease.fencingToken);
+  });
+});
+
+describe("S6 monotonic fencing", () => {
+  it("S6: tokens strictly increase across release-reacquire and expiry takeovers", async () => {
+    const key = freshKey();
+    const tokens: bigint[] = [];
+    for (let i = 0; i < 10; i++) {
+      const r = await acquire(store, key, 60);
+      if (!r.acquired) throw new Error("the key must be free");
+      tokens.push(r.lease.fencingToken);
+      if (i % 2 === 0) await store.release(key, r.lease.runId);
+      else await untilExpired(db.sql, key);
+    }
+    for (let i = 1; i < tokens.length; i++) {
+      expect(tokens[i]).toBeGreaterThan(tokens[i - 1] as bigint);
+    }
+  });
+
+  it("S1, S6: under concurrent release/re-acquire churn on 3 keys, per-key tokens increase in grant order and never overlap", async () => {
+    const keys = [freshKey("churn"), freshKey("churn"), freshKey("churn")];
+    const workers = Array.from({ length: 12 }, () => createLeaseStore(db.connect(1)));
+    type Grant = { key: string; token: bigint; at: bigint; end: bigint };
+    const grants: Grant[] = [];
+    await Promise.all(
+      workers.map(async (w, i) => {
+        for (let n = 0; n < 40; n++) {
+          const key = keys[(i + n) % keys.length] as (typeof keys)[number];
+          const r = await acquire(w, key, 30_000);
+          if (!r.acquired) continue;
+          const released = await w.release(key, r.lease.runId);
+          if (!released) throw new Error("a holder's own release must succeed");
+          grants.push({
+            key: key.sessionId,
+            token: r.lease.fencingToken,
+            at: r.lease.acquiredAtUs,
+            end: released.expiresAtUs,
+          });
+        }
+      }),
+    );
+    expect(grants.length).toBeGreaterThan(30);
+    for (const key of keys) {
+      const mine = grants
+        .filter((g) => g.key === key.sessionId)
+        .sort((x, y) => (x.at < y.at ? -1 : 1));
+      for (let i = 1; i < mine.length; i++) {
+        const prev = mine[i - 1] as Grant;
+        const cur = mine[i] as Grant;
+        expect(cur.token).toBeGreaterThan(prev.token);
+        // S1: the next grant starts no earlier than the previous one ended.
+        expect(cur.at).toBeGreaterThanOrEqual(prev.end);
+      }
+    }
+    expect(new Set(grants.map((g) => g.token)).size).toBe(grants.length);
+  });
+});
+
+describe("S8 independence", () => {
+  it("S8: a transaction holding one key's row lock makes that key fail fast; other keys proceed", async () => {
+    const locked = freshKey();
+    const other = freshKey();
+    await acquire(store, locked, 100);
+    await untilExpired(db.sql, locked);
+    const fast = createLeaseStore(db.connect(2, { lockTimeoutMs: 200 }));
+
+    let release!: () => void;
+    const holding = new Promise<void>((r) => {
+      release = r;
+    });
+    let lockTaken!: () => void;
+    const taken = new Promise<void>((r) => {
+      lockTaken = r;
+    });
+    const blocker = db.connect(1, { lockTimeoutMs: 5_000 });
+    const tx = blocker.begin(async (t) => {
+      await t`SELECT 1 FROM leases WHERE account_id = ${locked.accountId}
+              AND session_id = ${locked.sessionId} FOR UPDATE`;
+      lockTaken();
+      await holding;
+    });
+    await taken;
+    try {
+      await expect(acquire(fast, locked)).rejects.toBeInstanceOf(DatabaseUnavailableError);
+      const free = await acquire(fast, other);
+      expect(free.acquired).toBe(true);
+    } finally {
+      release();
+      await tx;
+    }
+    expect((await acquire(fast, locked)).acquired).toBe(true);
+  });
+});
+
+describe("List", () => {
+  it("S1: list shows only valid leases, paged by session_id", async () => {
+    const account = `list-${randomUUID().slice(0, 8)}`;
+    for (let i = 0; i < 5; i++) {
+      await store.acquire({
+        accountId: account,
+        sessionId: `s${i}`,
+        runId: randomUUID(),
+        ttlMs: 30_000,
+        holder: "",
+      });
+    }
+    const gone = await store.acquire({
+      accountId: account,
+      sessionId: "s9",
+      runId: randomUUID(),
+      ttlMs: 30_000,
+      holder: "",
+    });
+    if (!gone.acquired) throw new Error("s9 must be granted");
+    await store.release({ accountId: account, sessionId: "s9" }, gone.lease.runId);
+    const first = await store.list(account, 3, undefined);
+    expect(first.leases.map((l) => l.sessionId)).toEqual(["s0", "s1", "s2"]);
+    expect(first.nextAfter).toBe("s2");
+    const second = await store.list(account, 3, first.nextAfter);
+    expect(second.leases.map((l) => l.sessionId)).toEqual(["s3", "s4"]);
+    expect(second.nextAfter).toBeUndefined();
+  });
+});

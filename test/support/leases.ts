@@ -1,0 +1,33 @@
+// Small helpers shared by lease tests.
+
+import { randomUUID } from "node:crypto";
+import type { Sql } from "../../src/server/db.js";
+import type { SessionKey } from "../../src/server/lease-store.js";
+
+let counter = 0;
+
+/** A key no other test uses. */
+export function freshKey(prefix = "s"): SessionKey {
+  counter += 1;
+  return {
+    accountId: "acct",
+    sessionId: `${prefix}-${process.pid}-${counter}-${randomUUID().slice(0, 8)}`,
+  };
+}
+
+/**
+ * Waits until the database clock passes the key's deadline, using the
+ * database's own clock (pg_sleep_until) instead of a guessed sleep.
+ */
+export async function untilExpired(sql: Sql, key: SessionKey): Promise<void> {
+  await sql`
+    SELECT pg_sleep_until(expires_at + interval '1 millisecond')
+    FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+}
+
+/** Every row of `leases` and `lease_events`, for before/after comparisons. */
+export async function storedState(sql: Sql): Promise<unknown> {
+  const leases = await sql`SELECT * FROM leases ORDER BY account_id, session_id`;
+  const events = await sql`SELECT * FROM lease_events ORDER BY id`;
+  return { leases: [...leases], events: [...events] };
+}
