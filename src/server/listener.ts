@@ -64,15 +64,17 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
       if (sockets.size === 0) onDrained?.();
     });
     socket.setNoDelay(true);
-    const route = (chunk: Buffer) => {
+    // Read the first bytes in paused mode and put them back: both servers
+    // then find them in the socket's buffer (Node's HTTP/2 session feeds
+    // already-buffered bytes to nghttp2 before reading from the handle).
+    socket.once("readable", () => {
+      const chunk = socket.read() as Buffer | null;
+      if (chunk === null) return;
       const n = Math.min(chunk.length, preface.length);
       const isH2 = chunk.subarray(0, n).equals(preface.subarray(0, n));
-      socket.pause();
       socket.unshift(chunk);
       (isH2 ? h2 : h1).emit("connection", socket);
-      socket.resume();
-    };
-    socket.once("data", route);
+    });
     socket.once("error", () => socket.destroy());
   });
 
