@@ -80,73 +80,14 @@ export function createLeaseStore(sql: Sql): LeaseStore {
   return {
     acquire: (input) =>
       run(async () => {
-        const ttl = input.ttlMs;
-        // S2: one conditional UPSERT; the primary key decides between racers.
-        // S3: DO UPDATE applies only to an expired/ended row, or to the same
-        //     run re-acquiring (an idempotent retry that keeps its token).
-        // S6: a takeover draws its token inside DO UPDATE SET, i.e. under the
-        //     row lock, so tokens follow grant order. Tombstones make every
-        //     re-acquire take this path.
-        // S9: observed_at is read once; a statement that waited on the row
-        //     lock decides with the earlier instant and counts the deadline
-        //     from it: both err on the safe side.
-        const rows = await sql<(LeaseRecord & { retried: boolean })[]>`
-          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
-          granted AS (
-            INSERT INTO leases AS held
-              (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
-            SELECT ${input.accountId}, ${input.sessionId}, ${input.runId}::uuid,
-                   nextval('lease_fencing_token'), ${input.holder},
-                   ${ttl}::bigint * interval '1 millisecond', observed_at,
-                   observed_at + ${ttl}::bigint * interval '1 millisecond'
-            FROM lease_clock
-            ON CONFLICT (account_id, session_id) DO UPDATE SET
-              run_id = EXCLUDED.run_id,
-              fencing_token = CASE
-                WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-                THEN held.fencing_token
-                ELSE nextval('lease_fencing_token') END,
-              acquired_at = CASE
-                WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-                THEN held.acquired_at
-                ELSE EXCLUDED.acquired_at END,
-              holder = EXCLUDED.holder,
-              ttl = EXCLUDED.ttl,
-              expires_at = EXCLUDED.expires_at,
-              ended = NULL,
-              -- Read by this statement's audit insert below: RETURNING sees
-              -- only the new row.
-              previous_run_id = held.run_id,
-              previous_fencing_token = held.fencing_token,
-              previous_holder = held.holder,
-              previous_ended = held.ended,
-              previous_expires_at = held.expires_at
-            WHERE held.expires_at <= EXCLUDED.acquired_at
-               OR held.run_id = EXCLUDED.run_id
-            RETURNING held.*
-          ),
-          audit AS (
-            INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
-            SELECT g.account_id, g.session_id, 'expired', g.previous_run_id,
-                   g.previous_fencing_token, g.previous_holder, g.previous_expires_at
-            FROM granted g
-            WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
-              AND g.previous_run_id IS NOT NULL AND g.previous_ended IS NULL
-            UNION ALL
-            SELECT g.account_id, g.session_id, 'acquired', g.run_id, g.fencing_token, g.holder,
-                   g.acquired_at
-            FROM granted g
-            WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
-          )
-          SELECT ${leaseColumns("granted")},
-                 granted.acquired_at < lease_clock.observed_at AS retried
-          FROM granted, lease_clock`;
-        const granted = rows[0];
-        if (granted) {
-          const { retried, ...lease } = granted;
-          return { acquired: true, lease, retried };
+        // When the blocking lease ends between the UPSERT and the read of
+        // `current`, the key is free: try again rather than answer "not
+        // acquired" with nobody to name. Bounded: a key that keeps changing
+        // hands answers not acquired.
+        for (let attempt = 0; ; attempt++) {
+          const result = await acquireOnce(input);
+          if (result.acquired || result.current || attempt === 2) return result;
         }
-        return { acquired: false, current: await getValid(input) };
       }),
 
     renew: (key, runId, ttlMs) =>
@@ -233,6 +174,76 @@ export function createLeaseStore(sql: Sql): LeaseStore {
         return { leases, nextAfter: more ? leases.at(-1)?.sessionId : undefined };
       }),
   };
+
+  async function acquireOnce(input: AcquireInput): Promise<AcquireResult> {
+    const ttl = input.ttlMs;
+    // S2: one conditional UPSERT; the primary key decides between racers.
+    // S3: DO UPDATE applies only to an expired/ended row, or to the same
+    //     run re-acquiring (an idempotent retry that keeps its token).
+    // S6: a takeover draws its token inside DO UPDATE SET, i.e. under the
+    //     row lock, so tokens follow grant order. Tombstones make every
+    //     re-acquire take this path.
+    // S9: observed_at is read once; a statement that waited on the row
+    //     lock decides with the earlier instant and counts the deadline
+    //     from it: both err on the safe side.
+    const rows = await sql<(LeaseRecord & { retried: boolean })[]>`
+        WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+        granted AS (
+          INSERT INTO leases AS held
+            (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
+          SELECT ${input.accountId}, ${input.sessionId}, ${input.runId}::uuid,
+                 nextval('lease_fencing_token'), ${input.holder},
+                 ${ttl}::bigint * interval '1 millisecond', observed_at,
+                 observed_at + ${ttl}::bigint * interval '1 millisecond'
+          FROM lease_clock
+          ON CONFLICT (account_id, session_id) DO UPDATE SET
+            run_id = EXCLUDED.run_id,
+            fencing_token = CASE
+              WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+              THEN held.fencing_token
+              ELSE nextval('lease_fencing_token') END,
+            acquired_at = CASE
+              WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+              THEN held.acquired_at
+              ELSE EXCLUDED.acquired_at END,
+            holder = EXCLUDED.holder,
+            ttl = EXCLUDED.ttl,
+            expires_at = EXCLUDED.expires_at,
+            ended = NULL,
+            -- Read by this statement's audit insert below: RETURNING sees
+            -- only the new row.
+            previous_run_id = held.run_id,
+            previous_fencing_token = held.fencing_token,
+            previous_holder = held.holder,
+            previous_ended = held.ended,
+            previous_expires_at = held.expires_at
+          WHERE held.expires_at <= EXCLUDED.acquired_at
+             OR held.run_id = EXCLUDED.run_id
+          RETURNING held.*
+        ),
+        audit AS (
+          INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
+          SELECT g.account_id, g.session_id, 'expired', g.previous_run_id,
+                 g.previous_fencing_token, g.previous_holder, g.previous_expires_at
+          FROM granted g
+          WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+            AND g.previous_run_id IS NOT NULL AND g.previous_ended IS NULL
+          UNION ALL
+          SELECT g.account_id, g.session_id, 'acquired', g.run_id, g.fencing_token, g.holder,
+                 g.acquired_at
+          FROM granted g
+          WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+        )
+        SELECT ${leaseColumns("granted")},
+               granted.acquired_at < lease_clock.observed_at AS retried
+        FROM granted, lease_clock`;
+    const granted = rows[0];
+    if (granted) {
+      const { retried, ...lease } = granted;
+      return { acquired: true, lease, retried };
+    }
+    return { acquired: false, current: await getValid(input) };
+  }
 
   async function getValid(key: SessionKey): Promise<LeaseRecord | undefined> {
     const rows = await sql<LeaseRecord[]>`
