@@ -42,6 +42,14 @@ export interface ListPage {
   nextAfter: string | undefined;
 }
 
+/** What a resource asks in live mode (CheckFence). */
+export interface FenceState {
+  /** The token is the one of the key's valid lease. */
+  current: boolean;
+  /** The highest token ever granted for the key; 0 when none is on record. */
+  highestToken: bigint;
+}
+
 export interface LeaseStore {
   /** Grants the key to runId if it is free or already runId's (S2, S3, S6). */
   acquire(input: AcquireInput): Promise<AcquireResult>;
@@ -55,6 +63,8 @@ export interface LeaseStore {
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */
   list(accountId: string, limit: number, after: string | undefined): Promise<ListPage>;
+  /** Whether `token` belongs to the key's valid lease, and the highest token granted. */
+  checkFence(key: SessionKey, token: bigint): Promise<FenceState>;
 }
 
 /** Creates the store over a postgres.js pool built by `openDatabase`. */
@@ -172,6 +182,21 @@ export function createLeaseStore(sql: Sql): LeaseStore {
         const more = rows.length > limit;
         const leases = more ? rows.slice(0, limit) : [...rows];
         return { leases, nextAfter: more ? leases.at(-1)?.sessionId : undefined };
+      }),
+
+    checkFence: (key, token) =>
+      run(async () => {
+        // S6 makes the key's one row (valid lease or tombstone) carry the
+        // newest grant, whose token is the highest ever granted for the key.
+        // S9: validity is decided with the database clock, read once.
+        const rows = await sql<FenceState[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          SELECT leases.fencing_token AS highest_token,
+                 (leases.fencing_token = ${token}
+                  AND leases.expires_at > lease_clock.observed_at) AS current
+          FROM leases, lease_clock
+          WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}`;
+        return rows[0] ?? { current: false, highestToken: 0n };
       }),
   };
 

@@ -2,12 +2,14 @@
 
 import type { ConnectRouter } from "@connectrpc/connect";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { createFenceService } from "./fence-service.js";
 import { createLeaseService, type LeaseServiceDeps } from "./lease-service.js";
 
 export function leaseRoutes(deps: LeaseServiceDeps) {
   return (router: ConnectRouter) => {
     router.service(LeaseService, {
       ...createLeaseService(deps),
+      ...createFenceService(deps),
     });
   };
 }

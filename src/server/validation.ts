@@ -19,7 +19,7 @@ const uuidPattern = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 // biome-ignore lint/suspicious/noControlCharactersInRegex: the point is to reject them
 const controlPattern = /[\u0000-\u001f\u007f]/;
 
-export function checkId(field: string, value: string, limits: Limits): string {
+export function checkId(field: string, value: string, limits: Pick<Limits, "maxIdLength">): string {
   if (value.length === 0) throw new InvalidArgumentError(field, "must not be empty");
   if (value.length > limits.maxIdLength) {
     throw new InvalidArgumentError(
@@ -36,7 +36,7 @@ export function checkId(field: string, value: string, limits: Limits): string {
 export function checkKey(
   field: string,
   key: { accountId: string; sessionId: string } | undefined,
-  limits: Limits,
+  limits: Pick<Limits, "maxIdLength">,
 ): SessionKey {
   if (!key) throw new InvalidArgumentError(field, "is required");
   return {
@@ -52,6 +52,14 @@ export function checkRunId(field: string, value: string): string {
     throw new InvalidArgumentError(field, `must be a UUID, got ${JSON.stringify(clip(value))}`);
   }
   return value.toLowerCase();
+}
+
+/** Tokens come from a sequence that starts at 1: zero means unset, negatives were never granted. */
+export function checkFencingToken(field: string, token: bigint): bigint {
+  if (token <= 0n) {
+    throw new InvalidArgumentError(field, `must be a positive fencing token, got ${token}`);
+  }
+  return token;
 }
 
 export function checkText(field: string, value: string, max: number): string {
