@@ -1,17 +1,20 @@
 // Entry point of the `leasehold` command: dispatches to one module per command.
 
+import { guarded } from "./guarded.js";
 import { serve } from "./serve.js";
 
 const usage = `Usage: leasehold <command> [flags]
 
 Commands:
   serve           run the lease server
+  guarded serve   run the guarded store (fenced session documents)
 
 Run "leasehold <command> --help" for the flags of a command.
 `;
 
 const commands: Record<string, (argv: string[]) => Promise<number>> = {
   serve,
+  guarded,
 };
 
 async function main(argv: string[]): Promise<number> {

@@ -13,6 +13,7 @@ import {
   DatabaseUnavailableError,
   InvalidArgumentError,
   LeaseNotHeldError,
+  NotFoundError,
   PermissionDeniedError,
   ResourceExhaustedError,
   StaleFencingTokenError,
@@ -67,6 +68,9 @@ export function toConnectError(error: unknown): ConnectError {
         highest_token: error.highest.toString(),
       }),
     ]);
+  }
+  if (error instanceof NotFoundError) {
+    return new ConnectError(error.message, Code.NotFound);
   }
   if (error instanceof ResourceExhaustedError) {
     return new ConnectError(error.message, Code.ResourceExhausted);

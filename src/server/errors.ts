@@ -34,6 +34,11 @@ export class StaleFencingTokenError extends Error {
   }
 }
 
+/** The named thing does not exist (a guarded store document, for one). */
+export class NotFoundError extends Error {
+  override readonly name = "NotFoundError";
+}
+
 /** A limit or quota was reached. */
 export class ResourceExhaustedError extends Error {
   override readonly name = "ResourceExhaustedError";

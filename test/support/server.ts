@@ -1,12 +1,17 @@
-// Lease servers for tests: in this process (startTestServer) or as a
-// separate OS process (spawnServer), always on a real socket, port 0.
+// Lease and guarded store servers for tests: in this process
+// (startTestServer, startTestGuardedServer) or as separate OS processes
+// (spawnServer, spawnGuardedServer), always on a real socket, port 0.
 
 import { type ChildProcess, spawn } from "node:child_process";
 import { once } from "node:events";
 import { fileURLToPath } from "node:url";
 import { type Client, createClient } from "@connectrpc/connect";
 import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect-node";
+import { GuardedStoreService } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { LeaseService } from "../../src/gen/leasehold/v1/lease_pb.js";
+import { parseGuardedConfig } from "../../src/guarded/config.js";
+import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
+import { startGuardedServer } from "../../src/guarded/server.js";
 import { parseServerConfig, type ServerConfig } from "../../src/server/config.js";
 import { createLogger } from "../../src/server/logger.js";
 import { type RunningServer, startServer } from "../../src/server/server.js";
@@ -58,15 +63,54 @@ export async function spawnServer(
   args: string[] = [],
   env: NodeJS.ProcessEnv = {},
 ): Promise<ServerProcess> {
-  const child = spawn(
-    process.execPath,
-    [cliPath, "serve", ...testServerArgs, "--database-url", databaseUrl, ...args],
-    {
-      cwd: repoRoot,
-      env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn", ...env },
-      stdio: ["ignore", "pipe", "pipe"],
-    },
+  return spawnLeasehold(["serve", ...testServerArgs, "--database-url", databaseUrl, ...args], env);
+}
+
+/** Guarded store servers for tests listen on port 0 and drain quickly. */
+export const testGuardedArgs = ["--listen", "127.0.0.1:0", "--shutdown-grace", "1s"];
+
+/** Runs `leasehold guarded serve` as its own process and resolves once it listens. */
+export async function spawnGuardedServer(
+  databaseUrl: string,
+  args: string[] = [],
+  env: NodeJS.ProcessEnv = {},
+): Promise<ServerProcess> {
+  return spawnLeasehold(
+    ["guarded", "serve", ...testGuardedArgs, "--database-url", databaseUrl, ...args],
+    env,
   );
+}
+
+/** The guarded store server in this process. */
+export async function startTestGuardedServer(
+  databaseUrl: string,
+  args: string[] = [],
+  limits?: GuardedLimits,
+): Promise<RunningServer> {
+  const config = parseGuardedConfig(
+    [...testGuardedArgs, "--database-url", databaseUrl, ...args],
+    {},
+  );
+  return startGuardedServer(config, createLogger({ level: "silent" }), limits);
+}
+
+export type GuardedClient = Client<typeof GuardedStoreService>;
+
+export function guardedGrpcClient(baseUrl: string): GuardedClient {
+  return createClient(GuardedStoreService, createGrpcTransport({ baseUrl }));
+}
+
+export function guardedConnectClient(baseUrl: string): GuardedClient {
+  return createClient(GuardedStoreService, createConnectTransport({ baseUrl, httpVersion: "1.1" }));
+}
+
+// Runs the leasehold command and resolves with the URL it reports serving on.
+async function spawnLeasehold(argv: string[], env: NodeJS.ProcessEnv): Promise<ServerProcess> {
+  const child = spawn(process.execPath, [cliPath, ...argv], {
+    cwd: repoRoot,
+    env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn", ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
   let stderr = "";
   const url = await new Promise<string>((resolve, reject) => {
     const onData = (chunk: Buffer) => {

@@ -1,0 +1,72 @@
+// `leasehold guarded serve`: the guarded store server, until SIGINT or SIGTERM.
+
+import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
+import { startGuardedServer } from "../guarded/server.js";
+import { ConfigError, settingsHelp } from "../server/config.js";
+import { createLogger } from "../server/logger.js";
+
+export const guardedHelp = `Usage: leasehold guarded serve [flags]
+
+Serves leasehold.guarded.v1.GuardedStoreService: session documents (an
+agent's transcript, its files) that accept a write only with a current
+fencing token. Same port sharing and database handling as "leasehold serve":
+without --database-url (DATABASE_URL) it starts an embedded PostgreSQL with
+its data under --data-dir.
+
+Fence modes:
+  monotonic   a write passes when its token is >= the highest token this
+              store has seen for the session (a late write of a replaced run
+              is refused)
+  live        also asks the lease server (CheckFence) that the token is the
+              valid lease's (a holder whose lease expired is refused even
+              when nobody replaced it)
+
+Flags (each also read from the environment variable shown):
+${settingsHelp(guardedSettings)}
+`;
+
+export async function guarded(argv: string[]): Promise<number> {
+  const [sub, ...rest] = argv;
+  if (sub === undefined || sub === "--help" || sub === "-h" || sub === "help") {
+    process.stdout.write(guardedHelp);
+    return sub === undefined ? 2 : 0;
+  }
+  if (sub !== "serve") {
+    process.stderr.write(
+      `leasehold guarded: unknown command ${JSON.stringify(sub)}\n\n${guardedHelp}`,
+    );
+    return 2;
+  }
+  if (rest.includes("--help") || rest.includes("-h")) {
+    process.stdout.write(guardedHelp);
+    return 0;
+  }
+  let config: ReturnType<typeof parseGuardedConfig>;
+  try {
+    config = parseGuardedConfig(rest);
+  } catch (error) {
+    if (
+      error instanceof ConfigError ||
+      (error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")
+    ) {
+      process.stderr.write(`leasehold guarded serve: ${(error as Error).message}\n`);
+      return 2;
+    }
+    throw error;
+  }
+  const logger = createLogger({ name: "leasehold-guarded" });
+  const server = await startGuardedServer(config, logger);
+  process.stderr.write(
+    `Leasehold guarded store serving on ${server.url} (database ${server.databaseUrl}, fence mode ${config.fenceMode})\n`,
+  );
+  await new Promise<void>((resolve) => {
+    const stop = (signal: string) => {
+      logger.info({ signal }, "shutting down");
+      resolve();
+    };
+    process.once("SIGINT", stop);
+    process.once("SIGTERM", stop);
+  });
+  await server.close();
+  return 0;
+}

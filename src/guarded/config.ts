@@ -1,0 +1,77 @@
+// Configuration of the guarded store server: the lease server's hosting
+// settings (database, listener, pool, timeouts) plus the fence mode and,
+// for live mode, where the lease server is.
+
+import {
+  ConfigError,
+  type HostConfig,
+  type HostDefaults,
+  hostSettings,
+  parseHostConfig,
+  readSettings,
+  type Setting,
+} from "../server/config.js";
+
+export type FenceMode = "monotonic" | "live";
+
+export interface GuardedConfig extends HostConfig {
+  fenceMode: FenceMode;
+  /** The lease server's base URL; required in live mode. */
+  leaseUrl: string | undefined;
+  /** Deadline of each CheckFence call in live mode. */
+  leaseTimeoutMs: number;
+}
+
+// Another port and data folder than the lease server's, so both run side
+// by side with their defaults.
+export const guardedDefaults: HostDefaults = {
+  listen: "127.0.0.1:7071",
+  dataDir: ".leasehold/guarded-pgdata",
+};
+
+export const guardedSettings = {
+  ...hostSettings(guardedDefaults),
+  "fence-mode": {
+    env: "LEASEHOLD_FENCE_MODE",
+    help: "monotonic (default: token >= highest seen) or live (also CheckFence)",
+  },
+  "lease-url": {
+    env: "LEASEHOLD_LEASE_URL",
+    help: "lease server URL for live mode, e.g. http://127.0.0.1:7070",
+  },
+  "lease-timeout": {
+    env: "LEASEHOLD_LEASE_TIMEOUT",
+    help: "deadline of each CheckFence call (default 2s)",
+  },
+} as const satisfies Record<string, Setting>;
+
+export function parseGuardedConfig(
+  argv: string[],
+  env: NodeJS.ProcessEnv = process.env,
+): GuardedConfig {
+  const read = readSettings(guardedSettings, argv, env);
+  const host = parseHostConfig(read, guardedDefaults);
+  const mode = read.get("fence-mode") ?? "monotonic";
+  if (mode !== "monotonic" && mode !== "live") {
+    throw new ConfigError(
+      `--fence-mode (LEASEHOLD_FENCE_MODE) must be monotonic or live, got ${JSON.stringify(mode)}`,
+    );
+  }
+  const leaseUrl = read.get("lease-url");
+  if (leaseUrl !== undefined && !/^https?:\/\/[^/\s]+\/?$/.test(leaseUrl)) {
+    throw new ConfigError(
+      `--lease-url (LEASEHOLD_LEASE_URL) must be an http(s) base URL such as http://127.0.0.1:7070, got ${JSON.stringify(leaseUrl)}`,
+    );
+  }
+  if (mode === "live" && leaseUrl === undefined) {
+    throw new ConfigError(
+      "--fence-mode live needs --lease-url (LEASEHOLD_LEASE_URL): live mode asks the lease server",
+    );
+  }
+  return {
+    ...host,
+    fenceMode: mode,
+    leaseUrl,
+    leaseTimeoutMs: read.duration("lease-timeout", 2_000),
+  };
+}

@@ -1,0 +1,105 @@
+// GuardedStoreService: validates requests, runs the live check when the
+// server is in live mode, calls the document store and maps the records to
+// messages. No SQL here.
+
+import { create } from "@bufbuild/protobuf";
+import type { ServiceImpl } from "@connectrpc/connect";
+import {
+  type DocumentInfo,
+  DocumentInfoSchema,
+  GetResponseSchema,
+  type GuardedStoreService,
+  ListResponseSchema,
+  PutResponseSchema,
+} from "../gen/leasehold/guarded/v1/guarded_pb.js";
+import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
+import { timestampFromMicros } from "../server/convert.js";
+import { InvalidArgumentError, NotFoundError } from "../server/errors.js";
+import { mapErrors } from "../server/lease-service.js";
+import type { Limits } from "../server/limits.js";
+import { checkFencingToken, checkKey, checkText } from "../server/validation.js";
+import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
+import type { LiveCheck } from "./live-check.js";
+
+export interface GuardedLimits extends DocumentLimits, Pick<Limits, "maxIdLength"> {
+  maxNameLength: number;
+  maxValueBytes: number;
+}
+
+export const defaultGuardedLimits: GuardedLimits = {
+  maxIdLength: 128,
+  maxNameLength: 512,
+  maxValueBytes: 4 * 1024 * 1024,
+  maxDocumentsPerSession: 1_000,
+};
+
+export interface GuardedServiceDeps {
+  store: DocumentStore;
+  limits: GuardedLimits;
+  /** Set in live mode. */
+  live?: LiveCheck;
+}
+
+export function createGuardedService(
+  deps: GuardedServiceDeps,
+): ServiceImpl<typeof GuardedStoreService> {
+  const { store, limits, live } = deps;
+  const checkName = (name: string) => {
+    if (name === "") throw new InvalidArgumentError("name", "must not be empty");
+    return checkText("name", name, limits.maxNameLength);
+  };
+  return {
+    put: mapErrors(async (req) => {
+      const key = checkKey("key", req.key, limits);
+      const name = checkName(req.name);
+      const token = checkFencingToken("fencing_token", req.fencingToken);
+      if (req.value.byteLength > limits.maxValueBytes) {
+        throw new InvalidArgumentError(
+          "value",
+          `must be at most ${limits.maxValueBytes} bytes, got ${req.value.byteLength}`,
+        );
+      }
+      // Outside the write transaction: no row lock is held across a call to
+      // the lease server. The fence in the transaction still refuses any
+      // token older than one a write has already used.
+      await live?.(key, token);
+      const written = await store.put(key, name, req.value, token);
+      return create(PutResponseSchema, {
+        document: documentInfo(written.document),
+        highestToken: written.highestToken,
+      });
+    }),
+
+    get: mapErrors(async (req) => {
+      const key = checkKey("key", req.key, limits);
+      const name = checkName(req.name);
+      const found = await store.get(key, name);
+      if (!found) throw new NotFoundError(`document ${JSON.stringify(name)} not found`);
+      return create(GetResponseSchema, {
+        value: found.value,
+        fencingToken: found.fencingToken,
+        updatedAt: timestampFromMicros(found.updatedAtUs),
+        document: documentInfo(found),
+      });
+    }),
+
+    list: mapErrors(async (req) => {
+      const key = checkKey("key", req.key, limits);
+      const listed = await store.list(key);
+      return create(ListResponseSchema, {
+        documents: listed.documents.map(documentInfo),
+        highestToken: listed.highestToken,
+      });
+    }),
+  };
+}
+
+function documentInfo(d: DocumentRecord): DocumentInfo {
+  return create(DocumentInfoSchema, {
+    key: create(SessionKeySchema, { accountId: d.accountId, sessionId: d.sessionId }),
+    name: d.name,
+    fencingToken: d.fencingToken,
+    size: d.size,
+    updatedAt: timestampFromMicros(d.updatedAtUs),
+  });
+}

@@ -1,0 +1,77 @@
+// A Connect server interceptor that fences a downstream service (DESIGN §5).
+// It reads the session and token from the request headers, runs the fence
+// check in a transaction of the service's own database, and hands that
+// transaction to the handler: writes made on it commit together with the
+// check (S7), or not at all.
+
+import type { DescMethod } from "@bufbuild/protobuf";
+import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
+import type { Sql } from "../server/db.js";
+import { toConnectError } from "../server/error-codes.js";
+import { classifyDatabaseError } from "../server/errors.js";
+import { defaultLimits, type Limits } from "../server/limits.js";
+import { fence, type Transaction } from "./fence.js";
+import { type FenceClaim, readFenceClaim } from "./headers.js";
+import type { LiveCheck } from "./live-check.js";
+
+/** What a fenced handler finds in `context.values.get(fencedCallKey)`. */
+export interface FencedCall {
+  claim: FenceClaim;
+  /** The highest token seen for the session once this call's token passed. */
+  highestToken: bigint;
+  /**
+   * The transaction the check ran in, holding the session's fence row lock.
+   * Make the guarded writes on it; it commits when the handler returns and
+   * rolls back when it throws.
+   */
+  tx: Transaction;
+}
+
+export const fencedCallKey = createContextKey<FencedCall | undefined>(undefined, {
+  description: "leasehold fenced call",
+});
+
+export interface FencingInterceptorOptions {
+  /** The service's database, where migrations/0002_fence.sql is applied. */
+  sql: Sql;
+  /** Methods that need a token (default: every method). Reads may go unfenced. */
+  fenced?: (method: DescMethod) => boolean;
+  /** Live mode: also ask the lease server that the token is the valid lease's. */
+  live?: LiveCheck;
+  limits?: Pick<Limits, "maxIdLength">;
+}
+
+/**
+ * Rejects calls without valid fencing headers (INVALID_ARGUMENT naming the
+ * header) and calls with a stale token (ABORTED, ErrorInfo reason
+ * STALE_FENCING_TOKEN with `highest_token`). Unary methods only: a streamed
+ * response outlives the call, so its writes could not share the transaction.
+ */
+export function fencingInterceptor(options: FencingInterceptorOptions): Interceptor {
+  const limits = options.limits ?? defaultLimits;
+  return (next) => async (req) => {
+    if (options.fenced && !options.fenced(req.method)) return next(req);
+    try {
+      if (req.method.methodKind !== "unary") {
+        throw new ConnectError(
+          `${req.method.parent.typeName}/${req.method.name} is not unary: the fencing interceptor cannot guard it`,
+          Code.Unimplemented,
+        );
+      }
+      const claim = readFenceClaim(req.header, limits);
+      // Before the transaction: no row lock is held across a network call.
+      await options.live?.(claim.key, claim.token);
+      return (await options.sql.begin(async (tx) => {
+        const highestToken = await fence(tx, claim.key, claim.token);
+        req.contextValues.set(fencedCallKey, { claim, highestToken, tx });
+        try {
+          return await next(req);
+        } finally {
+          req.contextValues.delete(fencedCallKey);
+        }
+      })) as Awaited<ReturnType<typeof next>>;
+    } catch (error) {
+      throw toConnectError(classifyDatabaseError(error));
+    }
+  };
+}

@@ -1,0 +1,11 @@
+// Routes of the guarded store server.
+
+import type { ConnectRouter } from "@connectrpc/connect";
+import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
+import { createGuardedService, type GuardedServiceDeps } from "./guarded-service.js";
+
+export function guardedRoutes(deps: GuardedServiceDeps) {
+  return (router: ConnectRouter) => {
+    router.service(GuardedStoreService, createGuardedService(deps));
+  };
+}

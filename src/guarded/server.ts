@@ -1,0 +1,45 @@
+// Wires the guarded store server: the document store and its service on a
+// host (database, migrations, pool, listener), plus, in live mode, a client
+// of the lease server's CheckFence.
+
+import { createClient } from "@connectrpc/connect";
+import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { type RunningServer, startHost } from "../server/host.js";
+import { createLogger, type Logger } from "../server/logger.js";
+import type { GuardedConfig } from "./config.js";
+import { createDocumentStore } from "./document-store.js";
+import { defaultGuardedLimits, type GuardedLimits } from "./guarded-service.js";
+import { createLiveCheck, type LiveCheck } from "./live-check.js";
+import { guardedRoutes } from "./routes.js";
+
+export async function startGuardedServer(
+  config: GuardedConfig,
+  logger: Logger = createLogger({ name: "leasehold-guarded" }),
+  limits: GuardedLimits = defaultGuardedLimits,
+): Promise<RunningServer> {
+  return startHost(config, logger, {
+    applicationName: "leasehold-guarded",
+    build: (sql) => {
+      let live: LiveCheck | undefined;
+      let session: Http2SessionManager | undefined;
+      if (config.fenceMode === "live" && config.leaseUrl !== undefined) {
+        // Our own session manager, so shutdown can close the connection to
+        // the lease server instead of waiting for it to idle out.
+        session = new Http2SessionManager(config.leaseUrl);
+        const transport = createGrpcTransport({
+          baseUrl: config.leaseUrl,
+          sessionManager: session,
+        });
+        live = createLiveCheck(createClient(LeaseService, transport), {
+          timeoutMs: config.leaseTimeoutMs,
+        });
+      }
+      logger.info({ fenceMode: config.fenceMode, leaseUrl: config.leaseUrl }, "fencing");
+      return {
+        routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, live }),
+        close: async () => session?.abort(),
+      };
+    },
+  });
+}
