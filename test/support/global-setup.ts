@@ -2,7 +2,7 @@
 // set) and migrates a template database once; every test file clones it.
 
 import { randomBytes } from "node:crypto";
-import { chmod, mkdtemp } from "node:fs/promises";
+import { mkdtemp } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
@@ -26,9 +26,6 @@ export async function setup(project: TestProject): Promise<void> {
   let adminUrl = process.env.DATABASE_URL;
   if (!adminUrl) {
     const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-test-"));
-    // mkdtemp makes the folder 0700; run as root, PostgreSQL runs as the
-    // `postgres` user, which must be able to reach its data folder inside.
-    await chmod(dir, 0o755);
     embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
     adminUrl = embedded.url;
   }
