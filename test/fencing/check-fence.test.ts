@@ -1,12 +1,12 @@
 // CheckFence on LeaseService: what a live-mode resource asks the lease
 // server, over a real socket with both gRPC (h2c) and Connect (HTTP/1.1).
 
-import { randomUUID } from "node:crypto";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMillis } from "../../src/server/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { freshKey, untilExpired } from "../support/leases.js";
 import { connectClient, grpcClient, type LeaseClient, startTestServer } from "../support/server.js";
 
 let db: TestDatabase;
@@ -26,25 +26,16 @@ afterAll(async () => {
   await db?.close();
 });
 
-const newKey = () => ({ accountId: "acct-fence", sessionId: `s-${randomUUID()}` });
-
 async function acquire(client: LeaseClient, key: { accountId: string; sessionId: string }) {
   const res = await client.acquire({ key, ttl: durationFromMillis(200), holder: "test" });
   if (!res.lease) throw new Error("expected the lease to be granted");
   return res.lease;
 }
 
-/** Waits until the lease's deadline has passed on the database clock. */
-async function outlive(key: { accountId: string; sessionId: string }) {
-  await db.sql`
-    SELECT pg_sleep_until(expires_at + interval '1 millisecond') FROM leases
-    WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
-}
-
 describe("CheckFence", () => {
   it("S7 live: the valid lease's token is current, and it is the highest granted", async () => {
     for (const client of [grpc, connect]) {
-      const key = newKey();
+      const key = freshKey("fence");
       const lease = await acquire(client, key);
       const res = await client.checkFence({ key, fencingToken: lease.fencingToken });
       expect(res).toMatchObject({ current: true, highestToken: lease.fencingToken });
@@ -52,17 +43,17 @@ describe("CheckFence", () => {
   });
 
   it("S4, S7 live: an expired lease's token is no longer current, even with nobody replacing it", async () => {
-    const key = newKey();
+    const key = freshKey("fence");
     const lease = await acquire(grpc, key);
-    await outlive(key);
+    await untilExpired(db.sql, key);
     const res = await grpc.checkFence({ key, fencingToken: lease.fencingToken });
     expect(res).toMatchObject({ current: false, highestToken: lease.fencingToken });
   });
 
   it("S6, S7 live: after a takeover the old token is not current and the highest is the new one", async () => {
-    const key = newKey();
+    const key = freshKey("fence");
     const first = await acquire(grpc, key);
-    await outlive(key);
+    await untilExpired(db.sql, key);
     const second = await acquire(grpc, key);
     expect(second.fencingToken).toBeGreaterThan(first.fencingToken);
     expect(await grpc.checkFence({ key, fencingToken: first.fencingToken })).toMatchObject({
@@ -76,7 +67,7 @@ describe("CheckFence", () => {
   });
 
   it("S5, S7 live: a released lease's token is not current; the tombstone keeps the highest", async () => {
-    const key = newKey();
+    const key = freshKey("fence");
     const lease = await acquire(grpc, key);
     expect((await grpc.release({ key, runId: lease.runId })).released).toBe(true);
     expect(await grpc.checkFence({ key, fencingToken: lease.fencingToken })).toMatchObject({
@@ -86,14 +77,14 @@ describe("CheckFence", () => {
   });
 
   it("a session never granted has highest token 0 and no current token", async () => {
-    const res = await grpc.checkFence({ key: newKey(), fencingToken: 1n });
+    const res = await grpc.checkFence({ key: freshKey("fence"), fencingToken: 1n });
     expect(res).toMatchObject({ current: false, highestToken: 0n });
   });
 
   it("bad input: a token ≤ 0 or a bad key is INVALID_ARGUMENT naming the field", async () => {
     const cases: [Parameters<LeaseClient["checkFence"]>[0], string][] = [
-      [{ key: newKey(), fencingToken: 0n }, "fencing_token"],
-      [{ key: newKey(), fencingToken: -4n }, "fencing_token"],
+      [{ key: freshKey("fence"), fencingToken: 0n }, "fencing_token"],
+      [{ key: freshKey("fence"), fencingToken: -4n }, "fencing_token"],
       [{ fencingToken: 1n }, "key"],
       [{ key: { accountId: "", sessionId: "s" }, fencingToken: 1n }, "key.account_id"],
       [{ key: { accountId: "a", sessionId: "has space" }, fencingToken: 1n }, "key.session_id"],
