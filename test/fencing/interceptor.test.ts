@@ -1,0 +1,335 @@
+// The fencing interceptor on a downstream service of its own: a small ledger
+// service (built here from a descriptor, as any team's service would be)
+// whose Append writes through the transaction the interceptor opened. Real
+// socket, real database, Connect (HTTP/1.1) and gRPC (h2c) clients.
+
+import { randomUUID } from "node:crypto";
+import { create, createFileRegistry, type DescMessage, type DescService } from "@bufbuild/protobuf";
+import {
+  FieldDescriptorProto_Label,
+  FieldDescriptorProto_Type,
+  FileDescriptorProtoSchema,
+} from "@bufbuild/protobuf/wkt";
+import {
+  Code,
+  ConnectError,
+  type ConnectRouter,
+  createClient,
+  type HandlerContext,
+  type Transport,
+} from "@connectrpc/connect";
+import {
+  connectNodeAdapter,
+  createConnectTransport,
+  createGrpcTransport,
+} from "@connectrpc/connect-node";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { BadRequestSchema, ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
+import { highestToken } from "../../src/guarded/fence.js";
+import { fenceClaimHeaders, fencingHeaders } from "../../src/guarded/headers.js";
+import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor.js";
+import { createLiveCheck } from "../../src/guarded/live-check.js";
+import { durationFromMillis } from "../../src/server/convert.js";
+import type { Sql } from "../../src/server/db.js";
+import { type Listener, listen } from "../../src/server/listener.js";
+import type { RunningServer } from "../../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { freshKey, untilExpired } from "../support/leases.js";
+import { grpcClient, startTestServer } from "../support/server.js";
+
+const { INT64, STRING } = FieldDescriptorProto_Type;
+const { OPTIONAL, REPEATED } = FieldDescriptorProto_Label;
+
+// test.ledger.v1.LedgerService { Append (fenced), Read (not fenced), Follow (streaming) }
+const registry = createFileRegistry(
+  create(FileDescriptorProtoSchema, {
+    name: "test/ledger/v1/ledger.proto",
+    package: "test.ledger.v1",
+    syntax: "proto3",
+    messageType: [
+      {
+        name: "AppendRequest",
+        field: [{ name: "line", number: 1, type: STRING, label: OPTIONAL, jsonName: "line" }],
+      },
+      {
+        name: "AppendResponse",
+        field: [
+          {
+            name: "highest_token",
+            number: 1,
+            type: INT64,
+            label: OPTIONAL,
+            jsonName: "highestToken",
+          },
+        ],
+      },
+      {
+        name: "ReadRequest",
+        field: [
+          { name: "session_id", number: 1, type: STRING, label: OPTIONAL, jsonName: "sessionId" },
+        ],
+      },
+      {
+        name: "ReadResponse",
+        field: [{ name: "lines", number: 1, type: STRING, label: REPEATED, jsonName: "lines" }],
+      },
+    ],
+    service: [
+      {
+        name: "LedgerService",
+        method: [
+          {
+            name: "Append",
+            inputType: ".test.ledger.v1.AppendRequest",
+            outputType: ".test.ledger.v1.AppendResponse",
+          },
+          {
+            name: "Read",
+            inputType: ".test.ledger.v1.ReadRequest",
+            outputType: ".test.ledger.v1.ReadResponse",
+          },
+          {
+            name: "Follow",
+            inputType: ".test.ledger.v1.ReadRequest",
+            outputType: ".test.ledger.v1.ReadResponse",
+            serverStreaming: true,
+          },
+        ],
+      },
+    ],
+  }),
+  () => undefined,
+);
+const LedgerService = registry.getService("test.ledger.v1.LedgerService") as DescService;
+const message = (name: string) => registry.getMessage(`test.ledger.v1.${name}`) as DescMessage;
+
+let db: TestDatabase;
+let ledger: Listener;
+let ledgerUrl: string;
+let leaseServer: RunningServer;
+let liveLedger: Listener;
+let liveLedgerUrl: string;
+
+function ledgerRoutes(sql: Sql) {
+  return (router: ConnectRouter) => {
+    const impl = {
+      append: async (req: { line: string }, ctx: HandlerContext) => {
+        const call = ctx.values.get(fencedCallKey);
+        if (!call) throw new ConnectError("unfenced append", Code.Internal);
+        // The service's own write, on the transaction that ran the check.
+        await call.tx`
+          INSERT INTO ledger_lines (account_id, session_id, token, line)
+          VALUES (${call.claim.key.accountId}, ${call.claim.key.sessionId}, ${call.claim.token},
+                  ${req.line})`;
+        if (req.line === "fail after writing") {
+          throw new ConnectError("the handler failed after writing", Code.FailedPrecondition);
+        }
+        return create(message("AppendResponse"), { highestToken: call.highestToken });
+      },
+      read: async (req: { sessionId: string }) => {
+        const rows = await sql<{ line: string }[]>`
+          SELECT line FROM ledger_lines WHERE session_id = ${req.sessionId} ORDER BY id`;
+        return create(message("ReadResponse"), { lines: rows.map((r) => r.line) });
+      },
+      follow: async function* () {
+        yield create(message("ReadResponse"), { lines: ["never reached"] });
+      },
+    };
+    // A descriptor built at run time has no generated types to check against.
+    router.service(LedgerService, impl as never);
+  };
+}
+
+/** The ledger's client, typed by hand for the same reason. */
+interface LedgerClient {
+  append(
+    req: { line: string },
+    options: { headers: Record<string, string> },
+  ): Promise<{ highestToken: bigint }>;
+  read(req: { sessionId: string }): Promise<{ lines: string[] }>;
+  follow(req: object, options: { headers: Record<string, string> }): AsyncIterable<unknown>;
+}
+
+const transports: [string, (baseUrl: string) => Transport][] = [
+  ["Connect over HTTP/1.1", (baseUrl) => createConnectTransport({ baseUrl, httpVersion: "1.1" })],
+  ["gRPC over h2c", (baseUrl) => createGrpcTransport({ baseUrl })],
+];
+const ledgerClient = (transport: Transport) =>
+  createClient(LedgerService, transport) as unknown as LedgerClient;
+
+async function serve(handler: Parameters<typeof listen>[0]["handler"]) {
+  const l = await listen({ host: "127.0.0.1", port: 0, handler });
+  return { listener: l, url: `http://127.0.0.1:${l.port}` };
+}
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  await db.sql`
+    CREATE TABLE ledger_lines (
+      id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+      account_id text NOT NULL, session_id text NOT NULL, token bigint NOT NULL, line text NOT NULL
+    )`;
+  const fenced = (m: { name: string }) => m.name !== "Read";
+  ({ listener: ledger, url: ledgerUrl } = await serve(
+    connectNodeAdapter({
+      routes: ledgerRoutes(db.sql),
+      interceptors: [fencingInterceptor({ sql: db.sql, fenced })],
+    }),
+  ));
+  leaseServer = await startTestServer(db.url);
+  const live = createLiveCheck(grpcClient(leaseServer.url), { timeoutMs: 2_000 });
+  ({ listener: liveLedger, url: liveLedgerUrl } = await serve(
+    connectNodeAdapter({
+      routes: ledgerRoutes(db.sql),
+      interceptors: [fencingInterceptor({ sql: db.sql, fenced, live })],
+    }),
+  ));
+});
+
+afterAll(async () => {
+  await ledger?.close(0);
+  await liveLedger?.close(0);
+  await leaseServer?.close();
+  await db?.close();
+});
+
+async function refusal(call: Promise<unknown>): Promise<ConnectError> {
+  return call.then(
+    () => expect.fail("expected the call to be refused"),
+    (e: unknown) => ConnectError.from(e),
+  );
+}
+
+const append = (client: LedgerClient, line: string, headers: Record<string, string>) =>
+  client.append({ line }, { headers });
+
+async function lines(sessionId: string): Promise<string[]> {
+  const rows = await db.sql<{ line: string }[]>`
+    SELECT line FROM ledger_lines WHERE session_id = ${sessionId} ORDER BY id`;
+  return rows.map((r) => r.line);
+}
+
+describe.each(transports)("fencing interceptor, %s", (_name, transport) => {
+  const client = () => ledgerClient(transport(ledgerUrl));
+
+  it("S7: a service that never saw the session accepts its first token; the same token writes again", async () => {
+    const key = freshKey("ledger");
+    const headers = fenceClaimHeaders({ key, token: 12n });
+    expect((await append(client(), "one", headers)).highestToken).toBe(12n);
+    expect((await append(client(), "two", headers)).highestToken).toBe(12n);
+    expect(await lines(key.sessionId)).toEqual(["one", "two"]);
+  });
+
+  it("S7: a stale token is ABORTED with STALE_FENCING_TOKEN and highest_token, and the handler never runs", async () => {
+    const key = freshKey("ledger");
+    await append(client(), "from run B", fenceClaimHeaders({ key, token: 20n }));
+    const error = await refusal(
+      append(client(), "late write of run A", fenceClaimHeaders({ key, token: 19n })),
+    );
+    expect(error.code).toBe(Code.Aborted);
+    const [info] = error.findDetails(ErrorInfoSchema);
+    expect(info?.reason).toBe("STALE_FENCING_TOKEN");
+    expect(info?.domain).toBe("leasehold.dev");
+    expect(info?.metadata.highest_token).toBe("20");
+    expect(await lines(key.sessionId)).toEqual(["from run B"]);
+  });
+
+  it("S7: a handler that fails after writing leaves neither its write nor the token's advance", async () => {
+    const key = freshKey("ledger");
+    await append(client(), "kept", fenceClaimHeaders({ key, token: 3n }));
+    const error = await refusal(
+      append(client(), "fail after writing", fenceClaimHeaders({ key, token: 50n })),
+    );
+    expect(error.code).toBe(Code.FailedPrecondition);
+    expect(await lines(key.sessionId)).toEqual(["kept"]);
+    expect(await highestToken(db.sql, key)).toBe(3n);
+  });
+
+  it("bad input: a missing header is INVALID_ARGUMENT naming it, and nothing is written", async () => {
+    const key = freshKey("ledger");
+    const all = fenceClaimHeaders({ key, token: 5n });
+    for (const name of Object.values(fencingHeaders)) {
+      const headers = Object.fromEntries(Object.entries(all).filter(([h]) => h !== name));
+      const error = await refusal(append(client(), "x", headers));
+      expect(error.code).toBe(Code.InvalidArgument);
+      expect(error.rawMessage).toBe(`${name} is required`);
+      expect(error.findDetails(BadRequestSchema)[0]?.fieldViolations[0]?.field).toBe(name);
+    }
+    expect(await lines(key.sessionId)).toEqual([]);
+  });
+
+  it("bad input: a malformed, zero or negative token is INVALID_ARGUMENT naming the header", async () => {
+    const key = freshKey("ledger");
+    for (const token of [
+      "abc",
+      "1e3",
+      "0x10",
+      "+5",
+      "-5",
+      "0",
+      "00",
+      "9223372036854775808",
+      "1.5",
+    ]) {
+      const headers = { ...fenceClaimHeaders({ key, token: 1n }), [fencingHeaders.token]: token };
+      const error = await refusal(append(client(), "x", headers));
+      expect(error.code, token).toBe(Code.InvalidArgument);
+      expect(error.rawMessage.startsWith(`${fencingHeaders.token} must be`), token).toBe(true);
+    }
+    expect(await lines(key.sessionId)).toEqual([]);
+    expect(await highestToken(db.sql, key)).toBe(0n);
+  });
+
+  it("bad input: a malformed account or session id is INVALID_ARGUMENT naming its header", async () => {
+    const good = fenceClaimHeaders({ key: freshKey("ledger"), token: 1n });
+    for (const name of [fencingHeaders.accountId, fencingHeaders.sessionId]) {
+      const error = await refusal(append(client(), "x", { ...good, [name]: "has/slash" }));
+      expect(error.code).toBe(Code.InvalidArgument);
+      expect(error.rawMessage.startsWith(`${name} may contain only`)).toBe(true);
+    }
+  });
+
+  it("methods left out of `fenced` need no headers", async () => {
+    const res = await client().read({ sessionId: "nothing" });
+    expect(res.lines).toEqual([]);
+  });
+});
+
+describe("fencing interceptor, limits and live mode", () => {
+  it("a streaming method cannot be guarded: UNIMPLEMENTED, not a silent pass", async () => {
+    const client = ledgerClient(createGrpcTransport({ baseUrl: ledgerUrl }));
+    const headers = fenceClaimHeaders({ key: freshKey("ledger"), token: 1n });
+    const received: unknown[] = [];
+    const error = await refusal(
+      (async () => {
+        for await (const m of client.follow({}, { headers })) received.push(m);
+      })(),
+    );
+    expect(received).toEqual([]);
+    expect(error.code).toBe(Code.Unimplemented);
+  });
+
+  it("S4, S7 live: the valid lease's token writes; after it expires unreplaced it is refused", async () => {
+    const lease = grpcClient(leaseServer.url);
+    const key = freshKey("ledger-live");
+    const granted = await lease.acquire({ key, ttl: durationFromMillis(150), holder: "run-a" });
+    const token = granted.lease?.fencingToken ?? 0n;
+    const client = ledgerClient(createGrpcTransport({ baseUrl: liveLedgerUrl }));
+    await append(client, "while held", fenceClaimHeaders({ key, token }));
+    await untilExpired(db.sql, key);
+    const error = await refusal(append(client, "after expiry", fenceClaimHeaders({ key, token })));
+    expect(error.code).toBe(Code.FailedPrecondition);
+    const [info] = error.findDetails(ErrorInfoSchema);
+    expect(info?.reason).toBe("LEASE_NOT_HELD");
+    expect(info?.metadata.cause).toBe("expired");
+    expect(await lines(key.sessionId)).toEqual(["while held"]);
+  });
+
+  it("S7 live: a token the lease server never granted is refused", async () => {
+    const client = ledgerClient(createGrpcTransport({ baseUrl: liveLedgerUrl }));
+    const key = { accountId: "acct", sessionId: `never-${randomUUID()}` };
+    const error = await refusal(append(client, "x", fenceClaimHeaders({ key, token: 7n })));
+    expect(error.code).toBe(Code.FailedPrecondition);
+    expect(error.findDetails(ErrorInfoSchema)[0]?.metadata.cause).toBe("not_found");
+  });
+});
