@@ -1,0 +1,285 @@
+// GuardedStoreService in this process over real sockets: documents record
+// the token that wrote them, stale writes are refused (S7), bad input is
+// INVALID_ARGUMENT naming the field and changes nothing, and the live mode
+// asks a real lease server.
+
+import { randomUUID } from "node:crypto";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
+import { parseGuardedConfig } from "../../src/guarded/config.js";
+import { defaultGuardedLimits } from "../../src/guarded/guarded-service.js";
+import { durationFromMillis } from "../../src/server/convert.js";
+import type { RunningServer } from "../../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { freshKey, untilExpired } from "../support/leases.js";
+import {
+  type GuardedClient,
+  grpcClient,
+  guardedConnectClient,
+  guardedGrpcClient,
+  startTestGuardedServer,
+  startTestServer,
+} from "../support/server.js";
+
+let db: TestDatabase;
+let store: RunningServer;
+let grpc: GuardedClient;
+let connect: GuardedClient;
+
+const text = (s: string) => new TextEncoder().encode(s);
+const read = (b: Uint8Array) => new TextDecoder().decode(b);
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  store = await startTestGuardedServer(db.url, [], {
+    ...defaultGuardedLimits,
+    maxValueBytes: 1024,
+    maxDocumentsPerSession: 3,
+  });
+  grpc = guardedGrpcClient(store.url);
+  connect = guardedConnectClient(store.url);
+});
+
+afterAll(async () => {
+  await store?.close();
+  await db?.close();
+});
+
+async function refusal(call: Promise<unknown>): Promise<ConnectError> {
+  return call.then(
+    () => expect.fail("expected the call to be refused"),
+    (e: unknown) => ConnectError.from(e),
+  );
+}
+
+async function storedDocuments(): Promise<unknown[]> {
+  return [...(await db.sql`SELECT * FROM guarded_documents ORDER BY session_id, name`)];
+}
+
+describe("GuardedStoreService", () => {
+  it("S7: Put records the writing token; Get and List return it, over gRPC and Connect", async () => {
+    const key = freshKey("docs");
+    const put = await grpc.put({ key, name: "transcript", value: text("hello"), fencingToken: 8n });
+    expect(put.highestToken).toBe(8n);
+    expect(put.document).toMatchObject({ name: "transcript", fencingToken: 8n, size: 5n });
+    await connect.put({ key, name: "files/notes.md", value: text("# notes"), fencingToken: 9n });
+
+    const got = await connect.get({ key, name: "transcript" });
+    expect(read(got.value)).toBe("hello");
+    expect(got.fencingToken).toBe(8n);
+    expect(got.updatedAt).toEqual(put.document?.updatedAt);
+    const listed = await grpc.list({ key });
+    expect(listed.highestToken).toBe(9n);
+    expect(listed.documents.map((d) => [d.name, d.fencingToken, d.size])).toEqual([
+      ["files/notes.md", 9n, 7n],
+      ["transcript", 8n, 5n],
+    ]);
+  });
+
+  it("S7: a stale Put is ABORTED with STALE_FENCING_TOKEN and highest_token, and the document is intact", async () => {
+    const key = freshKey("docs");
+    await grpc.put({ key, name: "transcript", value: text("run B"), fencingToken: 21n });
+    for (const client of [grpc, connect]) {
+      const error = await refusal(
+        client.put({ key, name: "transcript", value: text("run A"), fencingToken: 20n }),
+      );
+      expect(error.code).toBe(Code.Aborted);
+      const [info] = error.findDetails(ErrorInfoSchema);
+      expect(info?.reason).toBe("STALE_FENCING_TOKEN");
+      expect(info?.metadata).toMatchObject({ highest_token: "21", presented_token: "20" });
+    }
+    const got = await grpc.get({ key, name: "transcript" });
+    expect([read(got.value), got.fencingToken]).toEqual(["run B", 21n]);
+  });
+
+  it("S7: concurrent writers with random tokens: the document ends with the highest accepted token's value", async () => {
+    const key = freshKey("docs");
+    const clients = Array.from({ length: 6 }, (_, i) =>
+      i % 2 ? guardedGrpcClient(store.url) : guardedConnectClient(store.url),
+    );
+    const accepted: bigint[] = [];
+    await Promise.all(
+      clients.map(async (client) => {
+        for (let n = 0; n < 15; n++) {
+          const token = BigInt(1 + Math.floor(Math.random() * 40));
+          try {
+            await client.put({ key, name: "doc", value: text(`v${token}`), fencingToken: token });
+            accepted.push(token);
+          } catch (error) {
+            expect(ConnectError.from(error).code).toBe(Code.Aborted);
+          }
+        }
+      }),
+    );
+    const highest = [...accepted].sort((a, b) => (a < b ? -1 : a > b ? 1 : 0)).at(-1) ?? 0n;
+    const got = await grpc.get({ key, name: "doc" });
+    expect([read(got.value), got.fencingToken]).toEqual([`v${highest}`, highest]);
+    expect((await grpc.list({ key })).highestToken).toBe(highest);
+  });
+
+  it("Get of a missing document is NOT_FOUND; List of an unknown session is empty with highest 0", async () => {
+    const key = freshKey("docs");
+    const error = await refusal(grpc.get({ key, name: "nothing" }));
+    expect(error.code).toBe(Code.NotFound);
+    expect(await grpc.list({ key })).toMatchObject({ documents: [], highestToken: 0n });
+  });
+
+  it("a session holds a bounded number of documents: RESOURCE_EXHAUSTED, and rewrites still pass", async () => {
+    const key = freshKey("docs");
+    for (const name of ["a", "b", "c"]) {
+      await grpc.put({ key, name, value: text(name), fencingToken: 1n });
+    }
+    const error = await refusal(grpc.put({ key, name: "d", value: text("d"), fencingToken: 1n }));
+    expect(error.code).toBe(Code.ResourceExhausted);
+    await grpc.put({ key, name: "a", value: text("again"), fencingToken: 1n });
+    expect((await grpc.list({ key })).documents.map((d) => d.name)).toEqual(["a", "b", "c"]);
+  });
+
+  it("bad input: INVALID_ARGUMENT naming the field, and nothing changes", async () => {
+    const key = freshKey("docs");
+    await grpc.put({ key, name: "kept", value: text("v"), fencingToken: 4n });
+    const before = await storedDocuments();
+    const value = text("x");
+    const cases: [Parameters<GuardedClient["put"]>[0], string][] = [
+      [{ name: "n", value, fencingToken: 5n }, "key"],
+      [
+        { key: { accountId: "", sessionId: "s" }, name: "n", value, fencingToken: 5n },
+        "key.account_id",
+      ],
+      [
+        { key: { accountId: "a", sessionId: "a b" }, name: "n", value, fencingToken: 5n },
+        "key.session_id",
+      ],
+      [{ key, name: "", value, fencingToken: 5n }, "name"],
+      [{ key, name: "bad\nname", value, fencingToken: 5n }, "name"],
+      [{ key, name: "n".repeat(513), value, fencingToken: 5n }, "name"],
+      [{ key, name: "n", value, fencingToken: 0n }, "fencing_token"],
+      [{ key, name: "n", value, fencingToken: -5n }, "fencing_token"],
+      [{ key, name: "n", value: new Uint8Array(1025), fencingToken: 5n }, "value"],
+    ];
+    for (const [request, field] of cases) {
+      const error = await refusal(connect.put(request));
+      expect(error.code, field).toBe(Code.InvalidArgument);
+      expect(error.rawMessage.startsWith(`${field} `), error.rawMessage).toBe(true);
+    }
+    for (const [request, field] of [
+      [{ key, name: "" }, "name"],
+      [{ name: "n" }, "key"],
+    ] as const) {
+      const error = await refusal(grpc.get(request));
+      expect(error.code).toBe(Code.InvalidArgument);
+      expect(error.rawMessage.startsWith(`${field} `)).toBe(true);
+    }
+    expect((await refusal(grpc.list({}))).code).toBe(Code.InvalidArgument);
+    expect(await storedDocuments()).toEqual(before);
+    expect((await grpc.list({ key })).highestToken).toBe(4n);
+  });
+});
+
+describe("guarded store, live mode", () => {
+  let leaseServer: RunningServer;
+  let liveStore: RunningServer;
+  let live: GuardedClient;
+
+  beforeAll(async () => {
+    leaseServer = await startTestServer(db.url);
+    liveStore = await startTestGuardedServer(db.url, [
+      "--fence-mode",
+      "live",
+      "--lease-url",
+      leaseServer.url,
+    ]);
+    live = guardedGrpcClient(liveStore.url);
+  });
+  afterAll(async () => {
+    await liveStore?.close();
+    await leaseServer?.close();
+  });
+
+  it("S4, S7 live: the valid lease's token writes; the same token after expiry is refused, unreplaced", async () => {
+    const key = freshKey("live");
+    const lease = await grpcClient(leaseServer.url).acquire({
+      key,
+      ttl: durationFromMillis(150),
+      holder: "run-a",
+    });
+    const token = lease.lease?.fencingToken ?? 0n;
+    await live.put({ key, name: "transcript", value: text("held"), fencingToken: token });
+    await untilExpired(db.sql, key);
+    const error = await refusal(
+      live.put({ key, name: "transcript", value: text("late"), fencingToken: token }),
+    );
+    expect(error.code).toBe(Code.FailedPrecondition);
+    expect(error.findDetails(ErrorInfoSchema)[0]).toMatchObject({
+      reason: "LEASE_NOT_HELD",
+      metadata: { cause: "expired" },
+    });
+    expect(read((await live.get({ key, name: "transcript" })).value)).toBe("held");
+  });
+
+  it("S7 live: a token never granted for the session is refused", async () => {
+    const key = { accountId: "acct", sessionId: `never-${randomUUID()}` };
+    const error = await refusal(live.put({ key, name: "n", value: text("x"), fencingToken: 3n }));
+    expect(error.code).toBe(Code.FailedPrecondition);
+    expect(error.findDetails(ErrorInfoSchema)[0]?.metadata.cause).toBe("not_found");
+  });
+
+  it("live mode with the lease server unreachable is UNAVAILABLE, and nothing is written", async () => {
+    const down = await startTestGuardedServer(db.url, [
+      "--fence-mode",
+      "live",
+      "--lease-url",
+      "http://127.0.0.1:1",
+      "--lease-timeout",
+      "500ms",
+    ]);
+    try {
+      const key = freshKey("live");
+      const error = await refusal(
+        guardedGrpcClient(down.url).put({ key, name: "n", value: text("x"), fencingToken: 1n }),
+      );
+      expect(error.code).toBe(Code.Unavailable);
+      expect(error.rawMessage).toMatch(/^the lease server could not confirm the fencing token/);
+      expect((await grpc.list({ key })).highestToken).toBe(0n);
+    } finally {
+      await down.close();
+    }
+  });
+});
+
+describe("guarded store configuration", () => {
+  it("defaults to monotonic mode on its own port and data folder", () => {
+    const config = parseGuardedConfig([], {});
+    expect(config).toMatchObject({
+      fenceMode: "monotonic",
+      listenPort: 7071,
+      dataDir: ".leasehold/guarded-pgdata",
+      leaseUrl: undefined,
+    });
+  });
+
+  it("reads the environment like the lease server, flags first", () => {
+    const config = parseGuardedConfig(["--fence-mode", "live"], {
+      LEASEHOLD_FENCE_MODE: "monotonic",
+      LEASEHOLD_LEASE_URL: "http://lease:7070",
+      LEASEHOLD_LISTEN: "0.0.0.0:9000",
+      DATABASE_URL: "postgres://x@db/y",
+    });
+    expect(config).toMatchObject({
+      fenceMode: "live",
+      leaseUrl: "http://lease:7070",
+      listenHost: "0.0.0.0",
+      listenPort: 9000,
+      databaseUrl: "postgres://x@db/y",
+    });
+  });
+
+  it("refuses live mode without a lease URL, an unknown mode and a malformed URL, naming the setting", () => {
+    expect(() => parseGuardedConfig(["--fence-mode", "live"], {})).toThrow(/--lease-url/);
+    expect(() => parseGuardedConfig(["--fence-mode", "strict"], {})).toThrow(
+      /--fence-mode \(LEASEHOLD_FENCE_MODE\) must be monotonic or live/,
+    );
+    expect(() => parseGuardedConfig(["--lease-url", "lease:7070"], {})).toThrow(/--lease-url/);
+  });
+});
