@@ -3,6 +3,7 @@
 // orderly shutdown. The lease server and the guarded store differ only in
 // the services they build on the pool.
 
+import { setMaxListeners } from "node:events";
 import type { ConnectRouter, Interceptor } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
 import type { HostConfig } from "./config.js";
@@ -68,6 +69,9 @@ export async function startHost(
       applicationName: options.applicationName,
     });
     const shutdown = new AbortController();
+    // Every in-flight call links its own signal to this one; a busy server
+    // has far more than Node's default of 10 listeners, and that is no leak.
+    setMaxListeners(0, shutdown.signal);
     services = await options.build(sql, shutdown.signal);
     const handler = connectNodeAdapter({
       routes: services.routes,
