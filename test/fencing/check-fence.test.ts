@@ -4,6 +4,7 @@
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMillis } from "../../src/server/convert.js";
+import type { SessionKey } from "../../src/server/lease-store.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey, untilExpired } from "../support/leases.js";
@@ -26,10 +27,16 @@ afterAll(async () => {
   await db?.close();
 });
 
-async function acquire(client: LeaseClient, key: { accountId: string; sessionId: string }) {
-  const res = await client.acquire({ key, ttl: durationFromMillis(200), holder: "test" });
+async function acquire(client: LeaseClient, key: SessionKey) {
+  const res = await client.acquire({ key, ttl: durationFromMillis(30_000), holder: "test" });
   if (!res.lease) throw new Error("expected the lease to be granted");
   return res.lease;
+}
+
+/** The holder's last renewal asks for 100 ms; then the database clock passes it. */
+async function expire(key: SessionKey, runId: string) {
+  await grpc.renew({ key, runId, ttl: durationFromMillis(100) });
+  await untilExpired(db.sql, key);
 }
 
 describe("CheckFence", () => {
@@ -45,7 +52,7 @@ describe("CheckFence", () => {
   it("S4, S7 live: an expired lease's token is no longer current, even with nobody replacing it", async () => {
     const key = freshKey("fence");
     const lease = await acquire(grpc, key);
-    await untilExpired(db.sql, key);
+    await expire(key, lease.runId);
     const res = await grpc.checkFence({ key, fencingToken: lease.fencingToken });
     expect(res).toMatchObject({ current: false, highestToken: lease.fencingToken });
   });
@@ -53,7 +60,7 @@ describe("CheckFence", () => {
   it("S6, S7 live: after a takeover the old token is not current and the highest is the new one", async () => {
     const key = freshKey("fence");
     const first = await acquire(grpc, key);
-    await untilExpired(db.sql, key);
+    await expire(key, first.runId);
     const second = await acquire(grpc, key);
     expect(second.fencingToken).toBeGreaterThan(first.fencingToken);
     expect(await grpc.checkFence({ key, fencingToken: first.fencingToken })).toMatchObject({

@@ -199,13 +199,12 @@ describe("guarded store, live mode", () => {
 
   it("S4, S7 live: the valid lease's token writes; the same token after expiry is refused, unreplaced", async () => {
     const key = freshKey("live");
-    const lease = await grpcClient(leaseServer.url).acquire({
-      key,
-      ttl: durationFromMillis(150),
-      holder: "run-a",
-    });
+    const leases = grpcClient(leaseServer.url);
+    const lease = await leases.acquire({ key, ttl: durationFromMillis(30_000), holder: "run-a" });
     const token = lease.lease?.fencingToken ?? 0n;
     await live.put({ key, name: "transcript", value: text("held"), fencingToken: token });
+    // The holder's last renewal asks for 100 ms; then it stalls past it.
+    await leases.renew({ key, runId: lease.lease?.runId ?? "", ttl: durationFromMillis(100) });
     await untilExpired(db.sql, key);
     const error = await refusal(
       live.put({ key, name: "transcript", value: text("late"), fencingToken: token }),

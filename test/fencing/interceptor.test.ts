@@ -312,10 +312,12 @@ describe("fencing interceptor, limits and live mode", () => {
   it("S4, S7 live: the valid lease's token writes; after it expires unreplaced it is refused", async () => {
     const lease = grpcClient(leaseServer.url);
     const key = freshKey("ledger-live");
-    const granted = await lease.acquire({ key, ttl: durationFromMillis(150), holder: "run-a" });
+    const granted = await lease.acquire({ key, ttl: durationFromMillis(30_000), holder: "run-a" });
     const token = granted.lease?.fencingToken ?? 0n;
     const client = ledgerClient(createGrpcTransport({ baseUrl: liveLedgerUrl }));
     await append(client, "while held", fenceClaimHeaders({ key, token }));
+    // The holder's last renewal asks for 100 ms; then it stalls past it.
+    await lease.renew({ key, runId: granted.lease?.runId ?? "", ttl: durationFromMillis(100) });
     await untilExpired(db.sql, key);
     const error = await refusal(append(client, "after expiry", fenceClaimHeaders({ key, token })));
     expect(error.code).toBe(Code.FailedPrecondition);

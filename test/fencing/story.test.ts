@@ -63,10 +63,20 @@ afterAll(async () => {
 const text = (s: string) => new TextEncoder().encode(s);
 const read = (b: Uint8Array) => new TextDecoder().decode(b);
 
-async function acquire(key: SessionKey, holder: string, ttlMs: number) {
-  const res = await leases.acquire({ key, ttl: durationFromMillis(ttlMs), holder });
+async function acquire(key: SessionKey, holder: string) {
+  const res = await leases.acquire({ key, ttl: durationFromMillis(30_000), holder });
   if (!res.acquired || !res.lease) throw new Error(`${holder} must be granted the session`);
   return res.lease;
+}
+
+/**
+ * The run's last heartbeat asks for only 100 ms more, then the run stalls
+ * (a GC pause, a suspended laptop) past that deadline. The wait is on the
+ * database clock, the one that decides expiry.
+ */
+async function stallPastDeadline(key: SessionKey, runId: string) {
+  await leases.renew({ key, runId, ttl: durationFromMillis(100) });
+  await untilExpired(leaseDb.sql, key);
 }
 
 async function refusal(call: Promise<unknown>): Promise<ConnectError> {
@@ -90,7 +100,7 @@ describe("the paused run (both servers as processes)", () => {
 
   it("S6, S7: A writes, pauses past its TTL, B takes over and writes; A's late write is ABORTED and B's document is intact", async () => {
     // Run A (the desktop app) holds the session and writes its transcript.
-    const a = await acquire(session, "desktop", 300);
+    const a = await acquire(session, "desktop");
     t1 = a.fencingToken;
     await store.put({
       key: session,
@@ -99,12 +109,11 @@ describe("the paused run (both servers as processes)", () => {
       fencingToken: t1,
     });
 
-    // A stalls (a GC pause, a suspended laptop) past its deadline. The wait
-    // is on the database clock, the one that decides expiry.
-    await untilExpired(leaseDb.sql, session);
+    // A stalls past its deadline.
+    await stallPastDeadline(session, a.runId);
 
     // Run B (the browser) takes the session over with a larger token.
-    const b = await acquire(session, "browser", 30_000);
+    const b = await acquire(session, "browser");
     t2 = b.fencingToken;
     expect(t2).toBeGreaterThan(t1);
     await store.put({
@@ -157,14 +166,14 @@ describe("the paused run (both servers as processes)", () => {
 
   it("S4, S7 live: a write by an expired holder that nobody replaced is refused in live mode; monotonic mode cannot tell", async () => {
     const key = freshKey("unreplaced");
-    const c = await acquire(key, "desktop", 300);
+    const c = await acquire(key, "desktop");
     await liveStore.put({
       key,
       name: "transcript",
       value: text("C: step 1"),
       fencingToken: c.fencingToken,
     });
-    await untilExpired(leaseDb.sql, key);
+    await stallPastDeadline(key, c.runId);
 
     const error = await refusal(
       liveStore.put({
@@ -194,7 +203,7 @@ describe("the paused run (both servers as processes)", () => {
 
   it("S7: a resource that has never seen a session accepts its first token", async () => {
     const key = freshKey("first");
-    const d = await acquire(key, "desktop", 30_000);
+    const d = await acquire(key, "desktop");
     expect((await otherStore.list({ key })).highestToken).toBe(0n);
     const put = await otherStore.put({
       key,
