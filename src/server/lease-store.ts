@@ -129,7 +129,11 @@ export function createLeaseStore(sql: Sql): LeaseStore {
         const rows = await sql<LeaseRecord[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
           ended AS (
-            UPDATE leases AS held SET expires_at = lease_clock.observed_at, ended = 'released'
+            -- S1, S6: a statement that waited on the row lock may find a lease
+            -- granted after its clock reading; ending it before it began would
+            -- put this grant's interval out of order with the next one's.
+            UPDATE leases AS held
+            SET expires_at = greatest(lease_clock.observed_at, held.acquired_at), ended = 'released'
             FROM lease_clock
             WHERE held.account_id = ${key.accountId} AND held.session_id = ${key.sessionId}
               AND held.run_id = ${runId}::uuid AND held.expires_at > lease_clock.observed_at
@@ -149,7 +153,11 @@ export function createLeaseStore(sql: Sql): LeaseStore {
         const rows = await sql<LeaseRecord[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
           ended AS (
-            UPDATE leases AS held SET expires_at = lease_clock.observed_at, ended = 'revoked'
+            -- S1, S6: a statement that waited on the row lock may find a lease
+            -- granted after its clock reading; ending it before it began would
+            -- put this grant's interval out of order with the next one's.
+            UPDATE leases AS held
+            SET expires_at = greatest(lease_clock.observed_at, held.acquired_at), ended = 'revoked'
             FROM lease_clock
             WHERE held.account_id = ${key.accountId} AND held.session_id = ${key.sessionId}
               AND held.expires_at > lease_clock.observed_at
