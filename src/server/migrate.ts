@@ -34,8 +34,13 @@ export async function loadMigrations(dir = migrationsDir): Promise<Migration[]> 
       sql: await readFile(`${dir}${file}`, "utf8"),
     });
   }
+  // Versions must strictly increase; gaps are allowed, so features developed
+  // side by side can each claim a number without renumbering the others.
   migrations.forEach((m, i) => {
-    if (m.version !== i + 1) throw new Error(`migration ${m.version}_${m.name} is out of sequence`);
+    const previous = migrations[i - 1];
+    if (m.version < 1 || (previous !== undefined && m.version <= previous.version)) {
+      throw new Error(`migration ${m.version}_${m.name} repeats or precedes another version`);
+    }
   });
   return migrations;
 }
@@ -58,7 +63,7 @@ export async function migrate(url: string, migrations?: Migration[]): Promise<nu
         )`;
       const applied = await sql<{ version: number }[]>`
         SELECT version FROM leasehold_migrations ORDER BY version`;
-      const known = all.length;
+      const known = all.at(-1)?.version ?? 0;
       const newest = applied.at(-1)?.version ?? 0;
       if (newest > known) {
         throw new SchemaTooNewError(
