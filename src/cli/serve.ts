@@ -1,6 +1,6 @@
 // `leasehold serve`: the lease server, until SIGINT or SIGTERM.
 
-import { ConfigError, parseServerConfig, serverSettings } from "../server/config.js";
+import { ConfigError, parseServerConfig, serverSettings, settingsHelp } from "../server/config.js";
 import { createLogger } from "../server/logger.js";
 import { startServer } from "../server/server.js";
 
@@ -11,9 +11,7 @@ cleartext and HTTP/1.1). Without --database-url (DATABASE_URL) it starts an
 embedded PostgreSQL with its data under --data-dir, and stops it on exit.
 
 Flags (each also read from the environment variable shown):
-${Object.entries(serverSettings)
-  .map(([flag, s]) => `  --${flag.padEnd(18)} ${s.env.padEnd(28)} ${s.help}`)
-  .join("\n")}
+${settingsHelp(serverSettings)}
 `;
 
 export async function serve(argv: string[]): Promise<number> {

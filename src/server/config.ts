@@ -6,6 +6,15 @@
 import { parseArgs } from "node:util";
 import { defaultTimeouts } from "./db.js";
 import { defaultLimits, type Limits, parseDuration } from "./limits.js";
+import {
+  checkExposure,
+  type OpsConfig,
+  opsSettings,
+  parseOpsConfig,
+  parseTls,
+  type TlsConfig,
+  tlsSettings,
+} from "./ops-config.js";
 
 /** What every Leasehold server process needs: a database and a port. */
 export interface HostConfig {
@@ -19,10 +28,13 @@ export interface HostConfig {
   lockTimeoutMs: number;
   idleInTransactionTimeoutMs: number;
   shutdownGraceMs: number;
+  /** Certificate and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
+  tls: TlsConfig | undefined;
 }
 
 export interface ServerConfig extends HostConfig {
   limits: Limits;
+  ops: OpsConfig;
 }
 
 export class ConfigError extends Error {
@@ -33,6 +45,8 @@ export class ConfigError extends Error {
 export interface Setting {
   env: string;
   help: string;
+  /** A secret: read from the environment only, since a flag shows in `ps`. */
+  envOnly?: boolean;
 }
 
 export interface HostDefaults {
@@ -62,6 +76,7 @@ export function hostSettings(defaults: HostDefaults) {
       env: "LEASEHOLD_SHUTDOWN_GRACE",
       help: "time to drain on SIGTERM (default 10s)",
     },
+    ...tlsSettings,
   } as const satisfies Record<string, Setting>;
 }
 
@@ -78,6 +93,7 @@ export const serverSettings = {
   "min-ttl": { env: "LEASEHOLD_MIN_TTL", help: "shortest lease TTL (default 1s)" },
   "max-ttl": { env: "LEASEHOLD_MAX_TTL", help: "longest lease TTL (default 1h)" },
   "max-wait": { env: "LEASEHOLD_MAX_WAIT", help: "longest Acquire wait (default 5m)" },
+  ...opsSettings,
 } as const satisfies Record<string, Setting>;
 
 /** Reads one settings table: flags first, then the environment. */
@@ -93,7 +109,9 @@ export function readSettings<S extends Record<string, Setting>>(
   env: NodeJS.ProcessEnv,
 ): SettingsReader<keyof S & string> {
   const options = Object.fromEntries(
-    Object.keys(settings).map((k) => [k, { type: "string" as const }]),
+    Object.entries(settings)
+      .filter(([, s]) => !s.envOnly)
+      .map(([k]) => [k, { type: "string" as const }]),
   );
   const { values } = parseArgs({ args: argv, options, strict: true, allowPositionals: false });
   // Names are keys of `settings` by their type, so the entry exists.
@@ -141,6 +159,7 @@ export function parseHostConfig(
     lockTimeoutMs: read.duration("lock-timeout", defaultTimeouts.lockTimeoutMs),
     idleInTransactionTimeoutMs: defaultTimeouts.idleInTransactionTimeoutMs,
     shutdownGraceMs: read.duration("shutdown-grace", 10_000),
+    tls: parseTls(read),
   };
 }
 
@@ -159,13 +178,17 @@ export function parseServerConfig(
   if (limits.minTtlMs < 1 || limits.minTtlMs > limits.maxTtlMs) {
     throw new ConfigError("--min-ttl must be at least 1ms and not above --max-ttl");
   }
-  return { ...host, limits };
+  const ops = parseOpsConfig(read, host.statementTimeoutMs);
+  checkExposure(host.listenHost, ops.ops.auth);
+  return { ...host, limits: { ...limits, ...ops.limits }, ops: ops.ops };
 }
 
 /** The flag table as help text: flag, environment variable, description. */
 export function settingsHelp(settings: Record<string, Setting>): string {
   return Object.entries(settings)
-    .map(([flag, s]) => `  --${flag.padEnd(18)} ${s.env.padEnd(28)} ${s.help}`)
+    .map(
+      ([flag, s]) => `  ${(s.envOnly ? "" : `--${flag}`).padEnd(28)} ${s.env.padEnd(37)} ${s.help}`,
+    )
     .join("\n");
 }
 

@@ -10,6 +10,16 @@ export interface Limits {
   maxReasonLength: number;
   defaultPageSize: number;
   maxPageSize: number;
+  /** Largest request message, in bytes (Connect's readMaxBytes). */
+  maxMessageBytes: number;
+  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: concurrent calls per connection. */
+  maxStreamsPerConnection: number;
+  /** Distinct leases one KeepAlive stream may carry at once. */
+  maxLeasesPerStream: number;
+  /** Open Watch streams per account, across the calls this instance serves. */
+  maxWatchersPerAccount: number;
+  /** Valid leases one account may hold at once; 0 means no quota. */
+  maxLeasesPerAccount: number;
 }
 
 export const defaultLimits: Limits = {
@@ -21,23 +31,38 @@ export const defaultLimits: Limits = {
   maxReasonLength: 256,
   defaultPageSize: 100,
   maxPageSize: 1_000,
+  maxMessageBytes: 64 * 1024,
+  maxStreamsPerConnection: 100,
+  maxLeasesPerStream: 1_000,
+  maxWatchersPerAccount: 100,
+  maxLeasesPerAccount: 10_000,
 };
 
 /** Formats milliseconds the way durations are written in flags: 1s, 250ms, 1h. */
 export function formatDuration(ms: number): string {
+  if (ms !== 0 && ms % 86_400_000 === 0) return `${ms / 86_400_000}d`;
   if (ms !== 0 && ms % 3_600_000 === 0) return `${ms / 3_600_000}h`;
   if (ms !== 0 && ms % 60_000 === 0) return `${ms / 60_000}m`;
   if (ms % 1_000 === 0) return `${ms / 1_000}s`;
   return `${ms}ms`;
 }
 
-/** Parses "10s", "250ms", "1m", "1h", "1.5s"; a bare number is seconds. */
+/** Parses "10s", "250ms", "1m", "1h", "30d", "1.5s"; a bare number is seconds. */
 export function parseDuration(text: string): number | undefined {
-  const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)?$/.exec(text.trim());
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m|h|d)?$/.exec(text.trim());
   if (!m) return undefined;
   const value = Number(m[1]);
   const unit = m[2] ?? "s";
-  const factor = unit === "ms" ? 1 : unit === "s" ? 1_000 : unit === "m" ? 60_000 : 3_600_000;
+  const factor =
+    unit === "ms"
+      ? 1
+      : unit === "s"
+        ? 1_000
+        : unit === "m"
+          ? 60_000
+          : unit === "h"
+            ? 3_600_000
+            : 86_400_000;
   const ms = value * factor;
   return Number.isSafeInteger(Math.round(ms)) ? Math.round(ms) : undefined;
 }
