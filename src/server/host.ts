@@ -4,7 +4,9 @@
 // the services they build on the pool.
 
 import { setMaxListeners } from "node:events";
-import type { ConnectRouter, Interceptor } from "@connectrpc/connect";
+import type http from "node:http";
+import type http2 from "node:http2";
+import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
 import type { HostConfig } from "./config.js";
 import { openDatabase, type Sql } from "./db.js";
@@ -24,10 +26,23 @@ export interface RunningServer {
   close(): Promise<void>;
 }
 
+export type NodeHandler = (
+  req: http.IncomingMessage | http2.Http2ServerRequest,
+  res: http.ServerResponse | http2.Http2ServerResponse,
+) => void;
+
 /** What a server builds once its pool is open. */
 export interface HostedServices {
   routes: (router: ConnectRouter) => void;
   interceptors?: Interceptor[];
+  /** Wraps the Connect handler, e.g. to answer /metrics beside it. */
+  http?: (next: NodeHandler) => NodeHandler;
+  /** Largest request message in bytes (Connect's readMaxBytes). */
+  readMaxBytes?: number;
+  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS. */
+  maxStreamsPerConnection?: number;
+  /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
+  beginShutdown?: () => void;
   /** Stops the services' own work; runs after requests drain, before the pool closes. */
   close?: () => Promise<void>;
 }
@@ -36,7 +51,11 @@ export interface HostOptions {
   /** application_name of the pool's connections, as pg_stat_activity shows it. */
   applicationName: string;
   /** Aborted at shutdown, so long-lived handlers can end. */
-  build(sql: Sql, shutdownSignal: AbortSignal): HostedServices | Promise<HostedServices>;
+  build(
+    sql: Sql,
+    shutdownSignal: AbortSignal,
+    databaseUrl: string,
+  ): HostedServices | Promise<HostedServices>;
 }
 
 export async function startHost(
@@ -72,15 +91,22 @@ export async function startHost(
     // Every in-flight call links its own signal to this one; a busy server
     // has far more than Node's default of 10 listeners, and that is no leak.
     setMaxListeners(0, shutdown.signal);
-    services = await options.build(sql, shutdown.signal);
+    services = await options.build(sql, shutdown.signal, databaseUrl);
     const handler = connectNodeAdapter({
       routes: services.routes,
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
+      readMaxBytes: services.readMaxBytes,
     });
-    listener = await listen({ host: config.listenHost, port: config.listenPort, handler });
+    listener = await listen({
+      host: config.listenHost,
+      port: config.listenPort,
+      handler: services.http ? services.http(handler) : handler,
+      maxConcurrentStreams: services.maxStreamsPerConnection,
+      tls: config.tls,
+    });
     const host = listener.host.includes(":") ? `[${listener.host}]` : listener.host;
-    const url = `http://${host}:${listener.port}`;
+    const url = `${config.tls ? "https" : "http"}://${host}:${listener.port}`;
     const shown = redact(databaseUrl);
     logger.info({ url, database: shown, embedded: embedded !== undefined }, "serving");
     const openSql = sql;
@@ -94,7 +120,16 @@ export async function startHost(
       sql,
       close: () => {
         closing ??= (async () => {
-          shutdown.abort();
+          // Health first, so balancers stop sending; then streams end with
+          // UNAVAILABLE (clients move to another instance; leases stay), the
+          // listener stops accepting and drains, and the pool closes last.
+          openServices.beginShutdown?.();
+          shutdown.abort(
+            new ConnectError(
+              "the server is shutting down: reconnect to another instance",
+              Code.Unavailable,
+            ),
+          );
           await openListener.close(config.shutdownGraceMs);
           await openServices.close?.();
           await openSql.end({ timeout: 5 });

@@ -2,7 +2,9 @@
 // browsers and curl speak HTTP/1.1. Node's cleartext http2 server does not
 // fall back to HTTP/1.1, so a plain TCP server peeks at the first bytes and
 // hands the socket to the HTTP/2 server when they are the connection preface,
-// else to the HTTP/1.1 server. Both run the same request handler.
+// else to the HTTP/1.1 server. Both run the same request handler. With TLS,
+// ALPN chooses the protocol instead: one secure HTTP/2 server that accepts
+// HTTP/1.1 too (allowHTTP1).
 
 import http from "node:http";
 import http2 from "node:http2";
@@ -34,9 +36,12 @@ export interface ListenerOptions {
   maxConcurrentStreams?: number;
   /** Largest accepted request body, in bytes (HTTP/2 frames and headers). */
   maxSessionMemoryMb?: number;
+  /** PEM certificate chain and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
+  tls?: { cert: Buffer; key: Buffer };
 }
 
 export async function listen(options: ListenerOptions): Promise<Listener> {
+  if (options.tls) return listenTls(options, options.tls);
   const h1 = http.createServer(options.handler as http.RequestListener);
   // Long-lived streams (KeepAlive, Watch) must not be cut by Node's defaults.
   h1.requestTimeout = 0;
@@ -94,6 +99,64 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
       const closed = new Promise<void>((resolve) => tcp.close(() => resolve()));
       for (const session of sessions) session.close();
       h1.closeIdleConnections();
+      const drained = new Promise<void>((resolve) => {
+        onDrained = resolve;
+        if (sockets.size === 0) resolve();
+      });
+      const timer = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
+      await Promise.race([drained, timer]);
+      for (const socket of sockets) socket.destroy();
+      await closed;
+    },
+  };
+}
+
+async function listenTls(
+  options: ListenerOptions,
+  tls: { cert: Buffer; key: Buffer },
+): Promise<Listener> {
+  const server = http2.createSecureServer(
+    {
+      cert: tls.cert,
+      key: tls.key,
+      allowHTTP1: true,
+      settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
+      maxSessionMemory: options.maxSessionMemoryMb ?? 32,
+    },
+    options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
+  );
+  const sessions = new Set<http2.ServerHttp2Session>();
+  server.on("session", (session) => {
+    sessions.add(session);
+    session.once("close", () => sessions.delete(session));
+  });
+  const sockets = new Set<net.Socket>();
+  let onDrained: (() => void) | undefined;
+  server.on("connection", (socket: net.Socket) => {
+    sockets.add(socket);
+    socket.setNoDelay(true);
+    socket.once("close", () => {
+      sockets.delete(socket);
+      if (sockets.size === 0) onDrained?.();
+    });
+  });
+  // A client that fails the handshake must not leave an error unhandled.
+  server.on("tlsClientError", () => {});
+
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen({ host: options.host, port: options.port }, () => {
+      server.off("error", reject);
+      resolve();
+    });
+  });
+  const address = server.address() as net.AddressInfo;
+  return {
+    host: address.address,
+    port: address.port,
+    close: async (graceMs) => {
+      const closed = new Promise<void>((resolve) => server.close(() => resolve()));
+      for (const session of sessions) session.close();
       const drained = new Promise<void>((resolve) => {
         onDrained = resolve;
         if (sockets.size === 0) resolve();

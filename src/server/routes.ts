@@ -2,14 +2,16 @@
 
 import type { ConnectRouter } from "@connectrpc/connect";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { type AuditServiceDeps, createAuditService } from "./audit-service.js";
 import { createFenceService } from "./fence-service.js";
 import { createLeaseService, type LeaseServiceDeps } from "./lease-service.js";
 
-export function leaseRoutes(deps: LeaseServiceDeps) {
+export function leaseRoutes(deps: LeaseServiceDeps & AuditServiceDeps) {
   return (router: ConnectRouter) => {
     router.service(LeaseService, {
       ...createLeaseService(deps),
       ...createFenceService(deps),
+      ...createAuditService(deps),
     });
   };
 }

@@ -1,0 +1,39 @@
+// Counting valid leases: per account for the quota, in total for the
+// `leases held` gauge. Counting decides no grant by itself (see quota.ts).
+
+import type { Sql } from "./db.js";
+import { classifyDatabaseError } from "./errors.js";
+
+export interface LeaseCounts {
+  /**
+   * Valid leases of `accountId` on sessions other than `exceptSessionId`:
+   * a range scan of the primary key's account prefix.
+   */
+  heldByAccount(accountId: string, exceptSessionId: string): Promise<number>;
+  /** Valid leases of every account (a scan of the table). */
+  heldTotal(): Promise<number>;
+}
+
+export function createLeaseCounts(sql: Sql): LeaseCounts {
+  const run = async (statement: () => Promise<{ n: number }[]>) => {
+    try {
+      return (await statement())[0]?.n ?? 0;
+    } catch (error) {
+      throw classifyDatabaseError(error);
+    }
+  };
+  return {
+    heldByAccount: (accountId, exceptSessionId) =>
+      run(
+        () => sql<{ n: number }[]>`
+          SELECT count(*)::int AS n FROM leases
+          WHERE account_id = ${accountId} AND session_id <> ${exceptSessionId}
+            AND expires_at > clock_timestamp()`,
+      ),
+    heldTotal: () =>
+      run(
+        () => sql<{ n: number }[]>`
+          SELECT count(*)::int AS n FROM leases WHERE expires_at > clock_timestamp()`,
+      ),
+  };
+}
