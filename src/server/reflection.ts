@@ -125,8 +125,8 @@ function filesOf(file: DescFile | undefined, what: string, sent: Set<string>): A
   if (!file) return notFound(what);
   const out: Uint8Array[] = [];
   const add = (f: DescFile, force: boolean) => {
-    if (sent.has(f.name) && !force) return;
-    sent.add(f.name);
+    if (sent.has(f.proto.name) && !force) return;
+    sent.add(f.proto.name);
     out.push(toBinary(FileDescriptorProtoSchema, f.proto));
     for (const dep of f.dependencies) add(dep, false);
   };
@@ -150,8 +150,9 @@ function buildIndex(services: readonly DescService[]): Index {
     extensionNumbers: new Map(),
   };
   const visit = (file: DescFile) => {
-    if (index.files.has(file.name)) return;
-    index.files.set(file.name, file);
+    // DescFile.name drops ".proto"; clients ask by the full file name.
+    if (index.files.has(file.proto.name)) return;
+    index.files.set(file.proto.name, file);
     for (const type of nestedTypes(file)) {
       index.symbols.set(type.typeName, file);
       if (type.kind === "extension") {
