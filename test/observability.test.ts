@@ -1,0 +1,164 @@
+// Request logs and /metrics over real sockets: one JSON line per RPC with
+// request id, account, method, code and latency, and never a bearer token;
+// Prometheus counters that move with what the server did.
+
+import { randomUUID } from "node:crypto";
+import { create } from "@bufbuild/protobuf";
+import { DurationSchema } from "@bufbuild/protobuf/wkt";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { parseServerConfig } from "../src/server/config.js";
+import { createLogger } from "../src/server/logger.js";
+import { type RunningServer, startServer } from "../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { untilExpired } from "./support/leases.js";
+import { grpcClient, type LeaseClient, testServerArgs } from "./support/server.js";
+import { adminScope, bearer, createTestKeys, type TestKeys } from "./support/tokens.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+let client: LeaseClient;
+let keys: TestKeys;
+const lines: string[] = [];
+
+const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  keys = await createTestKeys();
+  const config = parseServerConfig(
+    [...testServerArgs, "--database-url", db.url, ...keys.args, "--max-leases-per-account", "3"],
+    {},
+  );
+  const logger = createLogger({
+    level: "debug",
+    destination: { write: (line: string) => void lines.push(line) },
+  });
+  server = await startServer(config, logger);
+  client = grpcClient(server.url);
+});
+afterAll(async () => {
+  await server?.close();
+  await db?.close();
+});
+
+async function failure(call: Promise<unknown>): Promise<ConnectError> {
+  try {
+    await call;
+  } catch (error) {
+    return ConnectError.from(error);
+  }
+  throw new Error("the call succeeded");
+}
+
+const logged = () => lines.map((l) => JSON.parse(l) as Record<string, unknown>);
+
+async function scrape(): Promise<string> {
+  const res = await fetch(`${server.url}/metrics`);
+  expect(res.status).toBe(200);
+  expect(res.headers.get("content-type")).toMatch(/text\/plain/);
+  return res.text();
+}
+
+function value(text: string, series: string): number {
+  const line = text.split("\n").find((l) => l.startsWith(`${series} `));
+  return line === undefined ? 0 : Number(line.slice(series.length + 1));
+}
+
+describe("request logs", () => {
+  it("one line per RPC with request id, account, method, code and latency; no token anywhere", async () => {
+    const token = await keys.token("logs-acct", { scope: adminScope });
+    const requestId = `req-${randomUUID()}`;
+    const key = { accountId: "logs-acct", sessionId: "s1" };
+    await client.acquire(
+      { key, ttl: seconds(30) },
+      { headers: { ...bearer(token).headers, "x-request-id": requestId } },
+    );
+    const denied = await failure(
+      client.get({ key: { accountId: "someone-else", sessionId: "s1" } }, bearer(token)),
+    );
+    expect(denied.code).toBe(Code.PermissionDenied);
+    expect(denied.metadata.get("x-request-id")).toMatch(/^[0-9a-f-]{36}$/);
+    const bad = await failure(
+      client.get({ key }, { headers: { authorization: `Bearer ${token}x` } }),
+    );
+    expect(bad.code).toBe(Code.Unauthenticated);
+
+    const ours = logged().find((l) => l.requestId === requestId);
+    expect(ours).toMatchObject({
+      msg: "rpc",
+      method: "leasehold.v1.LeaseService/Acquire",
+      account: "logs-acct",
+      code: "ok",
+    });
+    expect(typeof ours?.latencyMs).toBe("number");
+    expect(logged()).toContainEqual(
+      expect.objectContaining({
+        method: "leasehold.v1.LeaseService/Get",
+        account: "logs-acct",
+        code: "permission_denied",
+      }),
+    );
+    expect(logged()).toContainEqual(
+      expect.objectContaining({ method: "leasehold.v1.LeaseService/Get", code: "unauthenticated" }),
+    );
+    const all = lines.join("");
+    // The token, its signature part, and the header never reach the log.
+    expect(all).not.toContain(token);
+    expect(all).not.toContain(token.split(".")[2] ?? "");
+    expect(all.toLowerCase()).not.toContain("bearer");
+    expect(all.toLowerCase()).not.toContain("authorization");
+  });
+});
+
+describe("/metrics", () => {
+  it("counts grants, renewals, releases, revocations, losses and quota refusals; latency by method and code", async () => {
+    const token = await keys.token("metrics-acct", { scope: adminScope });
+    const auth = bearer(token);
+    const before = await scrape();
+    const key = (s: string) => ({ accountId: "metrics-acct", sessionId: s });
+
+    const a = await client.acquire({ key: key("a"), ttl: seconds(30) }, auth);
+    await client.renew({ key: key("a"), runId: a.lease?.runId ?? "" }, auth);
+    await client.release({ key: key("a"), runId: a.lease?.runId ?? "" }, auth);
+    const b = await client.acquire(
+      { key: key("b"), ttl: create(DurationSchema, { nanos: 100_000_000 }) },
+      auth,
+    );
+    await untilExpired(db.sql, key("b"));
+    const lost = await failure(client.renew({ key: key("b"), runId: b.lease?.runId ?? "" }, auth));
+    expect(lost.code).toBe(Code.FailedPrecondition);
+    // The expired lease of b is taken over: an expiry this instance found.
+    await client.acquire({ key: key("b"), ttl: seconds(30) }, auth);
+    await client.acquire({ key: key("c"), ttl: seconds(30) }, auth);
+    await client.revoke({ key: key("c"), reason: "metrics test" }, auth);
+    // b, d and e make the quota of 3.
+    for (const s of ["d", "e"]) await client.acquire({ key: key(s), ttl: seconds(30) }, auth);
+    const refused = await failure(client.acquire({ key: key("f"), ttl: seconds(30) }, auth));
+    expect(refused.code).toBe(Code.ResourceExhausted);
+
+    const after = await scrape();
+    const delta = (series: string) => value(after, series) - value(before, series);
+    expect(delta("leasehold_lease_grants_total")).toBe(6);
+    expect(delta("leasehold_lease_renewals_total")).toBe(1);
+    expect(delta("leasehold_lease_releases_total")).toBe(1);
+    expect(delta("leasehold_lease_revocations_total")).toBe(1);
+    expect(delta('leasehold_lease_losses_total{reason="expired"}')).toBe(1);
+    expect(delta("leasehold_quota_rejections_total")).toBe(1);
+    expect(value(after, "leasehold_leases_held")).toBeGreaterThanOrEqual(0);
+    expect(value(after, "leasehold_db_up")).toBe(1);
+    expect(value(after, "leasehold_db_pool_size")).toBe(20);
+    expect(
+      delta(
+        'leasehold_rpc_duration_seconds_count{method="leasehold.v1.LeaseService/Acquire",code="resource_exhausted"}',
+      ),
+    ).toBe(1);
+    expect(after).toContain("leasehold_notification_lag_seconds");
+    expect(after).toContain("leasehold_process_");
+  });
+
+  it("other methods on /metrics are refused and other paths reach the RPC router", async () => {
+    expect((await fetch(`${server.url}/metrics`, { method: "POST" })).status).toBe(405);
+    expect((await fetch(`${server.url}/nothing-here`)).status).toBe(404);
+  });
+});
