@@ -1,0 +1,264 @@
+// Limits answered with RESOURCE_EXHAUSTED and a clear message (DESIGN §7):
+// message size, concurrent streams per connection, the per-account lease
+// quota (exact when acquires come one at a time, and within its documented
+// overshoot when they race), and the stream limits' enforcement API.
+
+import http2 from "node:http2";
+import net from "node:net";
+import { create } from "@bufbuild/protobuf";
+import { DurationSchema } from "@bufbuild/protobuf/wkt";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { RunningServer } from "../src/server/server.js";
+import { createAccountSlots, createStreamLeases } from "../src/server/stream-limits.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { storedState, untilExpired } from "./support/leases.js";
+import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+let client: LeaseClient;
+const quota = 5;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url, [
+    "--max-leases-per-account",
+    String(quota),
+    "--max-message-bytes",
+    "4096",
+  ]);
+  client = grpcClient(server.url);
+});
+afterAll(async () => {
+  await server?.close();
+  await db?.close();
+});
+
+const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
+
+async function failure(call: Promise<unknown>): Promise<ConnectError> {
+  try {
+    await call;
+  } catch (error) {
+    return ConnectError.from(error);
+  }
+  throw new Error("the call succeeded");
+}
+
+describe("message size", () => {
+  it("a request above --max-message-bytes is RESOURCE_EXHAUSTED and changes nothing", async () => {
+    const before = await storedState(db.sql);
+    const error = await failure(
+      client.acquire({
+        key: { accountId: "big", sessionId: "s" },
+        ttl: seconds(10),
+        holder: "h".repeat(8000),
+      }),
+    );
+    expect(error.code).toBe(Code.ResourceExhausted);
+    expect(error.rawMessage).toMatch(/message size .* is larger than configured readMaxBytes 4096/);
+    expect(await storedState(db.sql)).toEqual(before);
+  });
+});
+
+describe("per-account lease quota", () => {
+  it("S1: the quota-th lease is granted, the next is refused; a retry and a takeover still pass; an end frees a slot", async () => {
+    const accountId = "quota-seq";
+    const key = (i: number) => ({ accountId, sessionId: `s${i}` });
+    const runs: string[] = [];
+    for (let i = 0; i < quota; i++) {
+      const a = await client.acquire({ key: key(i), ttl: seconds(60) });
+      expect(a.acquired).toBe(true);
+      runs.push(a.lease?.runId ?? "");
+    }
+    const refused = await failure(client.acquire({ key: key(quota), ttl: seconds(60) }));
+    expect(refused.code).toBe(Code.ResourceExhausted);
+    expect(refused.rawMessage).toMatch(
+      /holds 5 leases, its quota \(--max-leases-per-account\) is 5/,
+    );
+    // An idempotent retry of a held lease is not a new lease.
+    const retry = await client.acquire({ key: key(0), runId: runs[0], ttl: seconds(60) });
+    expect(retry.acquired).toBe(true);
+    // Another account is not affected.
+    expect(
+      (
+        await client.acquire({
+          key: { accountId: "quota-other", sessionId: "s" },
+          ttl: seconds(60),
+        })
+      ).acquired,
+    ).toBe(true);
+    await client.release({ key: key(1), runId: runs[1] ?? "" });
+    expect((await client.acquire({ key: key(quota), ttl: seconds(60) })).acquired).toBe(true);
+  });
+
+  it("an expired lease no longer counts", async () => {
+    const accountId = "quota-exp";
+    for (let i = 0; i < quota - 1; i++) {
+      await client.acquire({ key: { accountId, sessionId: `s${i}` }, ttl: seconds(60) });
+    }
+    const short = { accountId, sessionId: "short" };
+    await client.acquire({ key: short, ttl: create(DurationSchema, { nanos: 100_000_000 }) });
+    const refused = await failure(
+      client.acquire({ key: { accountId, sessionId: "x" }, ttl: seconds(60) }),
+    );
+    expect(refused.code).toBe(Code.ResourceExhausted);
+    await untilExpired(db.sql, short);
+    expect(
+      (await client.acquire({ key: { accountId, sessionId: "x" }, ttl: seconds(60) })).acquired,
+    ).toBe(true);
+  });
+
+  it("racing acquires overshoot by at most one lease per concurrent acquire, and nothing passes after", async () => {
+    const accountId = "quota-race";
+    const racers = 12;
+    const results = await Promise.allSettled(
+      Array.from({ length: racers }, (_, i) =>
+        client.acquire({ key: { accountId, sessionId: `r${i}` }, ttl: seconds(60) }),
+      ),
+    );
+    const granted = results.filter((r) => r.status === "fulfilled" && r.value.acquired).length;
+    const refused = results.filter(
+      (r) => r.status === "rejected" && ConnectError.from(r.reason).code === Code.ResourceExhausted,
+    ).length;
+    expect(granted + refused).toBe(racers);
+    expect(granted).toBeGreaterThanOrEqual(quota);
+    expect(granted).toBeLessThanOrEqual(quota + racers - 1);
+    const later = await failure(
+      client.acquire({ key: { accountId, sessionId: "late" }, ttl: seconds(60) }),
+    );
+    expect(later.code).toBe(Code.ResourceExhausted);
+  });
+});
+
+describe("concurrent streams per connection", () => {
+  let narrow: RunningServer;
+  beforeAll(async () => {
+    narrow = await startTestServer(db.url, ["--max-streams-per-connection", "2"]);
+  });
+  afterAll(async () => {
+    await narrow?.close();
+  });
+
+  it("the server advertises --max-streams-per-connection; a peer that opens more gets REFUSED_STREAM", async () => {
+    const session = http2.connect(narrow.url);
+    try {
+      await new Promise<void>((resolve) => session.once("remoteSettings", () => resolve()));
+      expect(session.remoteSettings.maxConcurrentStreams).toBe(2);
+    } finally {
+      session.destroy();
+    }
+    // Node's own client queues calls beyond the limit; a raw peer that
+    // ignores it shows what the server does with the extra stream.
+    const peer = await rawHttp2(new URL(narrow.url));
+    try {
+      for (const id of [1, 3, 5]) peer.headers(id, "/grpc.health.v1.Health/Watch");
+      const reset = await peer.reset(5);
+      expect(reset).toBe(7); // REFUSED_STREAM: the peer may retry it elsewhere.
+      expect(peer.resets.has(1) || peer.resets.has(3)).toBe(false);
+    } finally {
+      peer.close();
+    }
+  });
+});
+
+// A minimal HTTP/2 peer over TCP: preface, empty SETTINGS (the server's are
+// left unacknowledged, so nghttp2 refuses excess streams rather than
+// failing the connection), HEADERS frames with literal HPACK fields.
+async function rawHttp2(url: URL) {
+  const socket = net.connect(Number(url.port), url.hostname);
+  await new Promise<void>((resolve, reject) => {
+    socket.once("connect", resolve);
+    socket.once("error", reject);
+  });
+  const frame = (type: number, flags: number, stream: number, payload: Buffer) => {
+    const header = Buffer.alloc(9);
+    header.writeUIntBE(payload.length, 0, 3);
+    header[3] = type;
+    header[4] = flags;
+    header.writeUInt32BE(stream, 5);
+    socket.write(Buffer.concat([header, payload]));
+  };
+  const literal = (name: string, value: string) =>
+    Buffer.concat([
+      Buffer.from([0x00, name.length]),
+      Buffer.from(name),
+      Buffer.from([value.length]),
+      Buffer.from(value),
+    ]);
+  socket.write("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+  frame(0x4, 0, 0, Buffer.alloc(0));
+  const resets = new Map<number, number>();
+  const waiting = new Map<number, (code: number) => void>();
+  let buffered = Buffer.alloc(0);
+  socket.on("data", (chunk: Buffer) => {
+    buffered = Buffer.concat([buffered, chunk]);
+    while (buffered.length >= 9) {
+      const length = buffered.readUIntBE(0, 3);
+      if (buffered.length < 9 + length) break;
+      const type = buffered[3];
+      const stream = buffered.readUInt32BE(5) & 0x7fffffff;
+      if (type === 0x3) {
+        const code = buffered.readUInt32BE(9);
+        resets.set(stream, code);
+        waiting.get(stream)?.(code);
+      }
+      buffered = buffered.subarray(9 + length);
+    }
+  });
+  socket.on("error", () => {});
+  return {
+    resets,
+    headers: (stream: number, path: string) =>
+      frame(
+        0x1,
+        0x4, // END_HEADERS; the stream stays open
+        stream,
+        Buffer.concat([
+          literal(":method", "POST"),
+          literal(":scheme", "http"),
+          literal(":path", path),
+          literal(":authority", url.host),
+          literal("content-type", "application/grpc"),
+          literal("te", "trailers"),
+        ]),
+      ),
+    reset: (stream: number) =>
+      new Promise<number>((resolve) => {
+        const known = resets.get(stream);
+        if (known !== undefined) resolve(known);
+        else waiting.set(stream, resolve);
+      }),
+    close: () => socket.destroy(),
+  };
+}
+
+describe("stream limits", () => {
+  it("watchers per account: the limit-th slot is granted, the next is RESOURCE_EXHAUSTED; leaving frees one", () => {
+    const slots = createAccountSlots(2, "Watch streams", "--max-watchers-per-account");
+    const leave = slots.enter("a");
+    slots.enter("a");
+    expect(() => slots.enter("a")).toThrow(
+      /already has 2 Watch streams open on this server, the limit \(--max-watchers-per-account\) is 2/,
+    );
+    expect(() => slots.enter("b")).not.toThrow();
+    leave();
+    leave();
+    expect(slots.used("a")).toBe(1);
+    expect(() => slots.enter("a")).not.toThrow();
+  });
+
+  it("leases per KeepAlive stream: a repeated key does not count twice", () => {
+    const leases = createStreamLeases(2);
+    leases.add("k1");
+    leases.add("k1");
+    leases.add("k2");
+    expect(() => leases.add("k3")).toThrow(
+      /carries 2 leases, the limit \(--max-leases-per-stream\) is 2/,
+    );
+    leases.delete("k1");
+    expect(() => leases.add("k3")).not.toThrow();
+    expect(leases.size).toBe(2);
+  });
+});
