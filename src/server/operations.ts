@@ -19,6 +19,7 @@ import type { LeaseStore } from "./lease-store.js";
 import type { Logger } from "./logger.js";
 import { withMetrics } from "./metered-store.js";
 import { createMetrics, type LeaseMetrics, serveMetrics } from "./metrics.js";
+import { unaryParseErrorsAsInvalidArgument } from "./parse-errors.js";
 import { withLeaseQuota } from "./quota.js";
 import { reflectionRoutes } from "./reflection.js";
 import { createRetention, type Maintenance, startMaintenance } from "./retention.js";
@@ -38,7 +39,7 @@ export interface Operations {
   interceptors: Interceptor[];
   /** The lease store with the quota and metrics around it. */
   wrapStore(store: LeaseStore): LeaseStore;
-  /** Health and reflection, added after the lease routes. */
+  /** Health and reflection, added after the lease routes; then fixes every unary handler's parse errors. */
   routes(router: ConnectRouter): void;
   /** Serves /metrics, else hands the request to `next`. */
   http(next: NodeHandler): NodeHandler;
@@ -125,6 +126,7 @@ export async function startOperations(
         ]),
       );
       reflectionRoutes(router, () => [...new Set(router.handlers.map((h) => h.service))]);
+      unaryParseErrorsAsInvalidArgument(router);
     },
     http: (next) => (req, res) => {
       if (!serveMetrics(metrics, req, res)) next(req, res);

@@ -9,6 +9,7 @@ import { codeToString } from "@connectrpc/connect/protocol-connect";
 import { principalKey } from "./auth-interceptor.js";
 import type { Logger } from "./logger.js";
 import type { LeaseMetrics } from "./metrics.js";
+import { asInvalidArgument } from "./parse-errors.js";
 
 /** The request id of the current call (from x-request-id, else generated). */
 export const requestIdKey = createContextKey("", { description: "leasehold request id" });
@@ -51,7 +52,9 @@ export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor 
       else logger.info(fields, "rpc");
     };
     const fail = (error: unknown): ConnectError => {
-      const ce = ConnectError.from(error);
+      // A streaming call parses its requests in here: a body that is not
+      // protobuf is the client's mistake.
+      const ce = ConnectError.from(asInvalidArgument(error));
       ce.metadata.set(requestIdHeader, requestId);
       record(ce.code, ce);
       return ce;

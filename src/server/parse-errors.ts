@@ -1,0 +1,125 @@
+// A request body that is not valid protobuf is the client's mistake, so it
+// gets INVALID_ARGUMENT (never INTERNAL for anything a client sent). connect-es
+// answers it with INTERNAL ("parse binary: …") because clients and servers
+// share that parser, and for a client a bad response is the server's fault.
+//
+// Streaming calls parse their input inside the interceptors, where
+// `asInvalidArgument` maps the error. A unary call parses it before any
+// interceptor runs, so the router's handlers are wrapped and that one error
+// is rewritten in each protocol's encoding: the gRPC trailer, the gRPC-Web
+// trailer frame, the Connect unary JSON body. Nothing else is touched.
+
+import { Code, ConnectError, type ConnectRouter } from "@connectrpc/connect";
+import type {
+  UniversalHandler,
+  UniversalServerRequest,
+  UniversalServerResponse,
+} from "@connectrpc/connect/protocol";
+
+const marker = "parse binary:";
+
+/** The error to answer for `error`: a request parse failure becomes INVALID_ARGUMENT. */
+export function asInvalidArgument(error: unknown): unknown {
+  if (
+    error instanceof ConnectError &&
+    error.code === Code.Internal &&
+    error.rawMessage.startsWith(marker)
+  ) {
+    return new ConnectError(`request message: ${error.rawMessage}`, Code.InvalidArgument);
+  }
+  return error;
+}
+
+/** Wraps every unary handler registered on `router` so far. */
+export function unaryParseErrorsAsInvalidArgument(router: ConnectRouter): void {
+  router.handlers.forEach((handler, i) => {
+    if (handler.method.methodKind !== "unary") return;
+    const wrapped = async (req: UniversalServerRequest) => rewrite(await handler(req));
+    router.handlers[i] = Object.assign(wrapped, handler) as UniversalHandler;
+  });
+}
+
+async function rewrite(res: UniversalServerResponse): Promise<UniversalServerResponse> {
+  const type = res.header?.get("content-type") ?? "";
+  if (type.startsWith("application/grpc-web")) return rewriteGrpcWeb(res);
+  if (type.startsWith("application/grpc")) {
+    // The parse failed before any output, so the trailer is already final.
+    for (const h of [res.trailer, res.header]) {
+      if (h?.get("grpc-status") === "13" && grpcMessage(h).startsWith(marker)) {
+        h.set("grpc-status", String(Code.InvalidArgument));
+        h.set("grpc-message", encodeURIComponent(`request message: ${grpcMessage(h)}`));
+      }
+    }
+    return res;
+  }
+  if (res.status === 500 && type.startsWith("application/json") && res.body) {
+    const chunks: Uint8Array[] = [];
+    for await (const chunk of res.body as AsyncIterable<Uint8Array>) chunks.push(chunk);
+    const bytes = Buffer.concat(chunks);
+    try {
+      const error = JSON.parse(bytes.toString("utf8")) as { code?: string; message?: string };
+      if (error.code === "internal" && error.message?.startsWith(marker)) {
+        const body = Buffer.from(
+          JSON.stringify({
+            code: "invalid_argument",
+            message: `request message: ${error.message}`,
+          }),
+        );
+        res.header?.set("content-length", String(body.byteLength));
+        return { ...res, status: 400, body: once(body) };
+      }
+    } catch {
+      // Not a JSON error body (e.g. compressed): leave it as it was.
+    }
+    return { ...res, body: once(bytes) };
+  }
+  return res;
+}
+
+// gRPC-Web sends the status in a final frame (flag 0x80) of the body.
+function rewriteGrpcWeb(res: UniversalServerResponse): UniversalServerResponse {
+  const body = res.body as AsyncIterable<Uint8Array> | undefined;
+  if (!body) return res;
+  async function* frames() {
+    for await (const chunk of body as AsyncIterable<Uint8Array>) {
+      if (chunk.length >= 5 && chunk[0] === 0x80) {
+        const text = Buffer.from(chunk.subarray(5)).toString("latin1");
+        const status = /grpc-status: ?13\r\n/i.test(text);
+        const message = /grpc-message: ?([^\r]*)\r\n/i.exec(text)?.[1] ?? "";
+        if (status && safeDecode(message).startsWith(marker)) {
+          const fixed = text
+            .replace(/grpc-status: ?13\r\n/i, `grpc-status: ${Code.InvalidArgument}\r\n`)
+            .replace(
+              /grpc-message: ?[^\r]*\r\n/i,
+              `grpc-message: ${encodeURIComponent(`request message: ${safeDecode(message)}`)}\r\n`,
+            );
+          const data = Buffer.from(fixed, "latin1");
+          const frame = Buffer.alloc(5 + data.length);
+          frame[0] = 0x80;
+          frame.writeUInt32BE(data.length, 1);
+          data.copy(frame, 5);
+          yield new Uint8Array(frame);
+          continue;
+        }
+      }
+      yield chunk;
+    }
+  }
+  return { ...res, body: frames() };
+}
+
+function grpcMessage(h: Headers): string {
+  return safeDecode(h.get("grpc-message") ?? "");
+}
+
+function safeDecode(text: string): string {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
+}
+
+async function* once(bytes: Uint8Array) {
+  yield bytes;
+}
