@@ -4,6 +4,7 @@ import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
 import { startGuardedServer } from "../guarded/server.js";
 import { ConfigError, settingsHelp } from "../server/config.js";
 import { createLogger } from "../server/logger.js";
+import { untilStopSignal } from "./signals.js";
 
 export const guardedHelp = `Usage: leasehold guarded serve [flags]
 
@@ -59,14 +60,8 @@ export async function guarded(argv: string[]): Promise<number> {
   process.stderr.write(
     `Leasehold guarded store serving on ${server.url} (database ${server.databaseUrl}, fence mode ${config.fenceMode})\n`,
   );
-  await new Promise<void>((resolve) => {
-    const stop = (signal: string) => {
-      logger.info({ signal }, "shutting down");
-      resolve();
-    };
-    process.once("SIGINT", stop);
-    process.once("SIGTERM", stop);
-  });
+  const signal = await untilStopSignal();
+  logger.info({ signal }, "shutting down");
   await server.close();
   return 0;
 }

