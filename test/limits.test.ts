@@ -234,6 +234,47 @@ async function rawHttp2(url: URL) {
   };
 }
 
+describe("watchers per account over the wire", () => {
+  let narrow: RunningServer;
+  beforeAll(async () => {
+    narrow = await startTestServer(db.url, ["--max-watchers-per-account", "1"]);
+  });
+  afterAll(async () => {
+    await narrow?.close();
+  });
+
+  it("a second Watch of the same account is RESOURCE_EXHAUSTED; another account is not; ending the first frees the slot", async (ctx) => {
+    const c = grpcClient(narrow.url);
+    const open = (accountId: string) => {
+      const controller = new AbortController();
+      const stream = c.watch({ key: { accountId, sessionId: "" } }, { signal: controller.signal });
+      const it = stream[Symbol.asyncIterator]();
+      return { first: it.next(), stop: () => controller.abort() };
+    };
+    const a = open("watch-acct");
+    const first = await a.first.catch((e: unknown) => ConnectError.from(e));
+    if (first instanceof ConnectError && first.code === Code.Unimplemented) ctx.skip();
+    expect(first).not.toBeInstanceOf(ConnectError);
+    const b = open("watch-acct");
+    const refused = await failure(b.first);
+    expect(refused.code).toBe(Code.ResourceExhausted);
+    expect(refused.rawMessage).toMatch(/limit \(--max-watchers-per-account\) is 1/);
+    const other = open("watch-other");
+    await other.first;
+    other.stop();
+    a.stop();
+    // The server gives the slot back once it sees the stream end.
+    await expect
+      .poll(async () => {
+        const again = open("watch-acct");
+        const answer = await again.first.catch((e: unknown) => ConnectError.from(e));
+        again.stop();
+        return answer instanceof ConnectError ? Code[answer.code] : "served";
+      })
+      .toBe("served");
+  });
+});
+
 describe("stream limits", () => {
   it("watchers per account: the limit-th slot is granted, the next is RESOURCE_EXHAUSTED; leaving frees one", () => {
     const slots = createAccountSlots(2, "Watch streams", "--max-watchers-per-account");

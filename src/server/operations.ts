@@ -25,6 +25,8 @@ import { reflectionRoutes } from "./reflection.js";
 import { createRetention, type Maintenance, startMaintenance } from "./retention.js";
 import { rpcObserver } from "./rpc-observer.js";
 import { aclTableAuthorizer, ownAccountAuthorizer } from "./session-authorizer.js";
+import { createAccountSlots } from "./stream-limits.js";
+import { watchLimitInterceptor } from "./watch-limit.js";
 
 type NodeHandler = (
   req: http.IncomingMessage | http2.Http2ServerRequest,
@@ -97,6 +99,14 @@ export async function startOperations(
       adminScope: auth.adminScope,
       limits,
     }),
+    watchLimitInterceptor(
+      LeaseService.typeName,
+      createAccountSlots(
+        limits.maxWatchersPerAccount,
+        "Watch streams",
+        "--max-watchers-per-account",
+      ),
+    ),
   ];
 
   const maintenance = startMaintenance(
