@@ -71,6 +71,16 @@ export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor 
       record(undefined);
       return res;
     }
+    // A client that leaves, a deadline or a shutdown aborts the call, and the
+    // stream may never be finished: record it then, with the abort's code.
+    req.signal.addEventListener(
+      "abort",
+      () => {
+        const reason: unknown = req.signal.reason;
+        record(reason instanceof ConnectError ? reason.code : Code.Canceled);
+      },
+      { once: true },
+    );
     const source = res.message;
     async function* observed() {
       try {

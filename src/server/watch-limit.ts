@@ -20,6 +20,10 @@ export function watchLimitInterceptor(serviceName: string, slots: AccountSlots):
     } catch (error) {
       throw toConnectError(error);
     }
+    // The slot is given back when the call ends, whichever way: its signal
+    // aborts on a client that leaves, a deadline or a shutdown, even when
+    // nobody finishes the response stream.
+    req.signal.addEventListener("abort", leave, { once: true });
     let res: Awaited<ReturnType<typeof next>>;
     try {
       res = await next(req);
