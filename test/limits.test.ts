@@ -75,7 +75,7 @@ describe("per-account lease quota", () => {
     const refused = await failure(client.acquire({ key: key(quota), ttl: seconds(60) }));
     expect(refused.code).toBe(Code.ResourceExhausted);
     expect(refused.rawMessage).toMatch(
-      /holds 5 leases, its quota \(--max-leases-per-account\) is 5/,
+      /holds 5 leases, the most its quota \(--max-leases-per-account\) allows/,
     );
     // An idempotent retry of a held lease is not a new lease.
     const retry = await client.acquire({ key: key(0), runId: runs[0], ttl: seconds(60) });

@@ -6,10 +6,11 @@ import { classifyDatabaseError } from "./errors.js";
 
 export interface LeaseCounts {
   /**
-   * Valid leases of `accountId` on sessions other than `exceptSessionId`:
-   * a range scan of the primary key's account prefix.
+   * Valid leases of `accountId` on sessions other than `exceptSessionId`,
+   * counted up to `upTo`: a range scan of the primary key's account prefix
+   * that stops once `upTo` are found (tombstones in the range are read too).
    */
-  heldByAccount(accountId: string, exceptSessionId: string): Promise<number>;
+  heldByAccount(accountId: string, exceptSessionId: string, upTo: number): Promise<number>;
   /** Valid leases of every account (a scan of the table). */
   heldTotal(): Promise<number>;
 }
@@ -23,12 +24,15 @@ export function createLeaseCounts(sql: Sql): LeaseCounts {
     }
   };
   return {
-    heldByAccount: (accountId, exceptSessionId) =>
+    heldByAccount: (accountId, exceptSessionId, upTo) =>
       run(
         () => sql<{ n: number }[]>`
-          SELECT count(*)::int AS n FROM leases
-          WHERE account_id = ${accountId} AND session_id <> ${exceptSessionId}
-            AND expires_at > clock_timestamp()`,
+          SELECT count(*)::int AS n FROM (
+            SELECT 1 FROM leases
+            WHERE account_id = ${accountId} AND session_id <> ${exceptSessionId}
+              AND expires_at > clock_timestamp()
+            LIMIT ${upTo}
+          ) AS held`,
       ),
     heldTotal: () =>
       run(

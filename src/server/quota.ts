@@ -10,7 +10,10 @@
 // every acquire of an account to queue behind one lock, coupling sessions
 // that S8 keeps independent; and the acquire statement that S1–S6 rest on
 // stays unchanged. The count excludes the requested session, so an
-// idempotent retry or a takeover at the quota still succeeds.
+// idempotent retry or a takeover at the quota still succeeds. Its cost is
+// the account's rows in the primary key up to the quota-th valid one,
+// tombstones included: small for accounts with few sessions, and the reason
+// the quota can be turned off (0) for accounts that cycle through many.
 
 import { ResourceExhaustedError } from "./errors.js";
 import type { LeaseCounts } from "./lease-counts.js";
@@ -26,11 +29,15 @@ export function withLeaseQuota(
   return {
     ...store,
     acquire: async (input) => {
-      const held = await counts.heldByAccount(input.accountId, input.sessionId);
+      const held = await counts.heldByAccount(
+        input.accountId,
+        input.sessionId,
+        maxLeasesPerAccount,
+      );
       if (held >= maxLeasesPerAccount) {
         onReject();
         throw new ResourceExhaustedError(
-          `the account holds ${held} leases, its quota (--max-leases-per-account) is ${maxLeasesPerAccount}: release one first`,
+          `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
         );
       }
       return store.acquire(input);
