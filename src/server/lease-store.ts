@@ -24,9 +24,82 @@ export interface LeaseRecord {
   remainingUs: bigint;
 }
 
+/** The lease a grant replaced because it had run past its deadline. */
+export interface ExpiredLease {
+  runId: string;
+  fencingToken: bigint;
+  holder: string;
+  expiresAtUs: bigint;
+  /** Its 'expired' row in lease_events. */
+  eventId: bigint;
+}
+
 export type AcquireResult =
-  | { acquired: true; lease: LeaseRecord; retried: boolean }
+  | {
+      acquired: true;
+      lease: LeaseRecord;
+      retried: boolean;
+      /** The 'acquired' row in lease_events; 0n for an idempotent retry. */
+      eventId: bigint;
+      /** Set when this grant took over a lease that had expired unreleased. */
+      expired: ExpiredLease | undefined;
+    }
   | { acquired: false; current: LeaseRecord | undefined };
+
+/** A lease ended by release or revoke, with its row in lease_events. */
+export interface EndedLease extends LeaseRecord {
+  eventId: bigint;
+}
+
+export interface RenewItem extends SessionKey {
+  runId: string;
+  /** A new TTL; the lease keeps its TTL when undefined. */
+  ttlMs: number | undefined;
+  /** Also return the newest handoff request recorded for the renewed lease. */
+  lookupHandoff: boolean;
+}
+
+/** A handoff request recorded in lease_events for one grant. */
+export interface HandoffRecord {
+  requesterHolder: string;
+  reason: string;
+  atUs: bigint;
+  eventId: bigint;
+}
+
+export type RenewManyResult =
+  | { outcome: "renewed"; lease: LeaseRecord; handoff: HandoffRecord | undefined }
+  | { outcome: "lost"; cause: LossCause }
+  /** Still held, but its row was locked by another transaction: not decided. */
+  | { outcome: "busy" };
+
+/** One watch scope: a session, or every session of an account (sessionId ""). */
+export interface Scope {
+  accountId: string;
+  sessionId: string;
+}
+
+/** The stored row of a session, valid or not, read at `observedAtUs`. */
+export interface SessionRow extends LeaseRecord {
+  valid: boolean;
+  ended: "released" | "revoked" | null;
+  /** For an ended row: its 'released' or 'revoked' row in lease_events. */
+  endEventId: bigint | null;
+  endReason: string | null;
+}
+
+export interface ScopeReading {
+  rows: SessionRow[];
+  /** The database clock when the rows were read, microseconds since the epoch. */
+  observedAtUs: bigint;
+}
+
+export interface HandoffResult {
+  /** The valid lease that was asked to finish; undefined when nobody held it. */
+  lease: LeaseRecord | undefined;
+  eventId: bigint;
+  atUs: bigint;
+}
 
 export type RenewResult = { held: true; lease: LeaseRecord } | { held: false; cause: LossCause };
 
@@ -55,16 +128,67 @@ export interface LeaseStore {
   acquire(input: AcquireInput): Promise<AcquireResult>;
   /** Extends runId's valid lease (S4); otherwise names why it is not held. */
   renew(key: SessionKey, runId: string, ttlMs: number | undefined): Promise<RenewResult>;
-  /** Ends runId's valid lease, keeping a tombstone (S5). False when not held. */
-  release(key: SessionKey, runId: string): Promise<LeaseRecord | undefined>;
+  /**
+   * Renews many leases in one statement (the KeepAlive batch). Results are in
+   * input order. With `wait` false, rows locked by other transactions are
+   * skipped and answered `busy` instead of holding up the whole batch (S8).
+   */
+  renewMany(items: readonly RenewItem[], options: { wait: boolean }): Promise<RenewManyResult[]>;
+  /** Ends runId's valid lease, keeping a tombstone (S5). Undefined when not held. */
+  release(key: SessionKey, runId: string): Promise<EndedLease | undefined>;
   /** Ends the valid lease of any run, audited with the reason. */
-  revoke(key: SessionKey, reason: string): Promise<LeaseRecord | undefined>;
+  revoke(key: SessionKey, reason: string): Promise<EndedLease | undefined>;
+  /** Records a handoff request for the valid lease, which it leaves untouched (S3). */
+  requestHandoff(key: SessionKey, requesterHolder: string, reason: string): Promise<HandoffResult>;
+  /** Every stored row (valid or tombstone) of the given scopes, in one reading. */
+  readScopes(scopes: readonly Scope[]): Promise<ScopeReading>;
   /** The valid lease of the key, if any. */
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */
   list(accountId: string, limit: number, after: string | undefined): Promise<ListPage>;
   /** Whether `token` belongs to the key's valid lease, and the highest token granted. */
   checkFence(key: SessionKey, token: bigint): Promise<FenceState>;
+}
+
+// postgres.js infers a boolean array as a scalar boolean; the element type
+// is named so that it sends bool[].
+const boolOid = 16;
+
+interface RenewManyRow extends LeaseRecord {
+  idx: number;
+  renewed: boolean;
+  currentExists: boolean;
+  currentRunId: string | null;
+  currentEnded: string | null;
+  currentValid: boolean;
+  handoffRequester: string | null;
+  handoffReason: string | null;
+  handoffAtUs: bigint | null;
+  handoffEventId: bigint | null;
+}
+
+function pickLease(row: LeaseRecord): LeaseRecord {
+  return {
+    accountId: row.accountId,
+    sessionId: row.sessionId,
+    runId: row.runId,
+    fencingToken: row.fencingToken,
+    holder: row.holder,
+    ttlMs: row.ttlMs,
+    acquiredAtUs: row.acquiredAtUs,
+    expiresAtUs: row.expiresAtUs,
+    remainingUs: row.remainingUs,
+  };
+}
+
+interface AcquireExtras {
+  retried: boolean;
+  eventId: bigint;
+  expiredEventId: bigint | null;
+  expiredRunId: string | null;
+  expiredFencingToken: bigint | null;
+  expiredHolder: string | null;
+  expiredExpiresAtUs: bigint | null;
 }
 
 /** Creates the store over a postgres.js pool built by `openDatabase`. */
@@ -123,10 +247,177 @@ export function createLeaseStore(sql: Sql): LeaseStore {
         return { held: false, cause: await lossCause(key, runId) };
       }),
 
+    renewMany: (items, options) =>
+      run(async () => {
+        if (items.length === 0) return [];
+        // Renewals of every KeepAlive stream of this instance, one statement
+        // per tick (DESIGN §3), so throughput is not bound by commit latency.
+        // S4 exactly as in `renew`: key + run_id + not expired, at one clock
+        // reading. Rows are locked in key order, and with SKIP LOCKED a row
+        // held by another transaction (a stuck one, S8) is left out instead
+        // of stalling the batch; the caller retries it alone, with waiting.
+        const rows = await sql<RenewManyRow[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          wanted AS MATERIALIZED (
+            SELECT * FROM unnest(
+              ${items.map((_, i) => i)}::int[],
+              ${items.map((i) => i.accountId)}::text[],
+              ${items.map((i) => i.sessionId)}::text[],
+              ${items.map((i) => i.runId)}::uuid[],
+              ${items.map((i) => (i.ttlMs === undefined ? null : i.ttlMs))}::bigint[],
+              ${sql.array(
+                items.map((i) => i.lookupHandoff),
+                boolOid,
+              )}::bool[]
+            ) AS w(idx, account_id, session_id, run_id, ttl_ms, lookup_handoff)
+          ),
+          locked AS MATERIALIZED (
+            SELECT held.account_id, held.session_id, w.idx
+            FROM wanted w
+            JOIN leases held ON held.account_id = w.account_id
+              AND held.session_id = w.session_id AND held.run_id = w.run_id
+            CROSS JOIN lease_clock
+            WHERE held.expires_at > lease_clock.observed_at
+            ORDER BY held.account_id, held.session_id
+            FOR UPDATE OF held ${options.wait ? sql`` : sql`SKIP LOCKED`}
+          ),
+          renewed AS (
+            UPDATE leases AS held SET
+              ttl = coalesce(w.ttl_ms * interval '1 millisecond', held.ttl),
+              expires_at = lease_clock.observed_at
+                + coalesce(w.ttl_ms * interval '1 millisecond', held.ttl)
+            FROM locked k JOIN wanted w ON w.idx = k.idx, lease_clock
+            WHERE held.account_id = k.account_id AND held.session_id = k.session_id
+              AND held.run_id = w.run_id AND held.expires_at > lease_clock.observed_at
+            RETURNING k.idx, held.*
+          )
+          SELECT w.idx, r.idx IS NOT NULL AS renewed,
+                 ${leaseColumns("r")},
+                 cur.account_id IS NOT NULL AS current_exists,
+                 cur.run_id AS current_run_id,
+                 cur.ended AS current_ended,
+                 coalesce(cur.expires_at > lease_clock.observed_at, false) AS current_valid,
+                 h.holder AS handoff_requester, h.reason AS handoff_reason,
+                 h.at_us AS handoff_at_us, h.id AS handoff_event_id
+          FROM wanted w
+          CROSS JOIN lease_clock
+          LEFT JOIN renewed r ON r.idx = w.idx
+          -- Read at the statement's snapshot: explains a renewal that did
+          -- not happen; it decides nothing.
+          LEFT JOIN leases cur ON r.idx IS NULL
+            AND cur.account_id = w.account_id AND cur.session_id = w.session_id
+          LEFT JOIN LATERAL (
+            SELECT e.id, e.holder, e.reason, (extract(epoch FROM e.at) * 1000000)::bigint AS at_us
+            FROM lease_events e
+            WHERE w.lookup_handoff AND r.idx IS NOT NULL
+              AND e.account_id = w.account_id AND e.session_id = w.session_id
+              AND e.type = 'handoff_requested' AND e.fencing_token = r.fencing_token
+            ORDER BY e.id DESC
+            LIMIT 1
+          ) h ON true
+          ORDER BY w.idx`;
+        return rows.map((row, i): RenewManyResult => {
+          const item = items[i];
+          if (row.renewed) {
+            const handoff =
+              row.handoffEventId === null
+                ? undefined
+                : {
+                    requesterHolder: row.handoffRequester ?? "",
+                    reason: row.handoffReason ?? "",
+                    atUs: row.handoffAtUs ?? 0n,
+                    eventId: row.handoffEventId,
+                  };
+            return { outcome: "renewed", lease: pickLease(row), handoff };
+          }
+          if (!row.currentExists) return { outcome: "lost", cause: "not_found" };
+          if (row.currentRunId !== item?.runId) return { outcome: "lost", cause: "taken_over" };
+          if (row.currentEnded === "released") return { outcome: "lost", cause: "released" };
+          if (row.currentEnded === "revoked") return { outcome: "lost", cause: "revoked" };
+          if (!row.currentValid) return { outcome: "lost", cause: "expired" };
+          return { outcome: "busy" };
+        });
+      }),
+
+    requestHandoff: (key, requesterHolder, reason) =>
+      run(async () => {
+        // S3: only reads the lease and appends to the audit trail; a handoff
+        // request never ends or changes a lease. In lease_events the row's
+        // `holder` is the requester (who acted); the asked lease's holder is
+        // on its 'acquired' row, found by fencing_token.
+        const rows = await sql<(LeaseRecord & { eventId: bigint; atUs: bigint })[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          asked AS (
+            SELECT leases.* FROM leases, lease_clock
+            WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
+              AND leases.expires_at > lease_clock.observed_at
+          ),
+          recorded AS (
+            INSERT INTO lease_events
+              (account_id, session_id, type, run_id, fencing_token, holder, reason, at)
+            SELECT account_id, session_id, 'handoff_requested', run_id, fencing_token,
+                   ${requesterHolder}, ${reason}, observed_at
+            FROM asked, lease_clock
+            RETURNING id, at
+          )
+          SELECT ${leaseColumns("asked")}, recorded.id AS event_id,
+                 (extract(epoch FROM recorded.at) * 1000000)::bigint AS at_us
+          FROM asked, recorded, lease_clock`;
+        const row = rows[0];
+        if (!row) return { lease: undefined, eventId: 0n, atUs: 0n };
+        const { eventId, atUs, ...lease } = row;
+        return { lease, eventId, atUs };
+      }),
+
+    readScopes: (scopes) =>
+      run(async () => {
+        const keys = scopes.filter((s) => s.sessionId !== "");
+        const accounts = [
+          ...new Set(scopes.filter((s) => s.sessionId === "").map((s) => s.accountId)),
+        ];
+        // Exact keys and whole accounts are matched separately so that a
+        // key scope reads one index entry, not its account's whole range.
+        const rows = await sql<(Partial<SessionRow> & { observedAtUs: bigint })[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          matched AS (
+            SELECT l.* FROM leases l
+            JOIN unnest(${keys.map((k) => k.accountId)}::text[],
+                        ${keys.map((k) => k.sessionId)}::text[]) AS w(account_id, session_id)
+              ON l.account_id = w.account_id AND l.session_id = w.session_id
+            UNION
+            SELECT l.* FROM leases l
+            WHERE l.account_id = ANY(${accounts}::text[])
+          )
+          SELECT (extract(epoch FROM lease_clock.observed_at) * 1000000)::bigint AS observed_at_us,
+                 found.*
+          FROM lease_clock
+          LEFT JOIN LATERAL (
+            SELECT ${leaseColumns("l")},
+                   l.expires_at > lease_clock.observed_at AS valid,
+                   l.ended, ev.id AS end_event_id, ev.reason AS end_reason
+            FROM matched l
+            LEFT JOIN LATERAL (
+              SELECT e.id, e.reason FROM lease_events e
+              WHERE l.ended IS NOT NULL AND l.expires_at <= lease_clock.observed_at
+                AND e.account_id = l.account_id AND e.session_id = l.session_id
+                AND e.type = l.ended AND e.fencing_token = l.fencing_token
+              ORDER BY e.id DESC
+              LIMIT 1
+            ) ev ON true
+          ) found ON true
+          ORDER BY found.account_id, found.session_id`;
+        const observedAtUs = rows[0]?.observedAtUs ?? 0n;
+        const found: SessionRow[] = [];
+        for (const { observedAtUs: _, ...row } of rows) {
+          if (row.accountId !== undefined && row.accountId !== null) found.push(row as SessionRow);
+        }
+        return { rows: found, observedAtUs };
+      }),
+
     release: (key, runId) =>
       run(async () => {
         // S5: key + run_id + still valid. Tombstone, not DELETE (S6).
-        const rows = await sql<LeaseRecord[]>`
+        const rows = await sql<EndedLease[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
           ended AS (
             -- S1, S6: a statement that waited on the row lock may find a lease
@@ -143,14 +434,15 @@ export function createLeaseStore(sql: Sql): LeaseStore {
             INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
             SELECT account_id, session_id, 'released', run_id, fencing_token, holder, expires_at
             FROM ended
+            RETURNING id
           )
-          SELECT ${leaseColumns("ended")} FROM ended, lease_clock`;
+          SELECT ${leaseColumns("ended")}, audit.id AS event_id FROM ended, audit, lease_clock`;
         return rows[0];
       }),
 
     revoke: (key, reason) =>
       run(async () => {
-        const rows = await sql<LeaseRecord[]>`
+        const rows = await sql<EndedLease[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
           ended AS (
             -- S1, S6: a statement that waited on the row lock may find a lease
@@ -169,8 +461,9 @@ export function createLeaseStore(sql: Sql): LeaseStore {
             SELECT account_id, session_id, 'revoked', run_id, fencing_token, holder, ${reason},
                    expires_at
             FROM ended
+            RETURNING id
           )
-          SELECT ${leaseColumns("ended")} FROM ended, lease_clock`;
+          SELECT ${leaseColumns("ended")}, audit.id AS event_id FROM ended, audit, lease_clock`;
         return rows[0];
       }),
 
@@ -219,7 +512,7 @@ export function createLeaseStore(sql: Sql): LeaseStore {
     // S9: observed_at is read once; a statement that waited on the row
     //     lock decides with the earlier instant and counts the deadline
     //     from it: both err on the safe side.
-    const rows = await sql<(LeaseRecord & { retried: boolean })[]>`
+    const rows = await sql<(LeaseRecord & AcquireExtras)[]>`
         WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
         granted AS (
           INSERT INTO leases AS held
@@ -266,14 +559,46 @@ export function createLeaseStore(sql: Sql): LeaseStore {
                  g.acquired_at
           FROM granted g
           WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+          RETURNING id, type
         )
         SELECT ${leaseColumns("granted")},
-               granted.acquired_at < lease_clock.observed_at AS retried
+               granted.acquired_at < lease_clock.observed_at AS retried,
+               coalesce((SELECT id FROM audit WHERE type = 'acquired'), 0) AS event_id,
+               (SELECT id FROM audit WHERE type = 'expired') AS expired_event_id,
+               granted.previous_run_id AS expired_run_id,
+               granted.previous_fencing_token AS expired_fencing_token,
+               granted.previous_holder AS expired_holder,
+               (extract(epoch FROM granted.previous_expires_at) * 1000000)::bigint
+                 AS expired_expires_at_us
         FROM granted, lease_clock`;
     const granted = rows[0];
     if (granted) {
-      const { retried, ...lease } = granted;
-      return { acquired: true, lease, retried };
+      const {
+        retried,
+        eventId,
+        expiredEventId,
+        expiredRunId,
+        expiredFencingToken,
+        expiredHolder,
+        expiredExpiresAtUs,
+        ...lease
+      } = granted;
+      // The audit wrote an 'expired' row exactly when this grant replaced an
+      // unreleased lease past its deadline; watchers get the same event.
+      const expired =
+        expiredEventId !== null &&
+        expiredRunId !== null &&
+        expiredFencingToken !== null &&
+        expiredExpiresAtUs !== null
+          ? {
+              runId: expiredRunId,
+              fencingToken: expiredFencingToken,
+              holder: expiredHolder ?? "",
+              expiresAtUs: expiredExpiresAtUs,
+              eventId: expiredEventId,
+            }
+          : undefined;
+      return { acquired: true, lease, retried, eventId, expired };
     }
     return { acquired: false, current: await getValid(input) };
   }
