@@ -15,6 +15,7 @@ import {
   type TlsConfig,
   tlsSettings,
 } from "./ops-config.js";
+import { parseStreamTuning, type StreamTuning, streamSettings } from "./stream-config.js";
 
 /** What every Leasehold server process needs: a database and a port. */
 export interface HostConfig {
@@ -35,6 +36,7 @@ export interface HostConfig {
 export interface ServerConfig extends HostConfig {
   limits: Limits;
   ops: OpsConfig;
+  streams: StreamTuning;
 }
 
 export class ConfigError extends Error {
@@ -93,6 +95,7 @@ export const serverSettings = {
   "min-ttl": { env: "LEASEHOLD_MIN_TTL", help: "shortest lease TTL (default 1s)" },
   "max-ttl": { env: "LEASEHOLD_MAX_TTL", help: "longest lease TTL (default 1h)" },
   "max-wait": { env: "LEASEHOLD_MAX_WAIT", help: "longest Acquire wait (default 5m)" },
+  ...streamSettings,
   ...opsSettings,
 } as const satisfies Record<string, Setting>;
 
@@ -180,7 +183,12 @@ export function parseServerConfig(
   }
   const ops = parseOpsConfig(read, host.statementTimeoutMs);
   checkExposure(host.listenHost, ops.ops.auth);
-  return { ...host, limits: { ...limits, ...ops.limits }, ops: ops.ops };
+  return {
+    ...host,
+    limits: { ...limits, ...ops.limits },
+    ops: ops.ops,
+    streams: parseStreamTuning(read),
+  };
 }
 
 /** The flag table as help text: flag, environment variable, description. */

@@ -8,7 +8,17 @@ import {
   type Timestamp,
   TimestampSchema,
 } from "@bufbuild/protobuf/wkt";
-import { type Lease, LeaseSchema, SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
+import {
+  type Event,
+  EventSchema,
+  EventType,
+  type Lease,
+  LeaseSchema,
+  LossReason,
+  SessionKeySchema,
+} from "../gen/leasehold/v1/lease_pb.js";
+import type { LossCause } from "./errors.js";
+import type { ChangeType, LeaseChange } from "./lease-change.js";
 import type { LeaseRecord } from "./lease-store.js";
 
 export function timestampFromMicros(us: bigint): Timestamp {
@@ -44,4 +54,43 @@ export function leaseToProto(r: LeaseRecord): Lease {
     expiresAt: timestampFromMicros(r.expiresAtUs),
     remaining: durationFromMicros(r.remainingUs),
   });
+}
+
+const eventTypes: Record<ChangeType, EventType> = {
+  acquired: EventType.ACQUIRED,
+  released: EventType.RELEASED,
+  expired: EventType.EXPIRED,
+  revoked: EventType.REVOKED,
+  handoff_requested: EventType.HANDOFF_REQUESTED,
+  renewed: EventType.RENEWED,
+};
+
+export function changeToEvent(c: LeaseChange): Event {
+  return create(EventSchema, {
+    type: eventTypes[c.type],
+    key: create(SessionKeySchema, { accountId: c.accountId, sessionId: c.sessionId }),
+    runId: c.runId,
+    fencingToken: c.fencingToken,
+    holder: c.holder,
+    reason: c.reason,
+    at: timestampFromMicros(c.atUs),
+    lease: c.lease ? leaseToProto(c.lease) : undefined,
+    requesterHolder: c.requesterHolder,
+    id: c.eventId,
+  });
+}
+
+export function lossReasonToProto(cause: LossCause): LossReason {
+  switch (cause) {
+    case "expired":
+      return LossReason.EXPIRED;
+    case "released":
+      return LossReason.RELEASED;
+    case "taken_over":
+      return LossReason.TAKEN_OVER;
+    case "revoked":
+      return LossReason.REVOKED;
+    case "not_found":
+      return LossReason.NOT_FOUND;
+  }
 }

@@ -27,11 +27,18 @@ import {
   checkTtl,
   checkWait,
 } from "./validation.js";
+import type { Waiters } from "./waiters.js";
 
 export interface LeaseServiceDeps {
   store: LeaseStore;
   limits: Limits;
+  /** Serves Acquire with `wait`; without it, Acquire answers at once. */
+  waiters?: Waiters;
 }
+
+// A waiting Acquire answers this long before the call's deadline, so that
+// the answer (acquired or not) reaches the client in time to be used.
+const deadlineMarginMs = 100;
 
 type Impl = ServiceImpl<typeof LeaseService>;
 
@@ -54,13 +61,22 @@ export function createLeaseService(
 ): Pick<Impl, "acquire" | "renew" | "release" | "get" | "list"> {
   const { store, limits } = deps;
   return {
-    acquire: mapErrors(async (req) => {
+    acquire: mapErrors(async (req, ctx) => {
       const key = checkKey("key", req.key, limits);
       const ttlMs = checkTtl("ttl", req.ttl, limits);
-      checkWait("wait", req.wait, limits);
+      const waitMs = checkWait("wait", req.wait, limits);
       const runId = req.runId === "" ? randomUUID() : checkRunId("run_id", req.runId);
       const holder = checkText("holder", req.holder, limits.maxHolderLength);
-      const result = await store.acquire({ ...key, runId, ttlMs, holder });
+      const input = { ...key, runId, ttlMs, holder };
+      const timeoutMs = ctx.timeoutMs();
+      const waitFor =
+        timeoutMs === undefined
+          ? waitMs
+          : Math.min(waitMs, timeoutMs - Math.min(deadlineMarginMs, timeoutMs / 10));
+      const result =
+        deps.waiters && waitFor > 0
+          ? await deps.waiters.acquire(input, waitFor, ctx.signal)
+          : await store.acquire(input);
       return create(AcquireResponseSchema, {
         acquired: result.acquired,
         lease: result.acquired ? leaseToProto(result.lease) : undefined,

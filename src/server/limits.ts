@@ -20,6 +20,10 @@ export interface Limits {
   maxWatchersPerAccount: number;
   /** Valid leases one account may hold at once; 0 means no quota. */
   maxLeasesPerAccount: number;
+  /** Answers a KeepAlive stream may hold for a client that does not read. */
+  maxStreamBacklog: number;
+  /** Changes buffered per watcher before it gets a fresh snapshot instead. */
+  watchBufferLength: number;
 }
 
 export const defaultLimits: Limits = {
@@ -36,6 +40,8 @@ export const defaultLimits: Limits = {
   maxLeasesPerStream: 1_000,
   maxWatchersPerAccount: 100,
   maxLeasesPerAccount: 10_000,
+  maxStreamBacklog: 4_096,
+  watchBufferLength: 1_024,
 };
 
 /** Formats milliseconds the way durations are written in flags: 1s, 250ms, 1h. */

@@ -32,6 +32,15 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
         else metrics.lost(result.cause);
         return result;
       }),
+    renewMany: (items, options) =>
+      inFlight(async () => {
+        const results = await store.renewMany(items, options);
+        for (const r of results) {
+          if (r.outcome === "renewed") metrics.renewals.inc();
+          else if (r.outcome === "lost") metrics.lost(r.cause);
+        }
+        return results;
+      }),
     release: (key, runId) =>
       inFlight(async () => {
         const ended = await store.release(key, runId);
