@@ -159,6 +159,10 @@ export function createWaiters(options: WaitersOptions): Waiters {
         }
         q.waiters.push(w);
         stats.waiting += 1;
+        logger.debug(
+          { accountId: input.accountId, sessionId: input.sessionId, waitMs },
+          "acquire waiting",
+        );
         if (first.current) tracker.learn(first.current);
         else trigger(k);
 

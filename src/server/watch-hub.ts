@@ -53,12 +53,67 @@ export interface WatchHubOptions {
 interface KeyState {
   token: bigint;
   ended: boolean;
+  /** Newest handoff request shown for this grant (audit id), to drop repeats. */
+  handoffId?: bigint;
+}
+
+/**
+ * The per-key order guard described at the top of this file: remembers the
+ * newest grant shown per key and whether it ended, and refuses what is older.
+ */
+export class OrderGuard {
+  private state = new Map<string, KeyState>();
+
+  /** Starts over from a reading of every stored row in scope. */
+  seed(
+    rows: readonly { accountId: string; sessionId: string; fencingToken: bigint; valid: boolean }[],
+  ) {
+    this.state = new Map(
+      rows.map((r) => [keyString(r), { token: r.fencingToken, ended: !r.valid }]),
+    );
+  }
+
+  /** True when the change is news to the watcher (and records it). */
+  accept(change: LeaseChange): boolean {
+    const k = keyString(change);
+    const known = this.state.get(k);
+    const t = change.fencingToken;
+    const newer = !known || t > known.token;
+    const sameLive = known !== undefined && t === known.token && !known.ended;
+    if (change.type === "acquired") {
+      if (!newer) return false;
+      this.state.set(k, { token: t, ended: false });
+      return true;
+    }
+    if (endsLease(change.type)) {
+      if (!newer && !sameLive) return false;
+      this.state.set(k, { token: t, ended: true });
+      return true;
+    }
+    // renewed, handoff_requested: about a live grant.
+    if (!newer && !sameLive) return false;
+    const state = newer ? { token: t, ended: false } : (known as KeyState);
+    if (change.type === "handoff_requested") {
+      if (state.handoffId !== undefined && change.eventId <= state.handoffId) return false;
+      state.handoffId = change.eventId;
+    }
+    this.state.set(k, state);
+    return true;
+  }
+
+  /** Whether what was shown accounts for a row read earlier. */
+  covers(row: { accountId: string; sessionId: string; fencingToken: bigint; valid: boolean }) {
+    const known = this.state.get(keyString(row));
+    if (!known) return false;
+    if (known.token !== row.fencingToken) return known.token > row.fencingToken;
+    return row.valid || known.ended;
+  }
 }
 
 class WatcherImpl implements Watcher {
   queue: LeaseChange[] = [];
   needsSnapshot = true;
-  state = new Map<string, KeyState>();
+  readonly guard = new OrderGuard();
   private wake: (() => void) | undefined;
   closed = false;
 
@@ -115,9 +170,7 @@ class WatcherImpl implements Watcher {
         this.needsSnapshot = false;
         this.queue = [];
         const reading = await this.hub.read(this.scope);
-        this.state = new Map(
-          reading.rows.map((r) => [keyString(r), { token: r.fencingToken, ended: !r.valid }]),
-        );
+        this.guard.seed(reading.rows);
         this.hub.resnapshotted();
         yield {
           kind: "snapshot",
@@ -128,42 +181,11 @@ class WatcherImpl implements Watcher {
       }
       const change = this.queue.shift();
       if (change) {
-        if (this.accept(change)) yield { kind: "change", change };
+        if (this.guard.accept(change)) yield { kind: "change", change };
         continue;
       }
       await Promise.race([new Promise<void>((resolve) => (this.wake = resolve)), aborted]);
     }
-  }
-
-  /** The per-key order guard described at the top of this file. */
-  accept(change: LeaseChange): boolean {
-    const k = keyString(change);
-    const known = this.state.get(k);
-    const t = change.fencingToken;
-    const newer = !known || t > known.token;
-    const sameLive = known !== undefined && t === known.token && !known.ended;
-    if (change.type === "acquired") {
-      if (!newer) return false;
-      this.state.set(k, { token: t, ended: false });
-      return true;
-    }
-    if (endsLease(change.type)) {
-      if (!newer && !sameLive) return false;
-      this.state.set(k, { token: t, ended: true });
-      return true;
-    }
-    // renewed, handoff_requested: about a live grant.
-    if (!newer && !sameLive) return false;
-    if (newer) this.state.set(k, { token: t, ended: false });
-    return true;
-  }
-
-  /** Whether what this watcher has shown accounts for a row read earlier. */
-  covers(row: SessionRow): boolean {
-    const known = this.state.get(keyString(row));
-    if (!known) return false;
-    if (known.token !== row.fencingToken) return known.token > row.fencingToken;
-    return row.valid || known.ended;
   }
 
   close() {
@@ -258,7 +280,7 @@ export function createWatchHub(options: WatchHubOptions): WatchHub {
           r.accountId === w.scope.accountId &&
           (w.scope.sessionId === "" || r.sessionId === w.scope.sessionId),
       );
-      if (inScope.some((r) => !w.covers(r))) {
+      if (inScope.some((r) => !w.guard.covers(r))) {
         logger.info({ scope: w.scope }, "watch re-check found a missed change; sending a snapshot");
         w.resnapshot();
       }

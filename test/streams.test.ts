@@ -1,0 +1,377 @@
+// KeepAlive, Watch, waiting Acquire and RequestHandoff on one server in this
+// process (so the tests can read its counters and use its admin store), over
+// real sockets with the Connect client's gRPC transport.
+
+import { randomUUID } from "node:crypto";
+import { Code, ConnectError } from "@connectrpc/connect";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { EventType, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
+import { defaultLimits } from "../src/server/limits.js";
+import type { RunningServer } from "../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey, storedState, untilExpired } from "./support/leases.js";
+import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
+import { answerFor, ms, openKeepAlive, openWatch } from "./support/streams.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+let client: LeaseClient;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url, [], {
+    limits: { ...defaultLimits, minTtlMs: 50, watchBufferLength: 8 },
+  });
+  client = grpcClient(server.url);
+});
+afterAll(async () => {
+  await server?.close();
+  await db?.close();
+});
+
+const lossOf = (m: { result: { case?: string; value?: unknown } }) =>
+  m.result.case === "lost" ? (m.result.value as { reason: LossReason }).reason : m.result.case;
+
+describe("KeepAlive", () => {
+  it("S6: one stream renews many leases; each answer carries its lease with the token kept", async () => {
+    const stream = openKeepAlive(client);
+    const leases = await Promise.all(
+      Array.from({ length: 50 }, async (_, i) => {
+        const key = freshKey(`many-${i}`);
+        const a = await client.acquire({ key, ttl: ms(5_000) });
+        return { key, runId: a.lease?.runId ?? "", token: a.lease?.fencingToken };
+      }),
+    );
+    for (const l of leases) stream.send({ key: l.key, runId: l.runId, ttl: ms(30_000) });
+    for (const l of leases) {
+      const answer = await answerFor(stream, l.runId);
+      expect(answer.result.case).toBe("lease");
+      expect(answer.result.case === "lease" && answer.result.value.fencingToken).toBe(l.token);
+      expect(answer.key).toEqual(expect.objectContaining(l.key));
+    }
+    stream.abort();
+  });
+
+  it("renewals from many streams share batch statements", async () => {
+    const before = server.streaming.batcher.stats.statements;
+    const streams = Array.from({ length: 10 }, () => openKeepAlive(client));
+    const leases = await Promise.all(
+      Array.from({ length: 300 }, async (_, i) => {
+        const key = freshKey(`batch-${i}`);
+        const a = await client.acquire({ key, ttl: ms(30_000) });
+        return { key, runId: a.lease?.runId ?? "" };
+      }),
+    );
+    for (const [i, l] of leases.entries()) streams[i % 10]?.send(l);
+    for (const [i, l] of leases.entries()) {
+      const s = streams[i % 10];
+      if (s) expect((await answerFor(s, l.runId)).result.case).toBe("lease");
+    }
+    const statements = server.streaming.batcher.stats.statements - before;
+    expect(statements).toBeLessThan(leases.length / 10);
+    for (const s of streams) s.abort();
+  });
+
+  it("S4: after lost the stream never renews that run again, even if the run acquires anew", async () => {
+    const key = freshKey("lost-forever");
+    const runId = randomUUID();
+    await client.acquire({ key, runId, ttl: ms(100) });
+    await untilExpired(db.sql, key);
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId });
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
+    // The same run id is granted the session again (a new grant, a new token)…
+    const again = await client.acquire({ key, runId, ttl: ms(60_000) });
+    expect(again.acquired).toBe(true);
+    const before = await client.get({ key });
+    // …yet this stream answers lost and leaves the lease as it was.
+    stream.send({ key, runId, ttl: ms(120_000) });
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
+    const after = await client.get({ key });
+    expect(after.lease?.expiresAt).toEqual(before.lease?.expiresAt);
+    stream.abort();
+  });
+
+  it("S5: a revoke reaches the holder's stream as lost(revoked) at once, and later renewals too", async () => {
+    const key = freshKey("revoked");
+    const a = await client.acquire({ key, ttl: ms(60_000) });
+    const runId = a.lease?.runId ?? "";
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId });
+    expect((await answerFor(stream, runId)).result.case).toBe("lease");
+    await server.streaming.store.revoke(key, "maintenance");
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.REVOKED);
+    stream.send({ key, runId });
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.REVOKED);
+    stream.abort();
+  });
+
+  it("S4: a renewal for a revoked run on a fresh stream is answered lost(revoked)", async () => {
+    const key = freshKey("revoked-late");
+    const a = await client.acquire({ key, ttl: ms(60_000) });
+    await server.streaming.store.revoke(key, "maintenance");
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId: a.lease?.runId ?? "" });
+    expect(lossOf(await answerFor(stream, a.lease?.runId ?? ""))).toBe(LossReason.REVOKED);
+    stream.abort();
+  });
+
+  it("L2: a run whose lease expired and was taken over learns it on its stream without asking", async () => {
+    const key = freshKey("taken-live");
+    const a = await client.acquire({ key, ttl: ms(150) });
+    const runId = a.lease?.runId ?? "";
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId, ttl: ms(150) });
+    expect((await answerFor(stream, runId)).result.case).toBe("lease");
+    await untilExpired(db.sql, key);
+    expect((await client.acquire({ key, ttl: ms(60_000) })).acquired).toBe(true);
+    // The takeover reports the old grant's expiry first; that is the cause.
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
+    // And the stream keeps saying so.
+    stream.send({ key, runId });
+    expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
+    stream.abort();
+  });
+
+  it("closing a stream releases nothing", async () => {
+    const key = freshKey("close");
+    const a = await client.acquire({ key, ttl: ms(60_000) });
+    const runId = a.lease?.runId ?? "";
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId });
+    await answerFor(stream, runId);
+    stream.end();
+    await stream.reader.finished;
+    expect(stream.reader.error).toBeUndefined();
+    const got = await client.get({ key });
+    expect(got.lease?.runId).toBe(runId);
+  });
+
+  it("bad input ends the stream with INVALID_ARGUMENT naming the field, and changes nothing", async () => {
+    const key = freshKey("bad");
+    const a = await client.acquire({ key, ttl: ms(60_000) });
+    const before = await storedState(db.sql);
+    for (const [request, field] of [
+      [{ key, runId: "not-a-uuid" }, "run_id"],
+      [{ key: { accountId: "", sessionId: "x" }, runId: a.lease?.runId ?? "" }, "key.account_id"],
+      [{ key, runId: a.lease?.runId ?? "", ttl: ms(0) }, "ttl"],
+      [{ runId: a.lease?.runId ?? "" }, "key"],
+    ] as const) {
+      const stream = openKeepAlive(client);
+      stream.send(request);
+      await stream.reader.finished;
+      expect(stream.reader.error?.code).toBe(Code.InvalidArgument);
+      expect(stream.reader.error?.rawMessage).toContain(field);
+    }
+    expect(await storedState(db.sql)).toEqual(before);
+  });
+
+  it("S3: a handoff requested before the holder's stream opened is delivered with its first renewal", async () => {
+    const key = freshKey("handoff-early");
+    const a = await client.acquire({ key, ttl: ms(60_000), holder: "desktop" });
+    const runId = a.lease?.runId ?? "";
+    const asked = await client.requestHandoff({ key, requesterHolder: "phone", reason: "here" });
+    expect(asked.delivered).toBe(true);
+    const stream = openKeepAlive(client);
+    stream.send({ key, runId });
+    expect((await answerFor(stream, runId)).result.case).toBe("lease");
+    const handoff = await answerFor(stream, runId);
+    expect(handoff.result.case === "handoffRequested" && handoff.result.value).toMatchObject({
+      requesterHolder: "phone",
+      reason: "here",
+    });
+    expect((await client.get({ key })).lease?.runId).toBe(runId);
+    stream.abort();
+  });
+
+  it("RequestHandoff on a free session delivers nothing and records nothing", async () => {
+    const key = freshKey("handoff-free");
+    const before = await storedState(db.sql);
+    const asked = await client.requestHandoff({ key, requesterHolder: "phone" });
+    expect(asked.delivered).toBe(false);
+    expect(asked.current).toBeUndefined();
+    expect(await storedState(db.sql)).toEqual(before);
+  });
+});
+
+describe("Watch", () => {
+  it("an account watch gets a snapshot of that account's valid leases, then changes of all its sessions", async () => {
+    const accountId = `acct-watch-${randomUUID().slice(0, 8)}`;
+    const held = await client.acquire({ key: { accountId, sessionId: "a" }, ttl: ms(60_000) });
+    const gone = await client.acquire({ key: { accountId, sessionId: "b" }, ttl: ms(60_000) });
+    await client.release({ key: { accountId, sessionId: "b" }, runId: gone.lease?.runId ?? "" });
+    await client.acquire({ key: freshKey("other-account"), ttl: ms(60_000) });
+    const watch = openWatch(client, { accountId, sessionId: "" });
+    const first = await watch.reader.next();
+    expect(first.kind.case === "snapshot" && first.kind.value.leases.map((l) => l.runId)).toEqual([
+      held.lease?.runId,
+    ]);
+    const c = await client.acquire({ key: { accountId, sessionId: "c" }, ttl: ms(60_000) });
+    await client.release({ key: { accountId, sessionId: "a" }, runId: held.lease?.runId ?? "" });
+    const e1 = await watch.reader.next();
+    const e2 = await watch.reader.next();
+    expect(
+      [e1, e2].map(
+        (m) => m.kind.case === "event" && [m.kind.value.type, m.kind.value.key?.sessionId],
+      ),
+    ).toEqual([
+      [EventType.ACQUIRED, "c"],
+      [EventType.RELEASED, "a"],
+    ]);
+    expect(e1.kind.case === "event" && e1.kind.value.fencingToken).toBe(c.lease?.fencingToken);
+    watch.abort();
+  });
+
+  it("a takeover after expiry shows EXPIRED of the old grant before ACQUIRED of the new", async () => {
+    const key = freshKey("takeover");
+    const watch = openWatch(client, key);
+    await watch.reader.next((m) => m.kind.case === "snapshot");
+    const a = await client.acquire({ key, ttl: ms(100) });
+    await watch.reader.next((m) => m.kind.case === "event");
+    await untilExpired(db.sql, key);
+    const b = await client.acquire({ key, ttl: ms(60_000) });
+    const events: [EventType, bigint][] = [];
+    while (events.length < 2) {
+      const m = await watch.reader.next((x) => x.kind.case === "event");
+      if (m.kind.case === "event") events.push([m.kind.value.type, m.kind.value.fencingToken]);
+    }
+    expect(events).toEqual([
+      [EventType.EXPIRED, a.lease?.fencingToken],
+      [EventType.ACQUIRED, b.lease?.fencingToken],
+    ]);
+    watch.abort();
+  });
+
+  it("a consumer that falls behind gets a fresh snapshot instead of unbounded buffering", async () => {
+    const accountId = `acct-slow-${randomUUID().slice(0, 8)}`;
+    const before = server.streaming.watch.stats.overflows;
+    // Read the first message, then stop reading while thousands of changes
+    // happen; HTTP/2 flow control stops the server's writes, the watcher's
+    // buffer (8 here) overflows, and the next message is a snapshot.
+    const controller = new AbortController();
+    const it = client
+      .watch({ key: { accountId, sessionId: "" } }, { signal: controller.signal })
+      [Symbol.asyncIterator]();
+    expect((await it.next()).value?.kind.case).toBe("snapshot");
+    let last: { key: { accountId: string; sessionId: string }; runId: string } | undefined;
+    for (let i = 0; i < 1500; i++) {
+      const key = { accountId, sessionId: `s${i % 50}` };
+      if (last) await client.release({ key: last.key, runId: last.runId });
+      const a = await client.acquire({ key, ttl: ms(60_000) });
+      last = { key, runId: a.lease?.runId ?? "" };
+      if (server.streaming.watch.stats.overflows > before && i > 100) break;
+    }
+    expect(server.streaming.watch.stats.overflows).toBeGreaterThan(before);
+    let snapshots = 0;
+    for (;;) {
+      const { value } = await it.next();
+      if (value?.kind.case === "snapshot") {
+        snapshots++;
+        // The fresh snapshot shows the current state.
+        expect(value.kind.value.leases.map((l: { runId: string }) => l.runId)).toContain(
+          last?.runId,
+        );
+        break;
+      }
+    }
+    expect(snapshots).toBe(1);
+    controller.abort();
+  });
+
+  it("bad input gets INVALID_ARGUMENT naming the field", async () => {
+    const watch = openWatch(client, { accountId: "bad account", sessionId: "" });
+    await watch.reader.finished;
+    expect(watch.reader.error?.code).toBe(Code.InvalidArgument);
+    expect(watch.reader.error?.rawMessage).toContain("key.account_id");
+  });
+});
+
+describe("Acquire with wait", () => {
+  it("answers acquired=false with the holder when the wait runs out", async () => {
+    const key = freshKey("wait-out");
+    const a = await client.acquire({ key, ttl: ms(60_000), holder: "desktop" });
+    const b = await client.acquire({ key, ttl: ms(60_000), wait: ms(300), holder: "browser" });
+    expect(b.acquired).toBe(false);
+    expect(b.current?.runId).toBe(a.lease?.runId);
+    expect(b.current?.holder).toBe("desktop");
+    expect(server.streaming.waiters.stats.waiting).toBe(0);
+  });
+
+  it("gets the session when the holder's lease expires (a confirmed deadline, no release)", async () => {
+    const key = freshKey("wait-expiry");
+    const a = await client.acquire({ key, ttl: ms(300) });
+    const b = await client.acquire({ key, ttl: ms(60_000), wait: ms(30_000) });
+    expect(b.acquired).toBe(true);
+    expect(b.lease?.fencingToken).toBeGreaterThan(a.lease?.fencingToken ?? 0n);
+  });
+
+  it("honours the call deadline: answers before it instead of failing", async () => {
+    const key = freshKey("wait-deadline");
+    await client.acquire({ key, ttl: ms(60_000) });
+    const b = await client.acquire(
+      { key, ttl: ms(60_000), wait: ms(60_000) },
+      { timeoutMs: 1_000 },
+    );
+    expect(b.acquired).toBe(false);
+    expect(server.streaming.waiters.stats.waiting).toBe(0);
+  });
+
+  it("a cancelled waiter stops waiting and is not granted the session later", async () => {
+    const key = freshKey("wait-cancel");
+    const a = await client.acquire({ key, ttl: ms(60_000) });
+    const controller = new AbortController();
+    const waiting = client.acquire(
+      { key, ttl: ms(60_000), wait: ms(60_000) },
+      { signal: controller.signal },
+    );
+    while (server.streaming.waiters.stats.waiting === 0) {
+      await new Promise((r) => setImmediate(r));
+    }
+    controller.abort();
+    await expect(waiting).rejects.toBeInstanceOf(ConnectError);
+    while (server.streaming.waiters.stats.waiting > 0) {
+      await new Promise((r) => setImmediate(r));
+    }
+    await client.release({ key, runId: a.lease?.runId ?? "" });
+    const got = await client.get({ key });
+    expect(got.held).toBe(false);
+  });
+
+  it("bad wait gets INVALID_ARGUMENT naming the field", async () => {
+    const error = await client
+      .acquire({ key: freshKey("wait-bad"), ttl: ms(1_000), wait: ms(3_600_000) })
+      .catch((e: unknown) => ConnectError.from(e));
+    expect(error).toBeInstanceOf(ConnectError);
+    expect((error as ConnectError).code).toBe(Code.InvalidArgument);
+    expect((error as ConnectError).rawMessage).toContain("wait");
+  });
+});
+
+describe("graceful shutdown", () => {
+  it("ends KeepAlive and Watch streams with UNAVAILABLE; leases stay", async () => {
+    const other = await startTestServer(db.url);
+    const c = grpcClient(other.url);
+    const key = freshKey("shutdown");
+    const a = await c.acquire({ key, ttl: ms(60_000) });
+    const runId = a.lease?.runId ?? "";
+    const stream = openKeepAlive(c);
+    stream.send({ key, runId });
+    await answerFor(stream, runId);
+    const watch = openWatch(c, key);
+    await watch.reader.next();
+    const waiting = c
+      .acquire({ key, ttl: ms(60_000), wait: ms(60_000) })
+      .catch((e: unknown) => ConnectError.from(e));
+    while (other.streaming.waiters.stats.waiting === 0) {
+      await new Promise((r) => setImmediate(r));
+    }
+    await other.close();
+    await stream.reader.finished;
+    await watch.reader.finished;
+    expect(stream.reader.error?.code).toBe(Code.Unavailable);
+    expect(watch.reader.error?.code).toBe(Code.Unavailable);
+    const ended = await waiting;
+    expect(ended instanceof ConnectError && ended.code).toBe(Code.Unavailable);
+    expect((await client.get({ key })).lease?.runId).toBe(runId);
+  });
+});

@@ -1,0 +1,205 @@
+// Streams for tests: a request stream the test pushes into, and a reader
+// that collects a response stream so a test can wait for the message it
+// expects (an event, not a guessed sleep).
+
+import type { ChildProcess } from "node:child_process";
+import type { MessageInitShape } from "@bufbuild/protobuf";
+import { create } from "@bufbuild/protobuf";
+import { DurationSchema } from "@bufbuild/protobuf/wkt";
+import { ConnectError } from "@connectrpc/connect";
+import type {
+  KeepAliveRequestSchema,
+  KeepAliveResponse,
+  WatchResponse,
+} from "../../src/gen/leasehold/v1/lease_pb.js";
+import type { LeaseClient } from "./server.js";
+
+export const ms = (n: number) =>
+  create(DurationSchema, { seconds: BigInt(Math.floor(n / 1000)), nanos: (n % 1000) * 1e6 });
+
+/** An async iterable the test pushes values into, then ends. */
+export class Pushable<T> implements AsyncIterable<T> {
+  private queue: T[] = [];
+  private ended = false;
+  private wake: (() => void) | undefined;
+
+  push(value: T) {
+    this.queue.push(value);
+    this.wake?.();
+  }
+
+  end() {
+    this.ended = true;
+    this.wake?.();
+  }
+
+  async *[Symbol.asyncIterator](): AsyncIterator<T> {
+    for (;;) {
+      const next = this.queue.shift();
+      if (next !== undefined) {
+        yield next;
+        continue;
+      }
+      if (this.ended) return;
+      await new Promise<void>((resolve) => {
+        this.wake = resolve;
+      });
+      this.wake = undefined;
+    }
+  }
+}
+
+/** Reads a response stream in the background into a queue. */
+export class StreamReader<T> {
+  readonly received: T[] = [];
+  private cursor = 0;
+  private waiters: (() => void)[] = [];
+  /** Set when the stream ended; `error` when it ended with one. */
+  done = false;
+  error: ConnectError | undefined;
+  readonly finished: Promise<void>;
+
+  constructor(stream: AsyncIterable<T>) {
+    this.finished = (async () => {
+      try {
+        for await (const message of stream) {
+          this.received.push(message);
+          this.notify();
+        }
+      } catch (error) {
+        this.error = ConnectError.from(error);
+      } finally {
+        this.done = true;
+        this.notify();
+      }
+    })();
+  }
+
+  private notify() {
+    const waiters = this.waiters;
+    this.waiters = [];
+    for (const w of waiters) w();
+  }
+
+  /**
+   * The next message after those already taken that satisfies `match`
+   * (messages skipped on the way are consumed). Rejects when the stream
+   * ends first or `timeoutMs` passes.
+   */
+  async next(match: (m: T) => boolean = () => true, timeoutMs = 20_000): Promise<T> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      while (this.cursor < this.received.length) {
+        const m = this.received[this.cursor++] as T;
+        if (match(m)) return m;
+      }
+      if (this.done) {
+        throw new Error(`stream ended before the expected message: ${this.error?.message ?? "ok"}`);
+      }
+      const left = deadline - Date.now();
+      if (left <= 0) throw new Error("timed out waiting for a stream message");
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, left);
+        this.waiters.push(() => {
+          clearTimeout(timer);
+          resolve();
+        });
+      });
+    }
+  }
+
+  /**
+   * The first message not yet taken that satisfies `match`, leaving the
+   * others in place (for multiplexed answers that arrive in any order).
+   */
+  async take(match: (m: T) => boolean, timeoutMs = 20_000): Promise<T> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      for (let i = this.cursor; i < this.received.length; i++) {
+        const m = this.received[i] as T;
+        if (match(m)) {
+          this.received.splice(i, 1);
+          return m;
+        }
+      }
+      if (this.done) {
+        throw new Error(`stream ended before the expected message: ${this.error?.message ?? "ok"}`);
+      }
+      const left = deadline - Date.now();
+      if (left <= 0) throw new Error("timed out waiting for a stream message");
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, left);
+        this.waiters.push(() => {
+          clearTimeout(timer);
+          resolve();
+        });
+      });
+    }
+  }
+
+  /** Messages received and not yet taken by `next`. */
+  pending(): T[] {
+    return this.received.slice(this.cursor);
+  }
+}
+
+export type KeepAliveInit = MessageInitShape<typeof KeepAliveRequestSchema>;
+
+export interface KeepAliveStream {
+  send(request: KeepAliveInit): void;
+  reader: StreamReader<KeepAliveResponse>;
+  /** Ends the request side (half-close). */
+  end(): void;
+  /** Cancels the call. */
+  abort(): void;
+}
+
+export function openKeepAlive(client: LeaseClient): KeepAliveStream {
+  const requests = new Pushable<KeepAliveInit>();
+  const controller = new AbortController();
+  const responses = client.keepAlive(requests, { signal: controller.signal });
+  return {
+    send: (r) => requests.push(r),
+    reader: new StreamReader(responses),
+    end: () => requests.end(),
+    abort: () => controller.abort(),
+  };
+}
+
+export function openWatch(
+  client: LeaseClient,
+  key: { accountId: string; sessionId: string },
+  includeRenewals = false,
+): { reader: StreamReader<WatchResponse>; abort(): void } {
+  const controller = new AbortController();
+  const responses = client.watch({ key, includeRenewals }, { signal: controller.signal });
+  return { reader: new StreamReader(responses), abort: () => controller.abort() };
+}
+
+/** The next KeepAlive answer for one run (answers for other runs stay queued). */
+export function answerFor(stream: KeepAliveStream, runId: string, timeoutMs?: number) {
+  return stream.reader.take((m) => m.runId === runId, timeoutMs);
+}
+
+/** Resolves when a server process writes a log line (pino: stdout) matching `pattern`. */
+export function logLine(child: ChildProcess, pattern: RegExp, timeoutMs = 20_000): Promise<string> {
+  return new Promise((resolve, reject) => {
+    let buffer = "";
+    const timer = setTimeout(() => {
+      child.stdout?.off("data", onData);
+      reject(new Error(`no log line matching ${pattern}`));
+    }, timeoutMs);
+    const onData = (chunk: Buffer) => {
+      buffer += chunk.toString();
+      const lines = buffer.split("\n");
+      buffer = lines.pop() ?? "";
+      const line = lines.find((l) => pattern.test(l));
+      if (line !== undefined) {
+        clearTimeout(timer);
+        child.stdout?.off("data", onData);
+        resolve(line);
+      }
+    };
+    child.stdout?.on("data", onData);
+  });
+}
