@@ -21,6 +21,8 @@ export interface EmbeddedDatabase {
 
 export interface EmbeddedOptions {
   dataDir: string;
+  /** Extra server settings as name=value, e.g. shared_preload_libraries=pg_stat_statements. */
+  settings?: string[];
   /** 0 picks a free port. */
   port?: number;
   /** Delete the data directory on stop (tests). */
@@ -68,7 +70,13 @@ export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<E
     createPostgresUser: process.getuid?.() === 0,
     onLog: (m: unknown) => options.onLog?.(String(m)),
     onError: (m: unknown) => options.onLog?.(String(m)),
-    postgresFlags: ["-c", "listen_addresses=127.0.0.1", "-c", "max_connections=300"],
+    postgresFlags: [
+      "-c",
+      "listen_addresses=127.0.0.1",
+      "-c",
+      "max_connections=300",
+      ...(options.settings ?? []).flatMap((s) => ["-c", s]),
+    ],
   });
   if (fresh) await pg.initialise();
   await pg.start();
