@@ -65,9 +65,20 @@ export async function spawnLeasehold(
   databaseUrl: string,
   args: string[] = [],
 ): Promise<ServerProcess> {
+  // BENCH_SERVER_NODE_ARGS="--cpu-prof --cpu-prof-dir=prof" profiles the server.
+  const nodeArgs = (process.env.BENCH_SERVER_NODE_ARGS ?? "").split(" ").filter(Boolean);
   const child = spawn(
     process.execPath,
-    [cliPath, "serve", "--listen", "127.0.0.1:0", "--database-url", databaseUrl, ...args],
+    [
+      ...nodeArgs,
+      cliPath,
+      "serve",
+      "--listen",
+      "127.0.0.1:0",
+      "--database-url",
+      databaseUrl,
+      ...args,
+    ],
     {
       cwd: repoRoot,
       env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn" },
