@@ -94,6 +94,15 @@ export function createChangeFeed(options: ChangeFeedOptions): ChangeFeed {
     return false;
   }
 
+  // Interest of an instance that stopped announcing (it died) lapses.
+  function sweepInterest() {
+    const now = performance.now();
+    for (const [k, byInstance] of remoteInterest) {
+      for (const [instance, until] of byInstance) if (until <= now) byInstance.delete(instance);
+      if (byInstance.size === 0) remoteInterest.delete(k);
+    }
+  }
+
   function announceInterest() {
     if (!notifier || localInterest.size === 0) return;
     notifier.announce({
@@ -205,7 +214,10 @@ export function createChangeFeed(options: ChangeFeedOptions): ChangeFeed {
           connected = false;
         },
       });
-      refreshTimer = setInterval(announceInterest, refreshMs);
+      refreshTimer = setInterval(() => {
+        sweepInterest();
+        announceInterest();
+      }, refreshMs);
       refreshTimer.unref();
     },
     async close() {

@@ -212,7 +212,7 @@ function toLease(row: SessionRow): LeaseRecord {
 
 export function createWatchHub(options: WatchHubOptions): WatchHub {
   const { store, feed, tracker, logger } = options;
-  const graceMs = options.recheckGraceMs ?? 2_000;
+  const graceMs = options.recheckGraceMs ?? Math.min(2_000, options.recheckIntervalMs);
   const byKey = new Map<string, Set<WatcherImpl>>();
   const byAccount = new Map<string, Set<WatcherImpl>>();
   const releases = new Map<WatcherImpl, (() => void)[]>();
