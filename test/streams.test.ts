@@ -13,7 +13,7 @@ import {
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/server/limits.js";
-import type { RunningServer } from "../src/server/server.js";
+import type { LeaseServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
@@ -21,7 +21,7 @@ import { grpcClient, type LeaseClient, startTestServer } from "./support/server.
 import { answerFor, ms, openKeepAlive, openWatch } from "./support/streams.js";
 
 let db: TestDatabase;
-let server: RunningServer;
+let server: LeaseServer;
 let client: LeaseClient;
 
 beforeAll(async () => {

@@ -14,7 +14,7 @@ import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
 import { startGuardedServer } from "../../src/guarded/server.js";
 import { parseServerConfig, type ServerConfig } from "../../src/server/config.js";
 import { createLogger } from "../../src/server/logger.js";
-import { type RunningServer, startServer } from "../../src/server/server.js";
+import { type LeaseServer, type RunningServer, startServer } from "../../src/server/server.js";
 
 export const repoRoot = fileURLToPath(new URL("../../", import.meta.url));
 export const cliPath = fileURLToPath(new URL("../../bin/leasehold.js", import.meta.url));
@@ -33,7 +33,7 @@ export async function startTestServer(
   databaseUrl: string,
   args: string[] = [],
   overrides: Partial<ServerConfig> = {},
-): Promise<RunningServer> {
+): Promise<LeaseServer> {
   const config = parseServerConfig([...testServerArgs, "--database-url", databaseUrl, ...args], {});
   return startServer({ ...config, ...overrides }, createLogger({ level: "silent" }));
 }
