@@ -1,0 +1,76 @@
+// Fencing headers (DESIGN §5): calls made on behalf of a lease carry its
+// fencing token and session key, so a guarded service can refuse a stale run
+// without extra code in the caller. A run whose lease is lost stops
+// presenting itself as the holder (L2): its calls fail before being sent.
+
+import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
+import { CanceledError, LeaseLostError } from "./errors.js";
+
+/** Header names a guarded service reads (DESIGN §5). */
+export const fencingHeaderNames = {
+  fencingToken: "leasehold-fencing-token",
+  accountId: "leasehold-account-id",
+  sessionId: "leasehold-session-id",
+} as const;
+
+/** What a call made on behalf of a lease presents. */
+export interface FencingSource {
+  /** The session the lease is for. */
+  readonly key: { readonly accountId: string; readonly sessionId: string };
+  /** The lease's fencing token. */
+  readonly fencingToken: bigint;
+  /** Aborted when the lease is lost; calls then fail instead of being sent. */
+  readonly signal?: AbortSignal;
+}
+
+/**
+ * Per-call context value naming the lease a call is made for. `runExclusive`
+ * sets it in `ctx.callOptions()`; `fencingInterceptor()` reads it.
+ */
+export const fencingContextKey = createContextKey<FencingSource | undefined>(undefined, {
+  description: "leasehold fencing source",
+});
+
+/** The three fencing headers for a lease. */
+export function fencingHeaders(source: FencingSource): Headers {
+  return new Headers({
+    [fencingHeaderNames.fencingToken]: source.fencingToken.toString(),
+    [fencingHeaderNames.accountId]: source.key.accountId,
+    [fencingHeaderNames.sessionId]: source.key.sessionId,
+  });
+}
+
+/**
+ * A client interceptor that adds the fencing headers to every call made on
+ * behalf of a lease. The lease comes from the call's context values
+ * (`fencingContextKey`, as set by `ctx.callOptions()`), else from `bound`
+ * (a fixed source or a function returning the current one). Calls with
+ * neither pass through untouched. A call for a lease whose signal has
+ * aborted is never sent: it fails with a ConnectError whose cause is the signal's
+ * LeaseLostError (or a CanceledError when the run was cancelled by its
+ * caller); `toLeaseholdError` returns that cause.
+ */
+export function fencingInterceptor(
+  bound?: FencingSource | (() => FencingSource | undefined),
+): Interceptor {
+  return (next) => async (req) => {
+    const source =
+      req.contextValues.get(fencingContextKey) ?? (typeof bound === "function" ? bound() : bound);
+    if (source === undefined) return next(req);
+    if (source.signal?.aborted) {
+      const reason: unknown = source.signal.reason;
+      const error =
+        reason instanceof LeaseLostError
+          ? reason
+          : new CanceledError("the run was cancelled; the call was not sent", Code.Canceled, {
+              cause: reason,
+            });
+      // Connect wraps whatever an interceptor throws in a ConnectError; give
+      // it the right code, and keep the typed error as its cause
+      // (toLeaseholdError unwraps it).
+      throw new ConnectError(error.message, error.code, undefined, undefined, error);
+    }
+    for (const [name, value] of fencingHeaders(source)) req.header.set(name, value);
+    return next(req);
+  };
+}

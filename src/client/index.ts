@@ -1,0 +1,55 @@
+// The public API of the Leasehold client library.
+
+export {
+  type AcquireInit,
+  type CheckFenceInit,
+  type ClientEvent,
+  createLeaseClient,
+  type GetInit,
+  type HistoryInit,
+  type KeepAliveInit,
+  type LeaseClient,
+  type LeaseClientOptions,
+  type ListInit,
+  type ReleaseInit,
+  type RenewInit,
+  type RequestHandoffInit,
+  type RevokeInit,
+  type WatchInit,
+} from "./client.js";
+export { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
+export {
+  CanceledError,
+  DeadlineExceededError,
+  errorDomain,
+  InvalidArgumentError,
+  LateGrantError,
+  LeaseholdError,
+  type LeaseLossReason,
+  LeaseLostError,
+  LeaseNotHeldError,
+  type LossCause,
+  NotAcquiredError,
+  PermissionDeniedError,
+  ResourceExhaustedError,
+  StaleFencingTokenError,
+  toLeaseholdError,
+  UnauthenticatedError,
+  UnavailableError,
+} from "./errors.js";
+export {
+  type FencingSource,
+  fencingContextKey,
+  fencingHeaderNames,
+  fencingHeaders,
+  fencingInterceptor,
+} from "./fencing.js";
+export type { KeepAliveEvent } from "./keepalive.js";
+export type { LeaseContext, RunExclusiveOptions, SessionKeyInit } from "./run-exclusive.js";
+export {
+  bearerTokenInterceptor,
+  createEndpoint,
+  type Endpoint,
+  type Protocol,
+  type TransportOptions,
+} from "./transport.js";

@@ -1,0 +1,301 @@
+// runExclusive (DESIGN §6, L2): acquire, keep alive on the client's shared
+// KeepAlive stream, run the work with a signal that aborts as soon as the
+// client can no longer vouch for its lease, and release when the work
+// settles, whatever way it settles.
+
+import { randomUUID } from "node:crypto";
+import type { MessageInitShape } from "@bufbuild/protobuf";
+import { type CallOptions, createContextValues } from "@connectrpc/connect";
+import type {
+  AcquireRequestSchema,
+  AcquireResponse,
+  HandoffRequested,
+  Lease,
+  ReleaseRequestSchema,
+  ReleaseResponse,
+} from "../gen/leasehold/v1/lease_pb.js";
+import { durationFromMs, msFromDuration } from "./durations.js";
+import {
+  LateGrantError,
+  type LeaseholdError,
+  type LeaseLossReason,
+  LeaseLostError,
+  NotAcquiredError,
+  toLeaseholdError,
+} from "./errors.js";
+import { type FencingSource, fencingContextKey, fencingHeaders } from "./fencing.js";
+import type { KeepAliveChannel } from "./keepalive.js";
+import { leaseTiming, localDeadline } from "./local-deadline.js";
+
+/** A session key: the account and the session within it. */
+export interface SessionKeyInit {
+  readonly accountId: string;
+  readonly sessionId: string;
+}
+
+/** Options of `runExclusive`. */
+export interface RunExclusiveOptions {
+  /** Lease TTL in ms; default 10 000. */
+  ttlMs?: number;
+  /** How long to wait for a held session to become free, in ms; default 0 (fail at once with NotAcquiredError). */
+  waitMs?: number;
+  /** A label of this holder shown to others ("desktop", "browser"). */
+  holder?: string;
+  /** The run's id (a UUID); default a new random one. Reuse it only to retry the same run. */
+  runId?: string;
+  /** Subtracted from every local deadline, in ms; default TTL/10. */
+  safetyMarginMs?: number;
+  /** Time between renewals, in ms; default TTL/3. */
+  renewIntervalMs?: number;
+  /** Cancels the run: aborts an acquire in progress, or aborts the work's signal. */
+  signal?: AbortSignal;
+}
+
+/** What `work` receives: its lease, its fencing token, and the signal to stop on. */
+export interface LeaseContext extends FencingSource {
+  /**
+   * Aborts when the lease is lost (`lost` on the stream), when a renewal
+   * fails, when the local deadline passes without a confirmed renewal, or
+   * when the caller's signal aborts. Its `reason` is a LeaseLostError (or the
+   * caller's reason). Stop all work, and all writes, when it aborts.
+   */
+  readonly signal: AbortSignal;
+  /** The fencing token of this run's lease; present it with every write. */
+  readonly fencingToken: bigint;
+  /** The session this run holds. */
+  readonly key: SessionKeyInit;
+  /** This run's id. */
+  readonly runId: string;
+  /** The lease as last confirmed by the server (updated on every renewal). */
+  readonly lease: Lease;
+  /** Milliseconds until the local deadline, as of now (0 once passed). */
+  remainingMs(): number;
+  /**
+   * Calls `listener` for every handoff request (someone asked this run to
+   * finish and release, e.g. "continue on this device"), including ones that
+   * arrived before the listener was added. Returns a function that removes it.
+   */
+  onHandoffRequested(listener: (request: HandoffRequested) => void): () => void;
+  /**
+   * Call options for a request made on behalf of this lease: the run's
+   * signal, and the context value that `fencingInterceptor()` turns into the
+   * fencing headers.
+   */
+  callOptions(): CallOptions;
+  /** The fencing headers, for clients that do not use `fencingInterceptor`. */
+  headers(): Headers;
+}
+
+/** The parts of a lease client runExclusive needs. */
+export interface RunExclusiveDeps {
+  acquire(
+    request: MessageInitShape<typeof AcquireRequestSchema>,
+    options?: CallOptions,
+  ): Promise<AcquireResponse>;
+  release(
+    request: MessageInitShape<typeof ReleaseRequestSchema>,
+    options?: CallOptions,
+  ): Promise<ReleaseResponse>;
+  keepAlive: KeepAliveChannel;
+  defaultTimeoutMs: number;
+  now: () => number;
+  onReleaseError?: (error: LeaseholdError, key: SessionKeyInit, runId: string) => void;
+}
+
+function describeHolder(lease: Lease | undefined): string {
+  if (!lease) return "another run";
+  const who = lease.holder === "" ? "another run" : JSON.stringify(lease.holder);
+  const left = (msFromDuration(lease.remaining) / 1000).toFixed(1);
+  return `${who} (run ${lease.runId}, token ${lease.fencingToken}), ${left}s left`;
+}
+
+/**
+ * Runs `work` while holding the session's lease. See `LeaseClient.runExclusive`.
+ */
+export async function runExclusive<T>(
+  deps: RunExclusiveDeps,
+  key: SessionKeyInit,
+  work: (ctx: LeaseContext) => Promise<T> | T,
+  options: RunExclusiveOptions = {},
+): Promise<T> {
+  const timing = leaseTiming({
+    ttlMs: options.ttlMs ?? 10_000,
+    safetyMarginMs: options.safetyMarginMs,
+    renewIntervalMs: options.renewIntervalMs,
+  });
+  const waitMs = options.waitMs ?? 0;
+  const runId = options.runId ?? randomUUID();
+  const sessionKey = { accountId: key.accountId, sessionId: key.sessionId };
+  const { now } = deps;
+  options.signal?.throwIfAborted();
+
+  const release = async () => {
+    try {
+      await deps.release({ key: sessionKey, runId }, { timeoutMs: deps.defaultTimeoutMs });
+    } catch (error) {
+      // The lease then ends at its deadline; S5 makes a late release harmless.
+      deps.onReleaseError?.(toLeaseholdError(error), sessionKey, runId);
+    }
+  };
+
+  // One grant attempt: the lease and its local deadline, or undefined when
+  // the response came too late to use.
+  const attempt = async (wait: number) => {
+    const sentAt = now();
+    const response = await deps.acquire(
+      {
+        key: sessionKey,
+        runId,
+        ttl: durationFromMs(timing.ttlMs),
+        wait: wait > 0 ? durationFromMs(wait) : undefined,
+        holder: options.holder ?? "",
+      },
+      { signal: options.signal, timeoutMs: wait + deps.defaultTimeoutMs },
+    );
+    const arrivedAt = now();
+    if (!response.acquired || !response.lease) {
+      throw new NotAcquiredError(
+        `session ${key.accountId}/${key.sessionId} is held by ${describeHolder(response.current)}`,
+        response.current,
+      );
+    }
+    const deadline = localDeadline(sentAt, response.lease, timing.marginMs);
+    return {
+      lease: response.lease,
+      deadline,
+      late: arrivedAt >= deadline,
+      elapsed: arrivedAt - sentAt,
+    };
+  };
+
+  let grant: Awaited<ReturnType<typeof attempt>>;
+  try {
+    grant = await attempt(waitMs);
+  } catch (error) {
+    // The request may have been granted with its answer lost on the way
+    // back; release by run_id (a no-op when nothing was granted) rather than
+    // leave a lease nobody renews blocking the session for a whole TTL.
+    if (!(error instanceof NotAcquiredError)) void release();
+    throw error;
+  }
+  if (grant.late && waitMs > 0) {
+    // A waited grant is late by construction when the wait was long: the
+    // server may have granted it long after the request left. Confirm it by
+    // re-acquiring with the same run_id (idempotent: same token, deadline
+    // counted from this new request) instead of trusting the old answer.
+    grant = await attempt(0).catch(async (error: unknown) => {
+      await release();
+      throw error;
+    });
+  }
+  if (grant.late) {
+    await release();
+    throw new LateGrantError(grant.lease, grant.elapsed);
+  }
+
+  let lease = grant.lease;
+  let deadline = grant.deadline;
+  const controller = new AbortController();
+  const handoffs: HandoffRequested[] = [];
+  const handoffListeners = new Set<(request: HandoffRequested) => void>();
+
+  const lose = (reason: LeaseLossReason, message: string, cause?: unknown) => {
+    if (controller.signal.aborted) return;
+    controller.abort(new LeaseLostError(message, reason, { cause }));
+    stopKeepingAlive();
+  };
+
+  let deadlineTimer: NodeJS.Timeout | undefined;
+  const armDeadline = () => {
+    clearTimeout(deadlineTimer);
+    deadlineTimer = setTimeout(
+      () => {
+        if (now() >= deadline) {
+          lose("deadline", "the local deadline passed without a confirmed renewal");
+        } else {
+          armDeadline();
+        }
+      },
+      Math.max(0, deadline - now()),
+    );
+  };
+
+  const registration = deps.keepAlive.register({
+    key: sessionKey,
+    runId,
+    responseTimeoutMs: timing.renewIntervalMs,
+    onRenewed: (renewed, sentAt) => {
+      if (controller.signal.aborted) return;
+      // L2: a confirmation that arrives after the local deadline cannot
+      // revive the run: the lease may have expired and been taken meanwhile.
+      if (now() >= deadline) {
+        lose("deadline", "the local deadline passed before a renewal was confirmed");
+        return;
+      }
+      lease = renewed;
+      if (sentAt === undefined) return;
+      const next = localDeadline(sentAt, renewed, timing.marginMs);
+      if (next > deadline) {
+        deadline = next;
+        armDeadline();
+      }
+    },
+    onLost: (cause) =>
+      lose(
+        cause ?? "renewal_failed",
+        `the server reports the lease lost (${cause?.replace("_", " ") ?? "no reason given"})`,
+      ),
+    onHandoffRequested: (request) => {
+      handoffs.push(request);
+      for (const listener of handoffListeners) listener(request);
+    },
+    onFailed: (error) => lose("renewal_failed", `renewals failed: ${error.message}`, error),
+  });
+  const renewTimer = setInterval(() => registration.renew(), timing.renewIntervalMs);
+  function stopKeepingAlive() {
+    clearInterval(renewTimer);
+    clearTimeout(deadlineTimer);
+    registration.remove();
+  }
+  armDeadline();
+
+  const onCallerAbort = () => {
+    if (controller.signal.aborted) return;
+    controller.abort(options.signal?.reason);
+    stopKeepingAlive();
+  };
+  options.signal?.addEventListener("abort", onCallerAbort, { once: true });
+
+  const ctx: LeaseContext = {
+    signal: controller.signal,
+    fencingToken: grant.lease.fencingToken,
+    key: sessionKey,
+    runId,
+    get lease() {
+      return lease;
+    },
+    remainingMs: () => Math.max(0, deadline - now()),
+    onHandoffRequested: (listener) => {
+      handoffListeners.add(listener);
+      for (const request of handoffs) queueMicrotask(() => listener(request));
+      return () => handoffListeners.delete(listener);
+    },
+    callOptions: () => ({
+      signal: controller.signal,
+      contextValues: createContextValues().set(fencingContextKey, ctx),
+    }),
+    headers: () => fencingHeaders(ctx),
+  };
+
+  try {
+    return await work(ctx);
+  } finally {
+    options.signal?.removeEventListener("abort", onCallerAbort);
+    stopKeepingAlive();
+    // L2: once the work has settled, nothing may present this lease again.
+    if (!controller.signal.aborted) {
+      controller.abort(new LeaseLostError("the run ended and released its lease", "released"));
+    }
+    await release();
+  }
+}

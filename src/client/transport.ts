@@ -1,0 +1,130 @@
+// Transports to one or more server instances. Each instance gets its own
+// transport (and, over HTTP/2, its own session manager so that `close` can
+// end its connection); unary calls fail over from an unreachable instance to
+// the next one. Every unary call of LeaseService is idempotent (Acquire is
+// made so by the client-chosen run_id), so sending it again is safe.
+
+import { Code, ConnectError, type Interceptor, type Transport } from "@connectrpc/connect";
+import {
+  createConnectTransport,
+  createGrpcTransport,
+  Http2SessionManager,
+} from "@connectrpc/connect-node";
+
+/** Wire protocol of a client: gRPC (HTTP/2) or Connect (HTTP/2, or HTTP/1.1 for unary calls). */
+export type Protocol = "grpc" | "connect";
+
+/** How to reach servers; shared by the lease client and `createGuardedStoreClient`-style users. */
+export interface TransportOptions {
+  /** Wire protocol; default "connect". */
+  protocol?: Protocol;
+  /**
+   * HTTP version of the Connect protocol; default "2". Streams (KeepAlive,
+   * Watch) need "2"; "1.1" serves unary calls only. gRPC always uses HTTP/2.
+   */
+  httpVersion?: "1.1" | "2";
+  /** A bearer token (JWT), or a function returning the current one. */
+  token?: string | (() => string | Promise<string>);
+  /** Interceptors run on every call, after the bearer token is set. */
+  interceptors?: Interceptor[];
+  /** Timeout of a unary call without its own, in ms; default 10 000. */
+  defaultTimeoutMs?: number;
+}
+
+/** A transport to one server instance, and a way to drop its connection. */
+export interface Endpoint {
+  readonly baseUrl: string;
+  readonly transport: Transport;
+  /** Ends the instance's HTTP/2 connection, failing the calls on it. */
+  close(): void;
+}
+
+/** Adds `authorization: Bearer <token>` to every call. */
+export function bearerTokenInterceptor(
+  token: string | (() => string | Promise<string>),
+): Interceptor {
+  return (next) => async (req) => {
+    const value = typeof token === "string" ? token : await token();
+    if (value !== "") req.header.set("authorization", `Bearer ${value}`);
+    return next(req);
+  };
+}
+
+/** Builds a transport to one server instance with its own connection. */
+export function createEndpoint(baseUrl: string, options: TransportOptions = {}): Endpoint {
+  const interceptors = [
+    ...(options.token !== undefined ? [bearerTokenInterceptor(options.token)] : []),
+    ...(options.interceptors ?? []),
+  ];
+  const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
+  const protocol = options.protocol ?? "connect";
+  if (protocol === "connect" && options.httpVersion === "1.1") {
+    return {
+      baseUrl,
+      transport: createConnectTransport({
+        baseUrl,
+        httpVersion: "1.1",
+        interceptors,
+        defaultTimeoutMs,
+      }),
+      close: () => {},
+    };
+  }
+  const sessionManager = new Http2SessionManager(baseUrl);
+  const common = { baseUrl, httpVersion: "2" as const, sessionManager, interceptors };
+  const transport =
+    protocol === "grpc"
+      ? createGrpcTransport({ ...common, defaultTimeoutMs })
+      : createConnectTransport({ ...common, defaultTimeoutMs });
+  return {
+    baseUrl,
+    transport,
+    close: () => sessionManager.abort(new ConnectError("client closed", Code.Canceled)),
+  };
+}
+
+/**
+ * A transport over several instances. A unary call that finds its instance
+ * UNAVAILABLE is sent to the next one; the instance that answered last is
+ * tried first next time. Streams go to that preferred instance: their
+ * callers (KeepAlive, Watch) reconnect on their own terms.
+ */
+export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
+  if (endpoints.length === 0) throw new RangeError("at least one server base URL is required");
+  let preferred = 0;
+  const at = (i: number) => endpoints[i % endpoints.length] as Endpoint;
+  return {
+    async unary(method, signal, timeoutMs, header, input, contextValues) {
+      let lastError: unknown;
+      for (let attempt = 0; attempt < endpoints.length; attempt++) {
+        const index = (preferred + attempt) % endpoints.length;
+        try {
+          const response = await at(index).transport.unary(
+            method,
+            signal,
+            timeoutMs,
+            header,
+            input,
+            contextValues,
+          );
+          preferred = index;
+          return response;
+        } catch (error) {
+          lastError = error;
+          if (signal?.aborted || ConnectError.from(error).code !== Code.Unavailable) throw error;
+        }
+      }
+      throw lastError;
+    },
+    stream(method, signal, timeoutMs, header, input, contextValues) {
+      return at(preferred).transport.stream(
+        method,
+        signal,
+        timeoutMs,
+        header,
+        input,
+        contextValues,
+      );
+    },
+  };
+}

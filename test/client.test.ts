@@ -1,0 +1,281 @@
+// The client library's unary surface over real sockets: typed methods over
+// every transport, typed errors that keep their cause, failover across base
+// URLs, and the fencing interceptor's headers as a guarded service sees them.
+
+import { once } from "node:events";
+import http2 from "node:http2";
+import type net from "node:net";
+import { create } from "@bufbuild/protobuf";
+import {
+  Code,
+  ConnectError,
+  type ConnectRouter,
+  createClient,
+  createContextValues,
+} from "@connectrpc/connect";
+import { connectNodeAdapter } from "@connectrpc/connect-node";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import {
+  createEndpoint,
+  createLeaseClient,
+  durationFromMs,
+  fencingContextKey,
+  fencingHeaderNames,
+  fencingInterceptor,
+  InvalidArgumentError,
+  type LeaseClient,
+  LeaseholdError,
+  LeaseLostError,
+  LeaseNotHeldError,
+  NotAcquiredError,
+  StaleFencingTokenError,
+  toLeaseholdError,
+  UnavailableError,
+} from "../src/client/index.js";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
+import {
+  GuardedStoreService,
+  PutResponseSchema,
+} from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
+import type { RunningServer } from "../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey } from "./support/leases.js";
+import { startTestServer } from "./support/server.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+const clients: LeaseClient[] = [];
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url);
+});
+afterAll(async () => {
+  for (const c of clients) c.close();
+  await server?.close();
+  await db?.close();
+});
+
+function client(options: Partial<Parameters<typeof createLeaseClient>[0]> = {}): LeaseClient {
+  const c = createLeaseClient({ baseUrl: server.url, ...options });
+  clients.push(c);
+  return c;
+}
+
+/** A port nothing listens on: bound, then closed. */
+async function deadUrl(): Promise<string> {
+  const s = http2.createServer();
+  s.listen(0, "127.0.0.1");
+  await once(s, "listening");
+  const port = (s.address() as net.AddressInfo).port;
+  await new Promise((r) => s.close(r));
+  return `http://127.0.0.1:${port}`;
+}
+
+const transports = [
+  { name: "Connect over HTTP/2", options: { protocol: "connect" as const } },
+  {
+    name: "Connect over HTTP/1.1",
+    options: { protocol: "connect" as const, httpVersion: "1.1" as const },
+  },
+  { name: "gRPC", options: { protocol: "grpc" as const } },
+];
+
+describe.each(transports)("typed methods ($name)", ({ options }) => {
+  it("S3, S5: acquire, a blocked acquire naming the holder, renew, get, list, release", async () => {
+    const c = client(options);
+    const key = freshKey("typed");
+    const a = await c.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
+    expect(a.acquired).toBe(true);
+    const runId = a.lease?.runId ?? "";
+    expect(runId).toMatch(/^[0-9a-f-]{36}$/);
+
+    const b = await c.acquire({ key, ttl: durationFromMs(30_000), holder: "browser" });
+    expect(b.acquired).toBe(false);
+    expect(b.current?.holder).toBe("desktop");
+
+    const renewed = await c.renew({ key, runId });
+    expect(renewed.lease?.fencingToken).toBe(a.lease?.fencingToken);
+    expect((await c.get({ key })).lease?.runId).toBe(runId);
+    const listed = await c.list({ accountId: key.accountId, pageSize: 1000 });
+    expect(listed.leases.map((l) => l.key?.sessionId)).toContain(key.sessionId);
+    expect((await c.release({ key, runId })).released).toBe(true);
+    expect((await c.release({ key, runId })).released).toBe(false);
+    expect((await c.get({ key })).held).toBe(false);
+  });
+});
+
+describe("typed errors", () => {
+  it("S4: renewing a released lease throws LeaseNotHeldError with the cause, keeping the ConnectError", async () => {
+    const c = client();
+    const key = freshKey("err");
+    const a = await c.acquire({ key, ttl: durationFromMs(30_000) });
+    const runId = a.lease?.runId ?? "";
+    await c.release({ key, runId });
+    const error = await c.renew({ key, runId }).catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(LeaseNotHeldError);
+    expect(error).toBeInstanceOf(LeaseholdError);
+    expect((error as LeaseNotHeldError).lossCause).toBe("released");
+    expect((error as LeaseNotHeldError).code).toBe(Code.FailedPrecondition);
+    expect((error as LeaseNotHeldError).cause).toBeInstanceOf(ConnectError);
+  });
+
+  it("bad input: InvalidArgumentError names the field and the rule", async () => {
+    const c = client({ protocol: "grpc" });
+    const error = await c
+      .acquire({ key: freshKey("bad"), ttl: durationFromMs(0) })
+      .catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(InvalidArgumentError);
+    expect((error as InvalidArgumentError).field).toBe("ttl");
+    expect((error as InvalidArgumentError).rule).toMatch(/between/);
+  });
+
+  it("an unreachable server is an UnavailableError, not a hang", async () => {
+    const c = client({ baseUrl: await deadUrl() });
+    const error = await c.get({ key: freshKey() }).catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(UnavailableError);
+    expect((error as UnavailableError).cause).toBeInstanceOf(ConnectError);
+  });
+
+  it("S7: ABORTED with ErrorInfo STALE_FENCING_TOKEN maps to StaleFencingTokenError with both tokens", () => {
+    const wire = new ConnectError("stale", Code.Aborted, undefined, [
+      {
+        desc: ErrorInfoSchema,
+        value: {
+          reason: "STALE_FENCING_TOKEN",
+          domain: "leasehold.dev",
+          metadata: { presented_token: "4", highest_token: "9" },
+        },
+      },
+    ]);
+    const error = toLeaseholdError(wire);
+    expect(error).toBeInstanceOf(StaleFencingTokenError);
+    expect((error as StaleFencingTokenError).presentedToken).toBe(4n);
+    expect((error as StaleFencingTokenError).highestToken).toBe(9n);
+    expect(error.cause).toBe(wire);
+  });
+
+  it("NotAcquiredError carries the current holder", async () => {
+    const c = client();
+    const key = freshKey("held");
+    await c.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
+    const error = await c
+      .runExclusive(key, () => "never", { ttlMs: 30_000 })
+      .catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(NotAcquiredError);
+    expect((error as NotAcquiredError).holder).toBe("desktop");
+    expect((error as NotAcquiredError).message).toMatch(/held by "desktop"/);
+  });
+});
+
+describe("several base URLs", () => {
+  it("unary calls fail over from an unreachable instance to the next", async () => {
+    const c = client({ baseUrls: [await deadUrl(), server.url], protocol: "grpc" });
+    const key = freshKey("failover");
+    const a = await c.acquire({ key, ttl: durationFromMs(30_000) });
+    expect(a.acquired).toBe(true);
+    expect((await c.get({ key })).held).toBe(true);
+  });
+
+  it("S2: an Acquire sent twice (a failover retry) is idempotent: the client-chosen run_id keeps one token", async () => {
+    const c = client();
+    const key = freshKey("idem");
+    const runId = crypto.randomUUID();
+    const first = await c.acquire({ key, runId, ttl: durationFromMs(30_000) });
+    const again = await c.acquire({ key, runId, ttl: durationFromMs(30_000) });
+    expect(again.acquired).toBe(true);
+    expect(again.lease?.fencingToken).toBe(first.lease?.fencingToken);
+  });
+});
+
+describe("fencing interceptor", () => {
+  // A guarded service on a real socket that records what arrives and
+  // refuses tokens below the highest seen, as DESIGN §5 asks.
+  async function recordingGuardedServer() {
+    const seen: Headers[] = [];
+    let highest = 0n;
+    const routes = (router: ConnectRouter) =>
+      router.service(GuardedStoreService, {
+        put: (req, ctx) => {
+          seen.push(ctx.requestHeader);
+          const token = BigInt(ctx.requestHeader.get(fencingHeaderNames.fencingToken) ?? "0");
+          if (token < highest) {
+            throw new ConnectError("stale", Code.Aborted, undefined, [
+              {
+                desc: ErrorInfoSchema,
+                value: {
+                  reason: "STALE_FENCING_TOKEN",
+                  domain: "leasehold.dev",
+                  metadata: { presented_token: `${token}`, highest_token: `${highest}` },
+                },
+              },
+            ]);
+          }
+          highest = token;
+          return create(PutResponseSchema, { highestToken: highest, document: { name: req.name } });
+        },
+        get: () => {
+          throw new ConnectError("unused", Code.Unimplemented);
+        },
+        list: () => {
+          throw new ConnectError("unused", Code.Unimplemented);
+        },
+      });
+    const h2 = http2.createServer(connectNodeAdapter({ routes }));
+    h2.listen(0, "127.0.0.1");
+    await once(h2, "listening");
+    const url = `http://127.0.0.1:${(h2.address() as net.AddressInfo).port}`;
+    return {
+      url,
+      seen,
+      close: () => new Promise<void>((r) => h2.close(() => r())),
+    };
+  }
+
+  it("S7, L2: calls made for a lease carry its token and key; a lost run's calls are never sent", async () => {
+    const guarded = await recordingGuardedServer();
+    const endpoint = createEndpoint(guarded.url, { interceptors: [fencingInterceptor()] });
+    const store = createClient(GuardedStoreService, endpoint.transport);
+    const key = freshKey("fence");
+    const staleEndpoint = createEndpoint(guarded.url, {
+      interceptors: [fencingInterceptor({ key, fencingToken: 3n })],
+    });
+    try {
+      const ac = new AbortController();
+      const source = { key, fencingToken: 7n, signal: ac.signal };
+      const callOptions = { contextValues: createContextValues().set(fencingContextKey, source) };
+
+      await store.put(
+        { key, name: "transcript", value: new Uint8Array([1]), fencingToken: 7n },
+        callOptions,
+      );
+      const headers = guarded.seen[0];
+      expect(headers?.get("leasehold-fencing-token")).toBe("7");
+      expect(headers?.get("leasehold-account-id")).toBe(key.accountId);
+      expect(headers?.get("leasehold-session-id")).toBe(key.sessionId);
+
+      // A call without a lease passes through without fencing headers.
+      await store.put({ key, name: "note", fencingToken: 0n }).catch(() => undefined);
+      expect(guarded.seen[1]?.get("leasehold-fencing-token")).toBeNull();
+
+      ac.abort(new LeaseLostError("lost", "taken_over"));
+      const refused = await store
+        .put({ key, name: "late" }, callOptions)
+        .catch((e: unknown) => toLeaseholdError(e));
+      expect(refused).toBeInstanceOf(LeaseLostError);
+      expect(guarded.seen).toHaveLength(2);
+
+      const stale = createClient(GuardedStoreService, staleEndpoint.transport);
+      const error = await stale.put({ key, name: "x" }).then(
+        () => undefined,
+        (e: unknown) => toLeaseholdError(e),
+      );
+      expect(error).toBeInstanceOf(StaleFencingTokenError);
+      expect((error as StaleFencingTokenError).highestToken).toBe(7n);
+    } finally {
+      endpoint.close();
+      staleEndpoint.close();
+      await guarded.close();
+    }
+  });
+});

@@ -1,0 +1,170 @@
+// A TCP proxy for fault tests: forwards connections to a target and can
+// drop them (RST, and refuse new ones), stall them (hold every byte, keep the
+// sockets open: a partition or a frozen peer), or delay them (bytes arrive
+// late, in order). Real sockets end to end; nothing above TCP is faked.
+
+import { once } from "node:events";
+import net from "node:net";
+
+/** Which way bytes flow: client to server, or server to client. */
+export type Direction = "toServer" | "toClient";
+
+export interface TcpProxy {
+  /** http://127.0.0.1:<port>, for clients. */
+  readonly url: string;
+  readonly port: number;
+  /** Connections accepted since start. */
+  readonly accepted: number;
+  /** Connections open now. */
+  readonly open: number;
+  /** Forward normally; bytes held by `stall` or `delay` flow on. */
+  pass(): void;
+  /** Reset every open connection and every new one. */
+  drop(): void;
+  /** Hold every byte of open and new connections, keeping them open. */
+  stall(): void;
+  /** Deliver each byte `ms` after it arrived, in the given directions (default both). */
+  delay(ms: number, directions?: Direction[]): void;
+  /** Closes the proxy and every connection. */
+  close(): Promise<void>;
+}
+
+type Mode = "pass" | "drop" | "stall";
+
+class Pipe {
+  private readonly queue: { chunk: Buffer; at: number }[] = [];
+  private timer: NodeJS.Timeout | undefined;
+  delayMs = 0;
+
+  constructor(
+    private readonly to: net.Socket,
+    private readonly mode: () => Mode,
+  ) {}
+
+  push(chunk: Buffer): void {
+    this.queue.push({ chunk, at: performance.now() });
+    this.pump();
+  }
+
+  pump(): void {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    if (this.mode() !== "pass") return;
+    while (this.queue.length > 0) {
+      const head = this.queue[0] as { chunk: Buffer; at: number };
+      const wait = head.at + this.delayMs - performance.now();
+      if (wait > 0) {
+        this.timer = setTimeout(() => this.pump(), wait);
+        return;
+      }
+      this.queue.shift();
+      if (!this.to.destroyed) this.to.write(head.chunk);
+    }
+  }
+
+  stop(): void {
+    clearTimeout(this.timer);
+  }
+}
+
+interface Connection {
+  client: net.Socket;
+  upstream: net.Socket;
+  pipes: Record<Direction, Pipe>;
+}
+
+/** Starts a proxy on 127.0.0.1, port 0, to `target` (a URL or host:port). */
+export async function startTcpProxy(target: string): Promise<TcpProxy> {
+  const u = new URL(target.includes("://") ? target : `tcp://${target}`);
+  const targetHost = u.hostname.replace(/^\[|\]$/g, "");
+  const targetPort = Number(u.port);
+  let mode: Mode = "pass";
+  const delays: Record<Direction, number> = { toServer: 0, toClient: 0 };
+  const connections = new Set<Connection>();
+  let accepted = 0;
+
+  const server = net.createServer((client) => {
+    accepted += 1;
+    if (mode === "drop") {
+      client.resetAndDestroy();
+      return;
+    }
+    const upstream = net.connect({ host: targetHost, port: targetPort });
+    const connection: Connection = {
+      client,
+      upstream,
+      pipes: {
+        toServer: new Pipe(upstream, () => mode),
+        toClient: new Pipe(client, () => mode),
+      },
+    };
+    connection.pipes.toServer.delayMs = delays.toServer;
+    connection.pipes.toClient.delayMs = delays.toClient;
+    connections.add(connection);
+    client.on("data", (chunk: Buffer) => connection.pipes.toServer.push(chunk));
+    upstream.on("data", (chunk: Buffer) => connection.pipes.toClient.push(chunk));
+    const end = () => {
+      connection.pipes.toServer.stop();
+      connection.pipes.toClient.stop();
+      client.destroy();
+      upstream.destroy();
+      connections.delete(connection);
+    };
+    // A stalled connection must not notice anything either: hold its close.
+    client.on("close", () => (mode === "stall" ? undefined : end()));
+    upstream.on("close", () => (mode === "stall" ? undefined : end()));
+    client.on("error", end);
+    upstream.on("error", end);
+  });
+  server.listen(0, "127.0.0.1");
+  await once(server, "listening");
+  const port = (server.address() as net.AddressInfo).port;
+
+  const pumpAll = () => {
+    for (const c of connections) {
+      c.pipes.toServer.pump();
+      c.pipes.toClient.pump();
+    }
+  };
+
+  return {
+    url: `http://127.0.0.1:${port}`,
+    port,
+    get accepted() {
+      return accepted;
+    },
+    get open() {
+      return connections.size;
+    },
+    pass: () => {
+      mode = "pass";
+      pumpAll();
+    },
+    drop: () => {
+      mode = "drop";
+      for (const c of connections) {
+        c.client.resetAndDestroy();
+        c.upstream.resetAndDestroy();
+        connections.delete(c);
+      }
+    },
+    stall: () => {
+      mode = "stall";
+    },
+    delay: (ms, directions = ["toServer", "toClient"]) => {
+      for (const d of directions) delays[d] = ms;
+      for (const c of connections) {
+        for (const d of directions) c.pipes[d].delayMs = ms;
+      }
+      pumpAll();
+    },
+    close: async () => {
+      for (const c of connections) {
+        c.client.destroy();
+        c.upstream.destroy();
+      }
+      connections.clear();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
