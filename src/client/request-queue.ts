@@ -43,6 +43,11 @@ export class RequestQueue<T> implements AsyncIterable<T> {
         this.end();
         return Promise.resolve({ value: undefined, done: true });
       },
+      // Connect calls throw() on the request side when the call fails.
+      throw: () => {
+        this.end();
+        return Promise.resolve({ value: undefined, done: true });
+      },
     };
   }
 }

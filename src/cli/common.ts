@@ -1,0 +1,247 @@
+// What the client commands share: the common flags, the client built from
+// them, and one way to report failures — a single readable line and an exit
+// code, never a stack trace.
+
+import os from "node:os";
+import { parseArgs } from "node:util";
+import {
+  type ClientEvent,
+  createLeaseClient,
+  type LeaseClient,
+  LeaseholdError,
+  UnavailableError,
+} from "../client/index.js";
+import { parseDuration } from "../server/limits.js";
+
+/** Exit codes of the client commands (sysexits.h where one fits). */
+export const ExitCode = {
+  ok: 0,
+  /** The server answered with an error. */
+  failure: 1,
+  /** Bad flags. */
+  usage: 2,
+  /** No configured server could be reached. */
+  unavailable: 69,
+  /** The session is held by another run. */
+  held: 75,
+} as const;
+
+export const defaultServer = "http://127.0.0.1:7070";
+
+/** A mistake in the command line: reported with the command's usage hint. */
+export class UsageError extends Error {
+  override readonly name = "UsageError";
+}
+
+/** Flags every client command accepts. */
+export const commonOptions = {
+  server: { type: "string", multiple: true },
+  protocol: { type: "string" },
+  account: { type: "string" },
+  session: { type: "string" },
+  ttl: { type: "string" },
+  holder: { type: "string" },
+  token: { type: "string" },
+  json: { type: "boolean" },
+  help: { type: "boolean", short: "h" },
+} as const;
+
+export const commonHelp = `Common flags:
+  --server URL        server base URL; repeat (or separate with commas) for
+                      several instances (default ${defaultServer}, or LEASEHOLD_SERVER)
+  --protocol P        connect (default) or grpc
+  --account ID        account of the session
+  --session ID        session id
+  --ttl DURATION      lease TTL such as 10s, 500ms, 1m (default 10s)
+  --holder LABEL      label shown to others, such as "desktop" (default the host name)
+  --token JWT         bearer token (default LEASEHOLD_TOKEN)
+  --json              print protobuf JSON instead of text
+  -h, --help          show this help`;
+
+type OptionSpec = Record<
+  string,
+  { type: "string" | "boolean"; multiple?: boolean; short?: string }
+>;
+
+/** Parses a command's argv with the common flags plus its own. */
+export function parseCommandArgs<T extends OptionSpec>(argv: string[], extra: T) {
+  try {
+    return parseArgs({
+      args: argv,
+      options: { ...commonOptions, ...extra },
+      strict: true,
+      allowPositionals: false,
+    });
+  } catch (error) {
+    if ((error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")) {
+      throw new UsageError((error as Error).message);
+    }
+    throw error;
+  }
+}
+
+/** The common flags, resolved against the environment and defaults. */
+export interface CommonFlags {
+  servers: string[];
+  protocol: "connect" | "grpc";
+  account: string | undefined;
+  session: string | undefined;
+  ttlMs: number;
+  holder: string;
+  token: string | undefined;
+  json: boolean;
+}
+
+/** Reads the common flags; bad values are UsageErrors naming the flag. */
+export function commonFlags(
+  values: Record<string, string | boolean | (string | boolean)[] | undefined>,
+  env: NodeJS.ProcessEnv = process.env,
+): CommonFlags {
+  const serverFlags = (values.server as string[] | undefined) ?? [];
+  const servers = (serverFlags.length > 0 ? serverFlags : [env.LEASEHOLD_SERVER || defaultServer])
+    .flatMap((s) => s.split(","))
+    .map((s) => s.trim())
+    .filter((s) => s !== "");
+  for (const s of servers) {
+    let url: URL;
+    try {
+      url = new URL(s);
+    } catch {
+      throw new UsageError(
+        `--server must be a URL such as ${defaultServer}, got ${JSON.stringify(s)}`,
+      );
+    }
+    if (url.protocol !== "http:" && url.protocol !== "https:") {
+      throw new UsageError(`--server must be an http:// or https:// URL, got ${JSON.stringify(s)}`);
+    }
+  }
+  const protocol = (values.protocol as string | undefined) ?? "connect";
+  if (protocol !== "connect" && protocol !== "grpc") {
+    throw new UsageError(`--protocol must be connect or grpc, got ${JSON.stringify(protocol)}`);
+  }
+  return {
+    servers,
+    protocol,
+    account: values.account as string | undefined,
+    session: values.session as string | undefined,
+    ttlMs: durationFlag("ttl", values.ttl as string | undefined, 10_000),
+    holder: (values.holder as string | undefined) ?? os.hostname(),
+    token: (values.token as string | undefined) ?? (env.LEASEHOLD_TOKEN || undefined),
+    json: values.json === true,
+  };
+}
+
+/** Milliseconds of a duration flag, or `fallback` when it is absent. */
+export function durationFlag(name: string, text: string | undefined, fallback: number): number {
+  if (text === undefined) return fallback;
+  const ms = parseDuration(text);
+  if (ms === undefined) {
+    throw new UsageError(
+      `--${name} must be a duration such as 250ms, 10s, 5m or 1h, got ${JSON.stringify(text)}`,
+    );
+  }
+  return ms;
+}
+
+/** A required string flag. */
+export function required(name: string, value: string | undefined): string {
+  if (value === undefined || value === "") throw new UsageError(`--${name} is required`);
+  return value;
+}
+
+/** The session key from --account and --session (both required). */
+export function sessionKey(flags: CommonFlags): { accountId: string; sessionId: string } {
+  return {
+    accountId: required("account", flags.account),
+    sessionId: required("session", flags.session),
+  };
+}
+
+/** A lease client for the flags' servers. Close it when done. */
+export function clientFor(flags: CommonFlags, onEvent?: (event: ClientEvent) => void): LeaseClient {
+  return createLeaseClient({
+    baseUrls: flags.servers,
+    protocol: flags.protocol,
+    token: flags.token,
+    onEvent,
+  });
+}
+
+const connectionCodes: Record<string, string> = {
+  ECONNREFUSED: "connection refused",
+  ECONNRESET: "connection reset",
+  ENOTFOUND: "host not found",
+  EAI_AGAIN: "host name lookup failed",
+  EHOSTUNREACH: "host unreachable",
+  ENETUNREACH: "network unreachable",
+  ETIMEDOUT: "connection timed out",
+};
+
+/** Why a server could not be reached, when that is what `error` says. */
+function connectionProblem(error: unknown): string | undefined {
+  for (let e: unknown = error; e instanceof Error; e = e.cause) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === "string" && connectionCodes[code]) return connectionCodes[code];
+  }
+  return undefined;
+}
+
+/**
+ * Runs a command body and turns its failures into one line on stderr and an
+ * exit code: usage mistakes (2), an unreachable server (69), any other
+ * error the server sent (1).
+ */
+export async function runCommand(
+  name: string,
+  help: string,
+  argv: string[],
+  body: () => Promise<number>,
+): Promise<number> {
+  const separator = argv.indexOf("--");
+  const own = separator === -1 ? argv : argv.slice(0, separator);
+  if (own.includes("--help") || own.includes("-h")) {
+    process.stdout.write(help);
+    return ExitCode.ok;
+  }
+  try {
+    return await body();
+  } catch (error) {
+    const prefix = `leasehold ${name}:`;
+    if (error instanceof UsageError) {
+      process.stderr.write(
+        `${prefix} ${error.message}\nRun "leasehold ${name} --help" for usage.\n`,
+      );
+      return ExitCode.usage;
+    }
+    const unreachable = connectionProblem(error);
+    if (unreachable !== undefined) {
+      const servers = argvServers(argv);
+      process.stderr.write(`${prefix} cannot reach the server at ${servers} (${unreachable})\n`);
+      return ExitCode.unavailable;
+    }
+    if (error instanceof UnavailableError) {
+      process.stderr.write(`${prefix} the server is unavailable: ${error.message}\n`);
+      return ExitCode.unavailable;
+    }
+    if (error instanceof LeaseholdError) {
+      process.stderr.write(`${prefix} ${error.message}\n`);
+      return ExitCode.failure;
+    }
+    throw error;
+  }
+}
+
+function argvServers(argv: string[]): string {
+  try {
+    const { values } = parseArgs({
+      args: argv,
+      options: { server: commonOptions.server },
+      strict: false,
+      allowPositionals: true,
+    });
+    const list = (values.server as string[] | undefined) ?? [];
+    return (list.length > 0 ? list : [process.env.LEASEHOLD_SERVER || defaultServer]).join(", ");
+  } catch {
+    return defaultServer;
+  }
+}

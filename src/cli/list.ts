@@ -1,0 +1,66 @@
+// `leasehold list`: the valid leases of an account.
+
+import { msFromDuration } from "../client/index.js";
+import { ListResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
+import {
+  clientFor,
+  commonFlags,
+  commonHelp,
+  ExitCode,
+  parseCommandArgs,
+  required,
+  runCommand,
+  UsageError,
+} from "./common.js";
+import { printJson, secondsText, table } from "./format.js";
+
+export const listHelp = `Usage: leasehold list --account A [--page-size N] [flags]
+
+Lists the valid leases of an account, by session id, following every page.
+With --json, prints each page as one ListResponse per line.
+
+Flags:
+  --page-size N       leases per request (default: the server's)
+${commonHelp}
+`;
+
+export function list(argv: string[]): Promise<number> {
+  return runCommand("list", listHelp, argv, async () => {
+    const { values } = parseCommandArgs(argv, { "page-size": { type: "string" } });
+    const flags = commonFlags(values);
+    const accountId = required("account", flags.account);
+    const pageSizeText = values["page-size"];
+    const pageSize = pageSizeText === undefined ? 0 : Number(pageSizeText);
+    if (!Number.isInteger(pageSize) || pageSize < 0) {
+      throw new UsageError(
+        `--page-size must be a positive integer, got ${JSON.stringify(pageSizeText)}`,
+      );
+    }
+    const client = clientFor(flags);
+    try {
+      const rows: string[][] = [];
+      let pageToken = "";
+      do {
+        const page = await client.list({ accountId, pageSize, pageToken });
+        if (flags.json) printJson(ListResponseSchema, page);
+        for (const lease of page.leases) {
+          rows.push([
+            lease.key?.sessionId ?? "",
+            lease.holder,
+            lease.fencingToken.toString(),
+            secondsText(msFromDuration(lease.remaining)),
+            lease.runId,
+          ]);
+        }
+        pageToken = page.nextPageToken;
+      } while (pageToken !== "");
+      if (!flags.json) {
+        if (rows.length === 0) process.stdout.write(`no valid leases in account ${accountId}\n`);
+        else process.stdout.write(table(["SESSION", "HOLDER", "TOKEN", "LEFT", "RUN"], rows));
+      }
+      return ExitCode.ok;
+    } finally {
+      client.close();
+    }
+  });
+}

@@ -1,0 +1,44 @@
+// `leasehold release`: ends a run's lease. Releasing nothing is not an error.
+
+import { ReleaseResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
+import {
+  clientFor,
+  commonFlags,
+  commonHelp,
+  ExitCode,
+  parseCommandArgs,
+  required,
+  runCommand,
+  sessionKey,
+} from "./common.js";
+import { keyText, printJson } from "./format.js";
+
+export const releaseHelp = `Usage: leasehold release --account A --session S --run-id UUID [flags]
+
+Ends the run's valid lease. It can never end another run's lease; when the
+run holds nothing (already released, expired, taken over) it says so and
+still exits 0.
+
+Flags:
+  --run-id UUID       the run whose lease to release (required)
+${commonHelp}
+`;
+
+export function release(argv: string[]): Promise<number> {
+  return runCommand("release", releaseHelp, argv, async () => {
+    const { values } = parseCommandArgs(argv, { "run-id": { type: "string" } });
+    const flags = commonFlags(values);
+    const key = sessionKey(flags);
+    const runId = required("run-id", values["run-id"]);
+    const client = clientFor(flags);
+    try {
+      const response = await client.release({ key, runId });
+      if (flags.json) printJson(ReleaseResponseSchema, response);
+      else if (response.released) process.stdout.write(`released ${keyText(key)} (run ${runId})\n`);
+      else process.stdout.write(`nothing to release: run ${runId} does not hold ${keyText(key)}\n`);
+      return ExitCode.ok;
+    } finally {
+      client.close();
+    }
+  });
+}

@@ -1,0 +1,181 @@
+// `leasehold run -- CMD`: holds a session's lease while CMD runs, and stops
+// CMD when the lease is lost (L2): SIGTERM, then SIGKILL after a grace.
+
+import { type ChildProcess, spawn } from "node:child_process";
+import os from "node:os";
+import { LeaseLostError, NotAcquiredError } from "../client/index.js";
+import {
+  clientFor,
+  commonFlags,
+  commonHelp,
+  durationFlag,
+  ExitCode,
+  parseCommandArgs,
+  runCommand,
+  sessionKey,
+  UsageError,
+} from "./common.js";
+import { keyText, leaseText } from "./format.js";
+
+export const runHelp = `Usage: leasehold run --account A --session S [--ttl 10s] [flags] -- CMD [ARGS...]
+
+Acquires the session's lease, runs CMD while keeping the lease alive, and
+releases it when CMD ends; exits with CMD's exit code (128+N when CMD was
+killed by signal N). CMD gets LEASEHOLD_FENCING_TOKEN, LEASEHOLD_RUN_ID,
+LEASEHOLD_ACCOUNT_ID, LEASEHOLD_SESSION_ID and LEASEHOLD_SERVER in its
+environment: present the token with every write to a guarded resource.
+
+When the lease is lost (taken over, revoked, expired, or no renewal
+confirmed before the local deadline) CMD gets SIGTERM, then SIGKILL if it
+has not exited after --grace. When the session is held by another run, it
+says by whom and exits 75 without running CMD. SIGINT, SIGTERM and SIGHUP
+are passed on to CMD.
+
+Flags:
+  --wait DURATION     wait up to this long for the session to become free
+  --grace DURATION    time between SIGTERM and SIGKILL (default 10s)
+  --on-handoff SIG    send CMD this signal (e.g. SIGUSR1) when another holder
+                      asks for the session; by default only a message is printed
+  --verbose           report the lease and stream reconnects on stderr
+${commonHelp}
+`;
+
+const forwarded = ["SIGINT", "SIGTERM", "SIGHUP"] as const;
+
+function signalExitCode(signal: NodeJS.Signals): number {
+  return 128 + (os.constants.signals[signal] ?? 0);
+}
+
+function checkSignal(name: string, value: string | undefined): NodeJS.Signals | undefined {
+  if (value === undefined) return undefined;
+  const signal = value.toUpperCase().startsWith("SIG")
+    ? value.toUpperCase()
+    : `SIG${value.toUpperCase()}`;
+  if (!(signal in os.constants.signals)) {
+    throw new UsageError(
+      `--${name} must be a signal name such as SIGUSR1, got ${JSON.stringify(value)}`,
+    );
+  }
+  return signal as NodeJS.Signals;
+}
+
+/** CMD could not be started at all (not found, not executable). */
+class SpawnError extends Error {
+  override readonly name = "SpawnError";
+}
+
+export function run(argv: string[]): Promise<number> {
+  return runCommand("run", runHelp, argv, async () => {
+    const separator = argv.indexOf("--");
+    const command = separator === -1 ? [] : argv.slice(separator + 1);
+    const { values } = parseCommandArgs(separator === -1 ? argv : argv.slice(0, separator), {
+      wait: { type: "string" },
+      grace: { type: "string" },
+      "on-handoff": { type: "string" },
+      verbose: { type: "boolean" },
+    });
+    const [file, ...args] = command;
+    if (file === undefined) throw new UsageError('the command to run goes after "--"');
+    const flags = commonFlags(values);
+    const key = sessionKey(flags);
+    const waitMs = durationFlag("wait", values.wait, 0);
+    const graceMs = durationFlag("grace", values.grace, 10_000);
+    const handoffSignal = checkSignal("on-handoff", values["on-handoff"]);
+    const verbose = values.verbose === true;
+    const say = (line: string) => process.stderr.write(`leasehold run: ${line}\n`);
+
+    const client = clientFor(flags, (event) => {
+      if (!verbose) return;
+      if (event.type === "keepalive-failed") {
+        say(`keep-alive stream to ${event.baseUrl} failed (${event.error.message}); reconnecting`);
+      } else if (event.type === "release-failed") {
+        say(`release failed (${event.error.message}); the lease ends at its deadline`);
+      }
+    });
+    const acquiring = new AbortController();
+    let child: ChildProcess | undefined;
+    const onSignal = (signal: NodeJS.Signals) => {
+      if (child) child.kill(signal);
+      else acquiring.abort(new Error(`interrupted by ${signal}`));
+    };
+    for (const s of forwarded) process.on(s, onSignal);
+    try {
+      return await client.runExclusive(
+        key,
+        (ctx) =>
+          new Promise<number>((resolve, reject) => {
+            if (verbose) say(`holding ${keyText(key)}: ${leaseText(ctx.lease)}`);
+            const started = spawn(file, args, {
+              stdio: "inherit",
+              env: {
+                ...process.env,
+                LEASEHOLD_FENCING_TOKEN: ctx.fencingToken.toString(),
+                LEASEHOLD_RUN_ID: ctx.runId,
+                LEASEHOLD_ACCOUNT_ID: key.accountId,
+                LEASEHOLD_SESSION_ID: key.sessionId,
+                LEASEHOLD_SERVER: flags.servers.join(","),
+              },
+            });
+            child = started;
+            let killTimer: NodeJS.Timeout | undefined;
+            started.once("error", (error) => {
+              reject(new SpawnError(`cannot start ${JSON.stringify(file)}: ${error.message}`));
+            });
+            started.once("exit", (code, signal) => {
+              clearTimeout(killTimer);
+              resolve(code ?? (signal ? signalExitCode(signal) : ExitCode.failure));
+            });
+            ctx.signal.addEventListener("abort", () => {
+              if (started.exitCode !== null || started.signalCode !== null) return;
+              const reason: unknown = ctx.signal.reason;
+              const why =
+                reason instanceof LeaseLostError ? reason.message : "the run was interrupted";
+              say(`lease on ${keyText(key)} lost: ${why}; stopping ${file} (SIGTERM)`);
+              started.kill("SIGTERM");
+              killTimer = setTimeout(() => {
+                if (started.exitCode !== null || started.signalCode !== null) return;
+                say(`${file} did not exit within ${graceMs}ms of SIGTERM; sending SIGKILL`);
+                started.kill("SIGKILL");
+              }, graceMs);
+            });
+            ctx.onHandoffRequested((request) => {
+              const by =
+                request.requesterHolder === ""
+                  ? "another holder"
+                  : JSON.stringify(request.requesterHolder);
+              const why = request.reason === "" ? "" : `: ${request.reason}`;
+              say(`handoff requested by ${by}${why}`);
+              if (handoffSignal) started.kill(handoffSignal);
+            });
+          }),
+        {
+          ttlMs: flags.ttlMs,
+          waitMs,
+          holder: flags.holder,
+          signal: acquiring.signal,
+        },
+      );
+    } catch (error) {
+      if (error instanceof NotAcquiredError) {
+        say(
+          error.current
+            ? `${keyText(key)} is held by ${leaseText(error.current)}`
+            : `${keyText(key)} was not acquired: ${error.message}`,
+        );
+        return ExitCode.held;
+      }
+      if (error instanceof SpawnError) {
+        say(error.message);
+        return 127;
+      }
+      if (acquiring.signal.aborted && child === undefined) {
+        say(`${String((acquiring.signal.reason as Error).message)} while acquiring`);
+        return ExitCode.failure;
+      }
+      throw error;
+    } finally {
+      for (const s of forwarded) process.off(s, onSignal);
+      client.close();
+    }
+  });
+}
