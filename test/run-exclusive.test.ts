@@ -1,0 +1,309 @@
+// runExclusive against real servers, through a real TCP proxy that drops,
+// stalls or delays the connection. The property under test is L2: the work's
+// signal aborts before the server-side deadline (read from the database's
+// own expires_at and clock), and a grant that arrives too late is not used.
+
+import { once } from "node:events";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import {
+  type ClientEvent,
+  createLeaseClient,
+  durationFromMs,
+  LateGrantError,
+  type LeaseClient,
+  type LeaseClientOptions,
+  LeaseLostError,
+} from "../src/client/index.js";
+import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
+import { createLeaseStore, type SessionKey } from "../src/server/lease-store.js";
+import type { RunningServer } from "../src/server/server.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey } from "./support/leases.js";
+import { spawnServer, startTestServer } from "./support/server.js";
+import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+const cleanups: (() => unknown)[] = [];
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url);
+});
+afterAll(async () => {
+  for (const cleanup of cleanups.reverse()) await cleanup();
+  await server?.close();
+  await db?.close();
+});
+
+function client(options: Partial<LeaseClientOptions> = {}): LeaseClient {
+  const c = createLeaseClient({ baseUrl: server.url, ...options });
+  cleanups.push(() => c.close());
+  return c;
+}
+
+async function proxyTo(url: string): Promise<TcpProxy> {
+  const proxy = await startTcpProxy(url);
+  cleanups.push(() => proxy.close());
+  return proxy;
+}
+
+/** Milliseconds until the lease's server-side deadline, on the database clock. */
+async function serverSideLeftMs(key: SessionKey): Promise<number> {
+  const [row] = await db.sql<{ leftMs: number }[]>`
+    SELECT (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::float8 AS left_ms
+    FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+  if (!row) throw new Error("no lease row");
+  return row.leftMs;
+}
+
+/** Waits on the database clock until `ms` past the lease's current expires_at. */
+async function untilPastCurrentDeadline(key: SessionKey, ms: number): Promise<void> {
+  await db.sql`
+    SELECT pg_sleep_until(expires_at + ${ms}::int * interval '1 millisecond')
+    FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+}
+
+/** The stored row: who holds the key and whether the lease is valid now. */
+async function storedLease(key: SessionKey) {
+  const [row] = await db.sql<
+    { runId: string; fencingToken: bigint; valid: boolean; ended: string | null }[]
+  >`
+    SELECT run_id::text, fencing_token, expires_at > clock_timestamp() AS valid, ended
+    FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+  return row;
+}
+
+/**
+ * Runs work that waits for its signal to abort and, at that moment, reads the
+ * server-side time left; resolves with the abort reason and that reading.
+ */
+async function abortedWhen(
+  c: LeaseClient,
+  key: SessionKey,
+  ttlMs: number,
+  onHeld: () => unknown,
+  extra: { safetyMarginMs?: number } = {},
+) {
+  return c.runExclusive(
+    key,
+    async (ctx) => {
+      await onHeld();
+      await once(ctx.signal, "abort");
+      const leftMs = await serverSideLeftMs(key);
+      return { reason: ctx.signal.reason as unknown, leftMs, runId: ctx.runId };
+    },
+    { ttlMs, ...extra },
+  );
+}
+
+describe("runExclusive keeps the lease alive", () => {
+  it("L2, S6: renewals carry two runs past their TTL on one shared KeepAlive stream, same tokens", async () => {
+    const events: ClientEvent[] = [];
+    const c = client({ onEvent: (e) => events.push(e) });
+    const keys = [freshKey("shared"), freshKey("shared")];
+    const results = await Promise.all(
+      keys.map((key) =>
+        c.runExclusive(
+          key,
+          async (ctx) => {
+            const first = await storedLease(key);
+            // Wait on the database clock past the first grant's deadline
+            // (renewals keep acquired_at).
+            await db.sql`
+              SELECT pg_sleep_until(acquired_at + ttl + interval '50 milliseconds')
+              FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+            const now = await storedLease(key);
+            return { aborted: ctx.signal.aborted, first, now, token: ctx.fencingToken };
+          },
+          { ttlMs: 600 },
+        ),
+      ),
+    );
+    for (const r of results) {
+      expect(r.aborted).toBe(false);
+      expect(r.now?.valid).toBe(true);
+      expect(r.now?.runId).toBe(r.first?.runId);
+      expect(r.now?.fencingToken).toBe(r.token);
+    }
+    expect(events.filter((e) => e.type === "keepalive-open")).toHaveLength(1);
+    for (const key of keys) expect((await storedLease(key))?.ended).toBe("released");
+  });
+});
+
+describe("L2: the signal aborts before the server-side deadline", () => {
+  it("L2: when the connection is dropped (reset, and new connections refused)", async () => {
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const key = freshKey("drop");
+    const result = await abortedWhen(c, key, 2_000, () => proxy.drop(), { safetyMarginMs: 500 });
+    expect(result.reason).toBeInstanceOf(LeaseLostError);
+    expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
+    expect(result.leftMs).toBeGreaterThan(0);
+  });
+
+  it("L2: when the connection stalls (bytes held, sockets open)", async () => {
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const key = freshKey("stall");
+    const result = await abortedWhen(c, key, 2_000, () => proxy.stall(), { safetyMarginMs: 500 });
+    expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
+    expect(result.leftMs).toBeGreaterThan(0);
+  });
+
+  it("L2: when the server process is killed (SIGKILL)", async () => {
+    const other = await spawnServer(db.url);
+    cleanups.push(() => other.kill());
+    const c = client({ baseUrl: other.url, protocol: "grpc" });
+    const key = freshKey("killed");
+    const result = await abortedWhen(c, key, 2_000, () => other.kill(), { safetyMarginMs: 500 });
+    expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
+    expect(result.leftMs).toBeGreaterThan(0);
+  });
+
+  it("L2: when the lease is revoked, the stream's `lost` aborts it with the cause", async () => {
+    const c = client();
+    const key = freshKey("revoked");
+    const store = createLeaseStore(db.sql);
+    const result = await abortedWhen(c, key, 1_000, () => store.revoke(key, "test"));
+    expect((result.reason as LeaseLostError).lossReason).toBe("revoked");
+  });
+});
+
+describe("reconnecting", () => {
+  it("L2: a dropped instance is replaced by the next base URL; the lease outlives its TTL", async () => {
+    const second = await startTestServer(db.url);
+    cleanups.push(() => second.close());
+    const proxy = await proxyTo(server.url);
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrls: [proxy.url, second.url], onEvent: (e) => events.push(e) });
+    const key = freshKey("failover");
+    const outcome = await c.runExclusive(
+      key,
+      async (ctx) => {
+        const before = await storedLease(key);
+        proxy.drop();
+        // Past the deadline the lease had when the first instance was cut.
+        await untilPastCurrentDeadline(key, 50);
+        const after = await storedLease(key);
+        return { aborted: ctx.signal.aborted, before, after };
+      },
+      { ttlMs: 1_000 },
+    );
+    expect(outcome.aborted).toBe(false);
+    expect(outcome.after?.valid).toBe(true);
+    expect(outcome.after?.runId).toBe(outcome.before?.runId);
+    expect(events).toContainEqual({ type: "keepalive-open", baseUrl: second.url });
+  });
+});
+
+describe("late grants", () => {
+  it("L2: a grant whose response arrives after its local deadline is not used, and is released", async () => {
+    const proxy = await proxyTo(server.url);
+    proxy.delay(1_500, ["toClient"]);
+    const c = client({ baseUrl: proxy.url });
+    const key = freshKey("late");
+    let ran = false;
+    const error = await c
+      .runExclusive(
+        key,
+        () => {
+          ran = true;
+        },
+        { ttlMs: 1_000 },
+      )
+      .catch((e: unknown) => e);
+    expect(ran).toBe(false);
+    expect(error).toBeInstanceOf(LateGrantError);
+    const row = await storedLease(key);
+    expect(row?.runId).toBe((error as LateGrantError).lateLease?.runId);
+    expect(row?.ended).toBe("released");
+    expect(row?.valid).toBe(false);
+  });
+
+  it("L2, S6: a grant after a long wait is confirmed by an idempotent re-acquire before work starts", async () => {
+    const c = client();
+    const key = freshKey("waited");
+    const first = await c.acquire({ key, ttl: durationFromMs(800), holder: "desktop" });
+    const outcome = await c.runExclusive(
+      key,
+      async (ctx) => ({
+        token: ctx.fencingToken,
+        left: ctx.remainingMs(),
+        row: await storedLease(key),
+      }),
+      { ttlMs: 500, waitMs: 5_000 },
+    );
+    expect(outcome.token).toBeGreaterThan(first.lease?.fencingToken ?? 0n);
+    expect(outcome.left).toBeGreaterThan(0);
+    expect(outcome.row?.fencingToken).toBe(outcome.token);
+  });
+});
+
+describe("release", () => {
+  it("S5: an error thrown by work still releases the lease, and runExclusive rethrows it", async () => {
+    const c = client();
+    const key = freshKey("throws");
+    const boom = new Error("boom");
+    const error = await c
+      .runExclusive(key, async () => {
+        throw boom;
+      })
+      .catch((e: unknown) => e);
+    expect(error).toBe(boom);
+    const row = await storedLease(key);
+    expect(row?.ended).toBe("released");
+    expect(row?.valid).toBe(false);
+  });
+
+  it("L2: the caller's signal aborts the work's signal; the lease is released and the result returned", async () => {
+    const c = client();
+    const key = freshKey("cancel");
+    const caller = new AbortController();
+    const result = await c.runExclusive(
+      key,
+      async (ctx) => {
+        caller.abort(new Error("user pressed stop"));
+        await once(ctx.signal, "abort");
+        return (ctx.signal.reason as Error).message;
+      },
+      { signal: caller.signal },
+    );
+    expect(result).toBe("user pressed stop");
+    expect((await storedLease(key))?.ended).toBe("released");
+  });
+
+  it("L2: after work settles, calls made with its context fail instead of presenting the lease", async () => {
+    const c = client();
+    const key = freshKey("after");
+    const ctx = await c.runExclusive(key, (ctx) => ctx);
+    expect(ctx.signal.aborted).toBe(true);
+    expect((ctx.signal.reason as LeaseLostError).lossReason).toBe("released");
+  });
+});
+
+describe("handoff", () => {
+  it("a handoff request from another holder reaches the running work", async () => {
+    const c = client();
+    const other = client({ protocol: "grpc" });
+    const key = freshKey("handoff");
+    const request = await c.runExclusive(
+      key,
+      async (ctx) => {
+        const received = new Promise<HandoffRequested>((resolve) =>
+          ctx.onHandoffRequested(resolve),
+        );
+        const answer = await other.requestHandoff({
+          key,
+          requesterHolder: "browser",
+          reason: "continue on this device",
+        });
+        expect(answer.delivered).toBe(true);
+        return received;
+      },
+      { ttlMs: 5_000 },
+    );
+    expect(request.requesterHolder).toBe("browser");
+    expect(request.reason).toBe("continue on this device");
+  });
+});
