@@ -200,7 +200,10 @@ describe("reconnecting", () => {
 describe("late grants", () => {
   it("L2: a grant whose response arrives after its local deadline is not used, and is released", async () => {
     const proxy = await proxyTo(server.url);
-    proxy.delay(1_500, ["toClient"]);
+    // Answers arrive 1.3 s late: past the local deadline (sent + 2 s − 1 s
+    // margin) but before the server-side one, so the release still finds
+    // the lease and ends it.
+    proxy.delay(1_300, ["toClient"]);
     const c = client({ baseUrl: proxy.url });
     const key = freshKey("late");
     let ran = false;
@@ -210,7 +213,7 @@ describe("late grants", () => {
         () => {
           ran = true;
         },
-        { ttlMs: 1_000 },
+        { ttlMs: 2_000, safetyMarginMs: 1_000 },
       )
       .catch((e: unknown) => e);
     expect(ran).toBe(false);
@@ -263,8 +266,9 @@ describe("release", () => {
     const result = await c.runExclusive(
       key,
       async (ctx) => {
+        const aborted = once(ctx.signal, "abort");
         caller.abort(new Error("user pressed stop"));
-        await once(ctx.signal, "abort");
+        await aborted;
         return (ctx.signal.reason as Error).message;
       },
       { signal: caller.signal },

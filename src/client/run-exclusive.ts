@@ -131,7 +131,10 @@ export async function runExclusive<T>(
 
   const release = async () => {
     try {
-      await deps.release({ key: sessionKey, runId }, { timeoutMs: deps.defaultTimeoutMs });
+      // Waiting longer than a TTL is pointless: by then the lease has
+      // expired anyway.
+      const timeoutMs = Math.min(deps.defaultTimeoutMs, timing.ttlMs);
+      await deps.release({ key: sessionKey, runId }, { timeoutMs });
     } catch (error) {
       // The lease then ends at its deadline; S5 makes a late release harmless.
       deps.onReleaseError?.(toLeaseholdError(error), sessionKey, runId);
