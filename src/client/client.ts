@@ -139,7 +139,7 @@ export interface LeaseClient {
    * result.
    *
    * Acquires (waiting up to `waitMs` if asked), keeps the lease alive on the
-   * client's one shared KeepAlive stream (renewing every TTL/3 by default),
+   * client's one shared KeepAlive stream (renewing about every TTL/3 by default),
    * and calls `work` with a LeaseContext. `ctx.signal` aborts when the
    * stream says the lease is lost, when renewals fail, when the local
    * deadline passes without a confirmed renewal (L2), or when

@@ -16,7 +16,7 @@ import { msFromDuration } from "./durations.js";
 /** Default safety margin as a fraction of the TTL. */
 export const defaultMarginFraction = 0.1;
 
-/** Default renewal interval as a fraction of the TTL. */
+/** Default renewal interval as a fraction of the usable window (TTL − margin). */
 export const defaultRenewFraction = 1 / 3;
 
 /**
@@ -39,7 +39,8 @@ export interface LeaseTiming {
 }
 
 /**
- * Fills in the defaults (margin = TTL/10, renewals every TTL/3) and checks
+ * Fills in the defaults (margin = TTL/10, renewals every third of TTL −
+ * margin, i.e. every 0.3 TTL by default) and checks
  * that a renewal is due well before the local deadline: with a renewal
  * interval close to TTL − margin one slow answer would abort the run.
  */
@@ -58,7 +59,7 @@ export function leaseTiming(options: {
       `safetyMarginMs must be at least 0 and below ttlMs (${ttlMs}), got ${marginMs}`,
     );
   }
-  const renewIntervalMs = options.renewIntervalMs ?? ttlMs * defaultRenewFraction;
+  const renewIntervalMs = options.renewIntervalMs ?? (ttlMs - marginMs) * defaultRenewFraction;
   if (!(renewIntervalMs > 0 && renewIntervalMs <= (ttlMs - marginMs) / 2)) {
     throw new RangeError(
       `renewIntervalMs must be above 0 and at most half of ttlMs − safetyMarginMs (${(ttlMs - marginMs) / 2}), got ${renewIntervalMs}`,

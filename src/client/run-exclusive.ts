@@ -45,7 +45,7 @@ export interface RunExclusiveOptions {
   runId?: string;
   /** Subtracted from every local deadline, in ms; default TTL/10. */
   safetyMarginMs?: number;
-  /** Time between renewals, in ms; default TTL/3. */
+  /** Time between renewals, in ms; default (TTL − margin)/3, about every 0.3 TTL. */
   renewIntervalMs?: number;
   /** Cancels the run: aborts an acquire in progress, or aborts the work's signal. */
   signal?: AbortSignal;
