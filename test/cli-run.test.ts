@@ -1,0 +1,149 @@
+// `leasehold run` and `leasehold watch` as real processes against a real
+// server: the child command holds the lease, is stopped when the lease is
+// lost (L2), and the watcher prints changes made by another client.
+
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createLeaseClient, durationFromMs, type LeaseClient } from "../src/client/index.js";
+import { createLeaseStore } from "../src/server/lease-store.js";
+import type { RunningServer } from "../src/server/server.js";
+import { runCli, startCli } from "./support/cli.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey } from "./support/leases.js";
+import { startTestServer } from "./support/server.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+let client: LeaseClient;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url);
+  client = createLeaseClient({ baseUrl: server.url });
+});
+afterAll(async () => {
+  client?.close();
+  await server?.close();
+  await db?.close();
+});
+
+async function storedLease(key: { accountId: string; sessionId: string }) {
+  const [row] = await db.sql<{ fencingToken: bigint; runId: string; ended: string | null }[]>`
+    SELECT fencing_token, run_id::text, ended FROM leases
+    WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+  return row;
+}
+
+function isAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+describe("leasehold run", () => {
+  it("S6: CMD runs holding the lease with its token and run id, the lease is released when it ends, and its exit code passes through", async () => {
+    const key = freshKey("run");
+    const result = await runCli([
+      "run",
+      "--server",
+      server.url,
+      "--account",
+      key.accountId,
+      "--session",
+      key.sessionId,
+      "--ttl",
+      "5s",
+      "--",
+      process.execPath,
+      "-e",
+      "console.log(`token=${process.env.LEASEHOLD_FENCING_TOKEN} run=${process.env.LEASEHOLD_RUN_ID}`); process.exit(7)",
+    ]);
+    expect(result.code).toBe(7);
+    const row = await storedLease(key);
+    expect(result.stdout).toBe(`token=${row?.fencingToken} run=${row?.runId}\n`);
+    expect(row?.ended).toBe("released");
+  });
+
+  it("L2: when the lease is lost, CMD gets SIGTERM, then SIGKILL after the grace; run exits with CMD's code", async () => {
+    const key = freshKey("lost");
+    const run = startCli([
+      "run",
+      "--server",
+      server.url,
+      "--account",
+      key.accountId,
+      "--session",
+      key.sessionId,
+      "--ttl",
+      "2s",
+      "--grace",
+      "300ms",
+      "--",
+      process.execPath,
+      "-e",
+      // Ignores SIGTERM, so only SIGKILL can stop it.
+      `process.on("SIGTERM", () => console.log("got SIGTERM"));
+       console.log("ready " + process.pid);
+       setInterval(() => {}, 1000);`,
+    ]);
+    const ready = await run.line(/^ready \d+$/);
+    const pid = Number(ready.split(" ")[1]);
+    expect(isAlive(pid)).toBe(true);
+
+    await createLeaseStore(db.sql).revoke(key, "operator says stop");
+    const result = await run.exited;
+    expect(result.stdout).toContain("got SIGTERM");
+    expect(result.stderr).toMatch(/lease on .* lost: .*revoked.*stopping/);
+    expect(result.stderr).toMatch(/did not exit within 300ms of SIGTERM; sending SIGKILL/);
+    expect(result.code).toBe(137);
+    expect(isAlive(pid)).toBe(false);
+    expect((await storedLease(key))?.ended).toBe("revoked");
+  });
+
+  it("S3: when the session is held elsewhere it says by whom, does not run CMD, and exits 75", async () => {
+    const key = freshKey("held");
+    const held = await client.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
+    const result = await runCli([
+      "run",
+      "--server",
+      server.url,
+      "--account",
+      key.accountId,
+      "--session",
+      key.sessionId,
+      "--",
+      process.execPath,
+      "-e",
+      "console.log('should not run')",
+    ]);
+    expect(result.code).toBe(75);
+    expect(result.stdout).toBe("");
+    expect(result.stderr).toContain(
+      `is held by "desktop" (run ${held.lease?.runId}, token ${held.lease?.fencingToken})`,
+    );
+  });
+});
+
+describe("leasehold watch", () => {
+  it("L1: prints the snapshot, then transitions made by another client", async () => {
+    const key = freshKey("watched");
+    const watch = startCli(["watch", "--server", server.url, "--account", key.accountId]);
+    try {
+      await watch.line(/SNAPSHOT/);
+      const grant = await client.acquire({ key, ttl: durationFromMs(30_000), holder: "browser" });
+      const runId = grant.lease?.runId ?? "";
+      const acquired = await watch.line(new RegExp(`ACQUIRED .*${key.sessionId}`));
+      expect(acquired).toContain(`run ${runId}`);
+      expect(acquired).toContain('holder "browser"');
+      await client.release({ key, runId });
+      const released = await watch.line(new RegExp(`RELEASED .*${key.sessionId}`));
+      expect(released).toContain(`run ${runId}`);
+    } finally {
+      watch.child.kill("SIGINT");
+    }
+    const result = await watch.exited;
+    expect(result.code).toBe(0);
+  });
+});

@@ -1,0 +1,125 @@
+// The `leasehold` client commands as separate processes against a real
+// server: readable output, --json, exit codes, --help, and one clear line
+// when the server cannot be reached.
+
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { RunningServer } from "../src/server/server.js";
+import { runCli } from "./support/cli.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey } from "./support/leases.js";
+import { startTestServer } from "./support/server.js";
+
+let db: TestDatabase;
+let server: RunningServer;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await startTestServer(db.url);
+});
+afterAll(async () => {
+  await server?.close();
+  await db?.close();
+});
+
+const commands = [
+  "acquire",
+  "renew",
+  "release",
+  "get",
+  "list",
+  "watch",
+  "history",
+  "revoke",
+  "run",
+];
+
+describe("leasehold client commands", () => {
+  it("S3, S5: acquire, a blocked acquire (exit 75, naming the holder), get, list, renew, release", async () => {
+    const key = freshKey("cli");
+    const flags = ["--server", server.url, "--account", key.accountId, "--session", key.sessionId];
+
+    const acquired = await runCli([
+      "acquire",
+      ...flags,
+      "--ttl",
+      "30s",
+      "--holder",
+      "desktop",
+      "--json",
+    ]);
+    expect(acquired.code).toBe(0);
+    const grant = JSON.parse(acquired.stdout) as {
+      acquired: boolean;
+      lease: { runId: string; fencingToken: string };
+    };
+    expect(grant.acquired).toBe(true);
+    const runId = grant.lease.runId;
+
+    const blocked = await runCli(["acquire", ...flags, "--holder", "browser"]);
+    expect(blocked.code).toBe(75);
+    expect(blocked.stdout).toMatch(
+      new RegExp(`held by "desktop" \\(run ${runId}, token ${grant.lease.fencingToken}\\)`),
+    );
+
+    const got = await runCli(["get", ...flags]);
+    expect(got.code).toBe(0);
+    expect(got.stdout).toContain(`is held by "desktop" (run ${runId}`);
+
+    const listed = await runCli(["list", "--server", server.url, "--account", key.accountId]);
+    expect(listed.stdout).toMatch(/^SESSION\s+HOLDER\s+TOKEN\s+LEFT\s+RUN/);
+    expect(listed.stdout).toContain(key.sessionId);
+
+    const renewed = await runCli(["renew", ...flags, "--run-id", runId, "--ttl", "1m"]);
+    expect(renewed.code).toBe(0);
+    expect(renewed.stdout).toMatch(/^renewed .* (59|60)\.\ds left/);
+
+    const released = await runCli(["release", ...flags, "--run-id", runId]);
+    expect(released.stdout).toContain("released");
+    const again = await runCli(["release", ...flags, "--run-id", runId]);
+    expect(again.code).toBe(0);
+    expect(again.stdout).toContain("nothing to release");
+
+    const notHeld = await runCli(["renew", ...flags, "--run-id", runId]);
+    expect(notHeld.code).toBe(1);
+    expect(notHeld.stderr).toBe("leasehold renew: lease not held: released\n");
+
+    const free = await runCli(["get", ...flags, "--protocol", "grpc"]);
+    expect(free.stdout).toBe(`${key.accountId}/${key.sessionId} is free\n`);
+  });
+
+  it("an unreachable server gets one line naming it, exit 69, no stack trace", async () => {
+    const result = await runCli([
+      "get",
+      "--server",
+      "http://127.0.0.1:9",
+      "--account",
+      "a",
+      "--session",
+      "s",
+    ]);
+    expect(result.code).toBe(69);
+    expect(result.stderr).toBe(
+      "leasehold get: cannot reach the server at http://127.0.0.1:9 (connection refused)\n",
+    );
+    expect(result.stdout).toBe("");
+  });
+
+  it("bad input: a bad flag value names the flag and exits 2", async () => {
+    const result = await runCli(["acquire", "--account", "a", "--session", "s", "--ttl", "soon"]);
+    expect(result.code).toBe(2);
+    expect(result.stderr).toMatch(/^leasehold acquire: --ttl must be a duration .* got "soon"\n/);
+    const missing = await runCli(["get", "--account", "a"]);
+    expect(missing.code).toBe(2);
+    expect(missing.stderr).toMatch(/--session is required/);
+  });
+
+  it("every command has --help", async () => {
+    const results = await Promise.all(commands.map((c) => runCli([c, "--help"])));
+    for (const [i, r] of results.entries()) {
+      expect(r.code, commands[i]).toBe(0);
+      expect(r.stdout, commands[i]).toMatch(new RegExp(`^Usage: leasehold ${commands[i]} `));
+    }
+    const top = await runCli(["--help"]);
+    for (const c of commands) expect(top.stdout).toContain(`  ${c} `);
+  });
+});
