@@ -58,7 +58,7 @@ describe("leasehold run", () => {
       "--",
       process.execPath,
       "-e",
-      "console.log(`token=${process.env.LEASEHOLD_FENCING_TOKEN} run=${process.env.LEASEHOLD_RUN_ID}`); process.exit(7)",
+      "console.log('token=' + process.env.LEASEHOLD_FENCING_TOKEN + ' run=' + process.env.LEASEHOLD_RUN_ID); process.exit(7)",
     ]);
     expect(result.code).toBe(7);
     const row = await storedLease(key);

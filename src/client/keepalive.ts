@@ -59,8 +59,11 @@ export interface KeepAliveRegistration {
   remove(): void;
 }
 
+/** Where and how the channel connects, and how it backs off. */
 export interface KeepAliveChannelOptions {
+  /** Instances to connect to, in turn: each reconnect moves to the next one. */
   baseUrls: readonly string[];
+  /** Protocol, token and interceptors, as for the client's other calls. */
   transport: TransportOptions;
   /** First reconnect delay bound, in ms; default 100. */
   backoffInitialMs?: number;
@@ -68,6 +71,7 @@ export interface KeepAliveChannelOptions {
   backoffMaxMs?: number;
   /** The monotonic clock; default performance.now. */
   now?: () => number;
+  /** Told when the stream opens, fails or closes. */
   onEvent?: (event: KeepAliveEvent) => void;
 }
 
