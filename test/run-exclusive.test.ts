@@ -136,7 +136,7 @@ describe("L2: the signal aborts before the server-side deadline", () => {
     const proxy = await proxyTo(server.url);
     const c = client({ baseUrl: proxy.url });
     const key = freshKey("drop");
-    const result = await abortedWhen(c, key, 2_000, () => proxy.drop(), { safetyMarginMs: 500 });
+    const result = await abortedWhen(c, key, 2_000, () => proxy.drop(), { safetyMarginMs: 800 });
     expect(result.reason).toBeInstanceOf(LeaseLostError);
     expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
     expect(result.leftMs).toBeGreaterThan(0);
@@ -146,7 +146,7 @@ describe("L2: the signal aborts before the server-side deadline", () => {
     const proxy = await proxyTo(server.url);
     const c = client({ baseUrl: proxy.url });
     const key = freshKey("stall");
-    const result = await abortedWhen(c, key, 2_000, () => proxy.stall(), { safetyMarginMs: 500 });
+    const result = await abortedWhen(c, key, 2_000, () => proxy.stall(), { safetyMarginMs: 800 });
     expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
     expect(result.leftMs).toBeGreaterThan(0);
   });
@@ -156,7 +156,7 @@ describe("L2: the signal aborts before the server-side deadline", () => {
     cleanups.push(() => other.kill());
     const c = client({ baseUrl: other.url, protocol: "grpc" });
     const key = freshKey("killed");
-    const result = await abortedWhen(c, key, 2_000, () => other.kill(), { safetyMarginMs: 500 });
+    const result = await abortedWhen(c, key, 2_000, () => other.kill(), { safetyMarginMs: 800 });
     expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
     expect(result.leftMs).toBeGreaterThan(0);
   });

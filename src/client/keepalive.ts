@@ -32,7 +32,13 @@ import { createEndpoint, type Endpoint, type TransportOptions } from "./transpor
 /** Something that happened to the client's shared KeepAlive stream (for logs and tests). */
 export type KeepAliveEvent =
   | { type: "keepalive-open"; baseUrl: string }
-  | { type: "keepalive-failed"; baseUrl: string; error: LeaseholdError; retryInMs: number }
+  | {
+      type: "keepalive-failed";
+      baseUrl: string;
+      error: LeaseholdError;
+      /** Delay before the next attempt; undefined when the failure is final. */
+      retryInMs: number | undefined;
+    }
   | { type: "keepalive-closed"; baseUrl: string };
 
 /** A lease kept alive on the shared stream, and where its answers go. */
@@ -124,11 +130,6 @@ export class KeepAliveChannel {
   constructor(private readonly options: KeepAliveChannelOptions) {
     if (options.baseUrls.length === 0) throw new RangeError("at least one base URL is required");
     this.now = options.now ?? (() => performance.now());
-  }
-
-  /** Number of leases on the stream. */
-  get size(): number {
-    return this.entries.size;
   }
 
   /** Starts keeping a lease alive; the first renewal is sent when the stream (re)opens or on `renew()`. */
@@ -265,7 +266,7 @@ export class KeepAliveChannel {
         type: "keepalive-failed",
         baseUrl: stream.endpoint.baseUrl,
         error,
-        retryInMs: Number.NaN,
+        retryInMs: undefined,
       });
       return;
     }
