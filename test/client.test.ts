@@ -37,6 +37,12 @@ import {
   GuardedStoreService,
   PutResponseSchema,
 } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
+import type { FenceClaim } from "../src/guarded/headers.js";
+import {
+  fencedCallKey,
+  fencingInterceptor as serverFencingInterceptor,
+} from "../src/guarded/interceptor.js";
+import { listen } from "../src/server/listener.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";
@@ -189,30 +195,18 @@ describe("several base URLs", () => {
 });
 
 describe("fencing interceptor", () => {
-  // A guarded service on a real socket that records what arrives and
-  // refuses tokens below the highest seen, as DESIGN §5 asks.
-  async function recordingGuardedServer() {
-    const seen: Headers[] = [];
-    let highest = 0n;
+  // A downstream Connect service fenced by the project's server-side
+  // interceptor (src/guarded/interceptor.ts): it reads the three headers and
+  // runs leasehold_fence in the service's database before the handler.
+  async function fencedService() {
+    const claims: FenceClaim[] = [];
     const routes = (router: ConnectRouter) =>
       router.service(GuardedStoreService, {
-        put: (req, ctx) => {
-          seen.push(ctx.requestHeader);
-          const token = BigInt(ctx.requestHeader.get(fencingHeaderNames.fencingToken) ?? "0");
-          if (token < highest) {
-            throw new ConnectError("stale", Code.Aborted, undefined, [
-              {
-                desc: ErrorInfoSchema,
-                value: {
-                  reason: "STALE_FENCING_TOKEN",
-                  domain: "leasehold.dev",
-                  metadata: { presented_token: `${token}`, highest_token: `${highest}` },
-                },
-              },
-            ]);
-          }
-          highest = token;
-          return create(PutResponseSchema, { highestToken: highest, document: { name: req.name } });
+        put: (_req, ctx) => {
+          const call = ctx.values.get(fencedCallKey);
+          if (!call) throw new ConnectError("unfenced put", Code.Internal);
+          claims.push(call.claim);
+          return create(PutResponseSchema, { highestToken: call.highestToken });
         },
         get: () => {
           throw new ConnectError("unused", Code.Unimplemented);
@@ -221,23 +215,24 @@ describe("fencing interceptor", () => {
           throw new ConnectError("unused", Code.Unimplemented);
         },
       });
-    const h2 = http2.createServer(connectNodeAdapter({ routes }));
-    h2.listen(0, "127.0.0.1");
-    await once(h2, "listening");
-    const url = `http://127.0.0.1:${(h2.address() as net.AddressInfo).port}`;
-    return {
-      url,
-      seen,
-      close: () => new Promise<void>((r) => h2.close(() => r())),
-    };
+    const listener = await listen({
+      host: "127.0.0.1",
+      port: 0,
+      handler: connectNodeAdapter({
+        routes,
+        interceptors: [serverFencingInterceptor({ sql: db.sql })],
+      }),
+    });
+    return { url: `http://127.0.0.1:${listener.port}`, claims, close: () => listener.close(0) };
   }
 
-  it("S7, L2: calls made for a lease carry its token and key; a lost run's calls are never sent", async () => {
-    const guarded = await recordingGuardedServer();
-    const endpoint = createEndpoint(guarded.url, { interceptors: [fencingInterceptor()] });
+  it("S7, L2: calls made for a lease carry its token and key; stale tokens are refused; a lost run's calls are never sent", async () => {
+    const service = await fencedService();
+    const endpoint = createEndpoint(service.url, { interceptors: [fencingInterceptor()] });
     const store = createClient(GuardedStoreService, endpoint.transport);
     const key = freshKey("fence");
-    const staleEndpoint = createEndpoint(guarded.url, {
+    const staleEndpoint = createEndpoint(service.url, {
+      protocol: "grpc",
       interceptors: [fencingInterceptor({ key, fencingToken: 3n })],
     });
     try {
@@ -245,37 +240,36 @@ describe("fencing interceptor", () => {
       const source = { key, fencingToken: 7n, signal: ac.signal };
       const callOptions = { contextValues: createContextValues().set(fencingContextKey, source) };
 
-      await store.put(
-        { key, name: "transcript", value: new Uint8Array([1]), fencingToken: 7n },
-        callOptions,
-      );
-      const headers = guarded.seen[0];
-      expect(headers?.get("leasehold-fencing-token")).toBe("7");
-      expect(headers?.get("leasehold-account-id")).toBe(key.accountId);
-      expect(headers?.get("leasehold-session-id")).toBe(key.sessionId);
+      const put = await store.put({ key, name: "transcript" }, callOptions);
+      expect(put.highestToken).toBe(7n);
+      expect(service.claims).toEqual([{ key, token: 7n }]);
 
-      // A call without a lease passes through without fencing headers.
-      await store.put({ key, name: "note", fencingToken: 0n }).catch(() => undefined);
-      expect(guarded.seen[1]?.get("leasehold-fencing-token")).toBeNull();
+      // A call without a lease passes through without fencing headers: the
+      // fenced service refuses it, naming the missing header.
+      const bare = await store
+        .put({ key, name: "note" })
+        .catch((e: unknown) => toLeaseholdError(e));
+      expect(bare).toBeInstanceOf(InvalidArgumentError);
+      expect((bare as InvalidArgumentError).field).toBe(fencingHeaderNames.fencingToken);
 
+      // A bound source (a fixed lease) with an older token: refused (S7).
+      const stale = createClient(GuardedStoreService, staleEndpoint.transport);
+      const error = await stale.put({ key, name: "x" }).catch((e: unknown) => toLeaseholdError(e));
+      expect(error).toBeInstanceOf(StaleFencingTokenError);
+      expect((error as StaleFencingTokenError).highestToken).toBe(7n);
+      expect((error as StaleFencingTokenError).presentedToken).toBe(3n);
+
+      // L2: once the lease is lost, nothing is sent on its behalf.
       ac.abort(new LeaseLostError("lost", "taken_over"));
       const refused = await store
         .put({ key, name: "late" }, callOptions)
         .catch((e: unknown) => toLeaseholdError(e));
       expect(refused).toBeInstanceOf(LeaseLostError);
-      expect(guarded.seen).toHaveLength(2);
-
-      const stale = createClient(GuardedStoreService, staleEndpoint.transport);
-      const error = await stale.put({ key, name: "x" }).then(
-        () => undefined,
-        (e: unknown) => toLeaseholdError(e),
-      );
-      expect(error).toBeInstanceOf(StaleFencingTokenError);
-      expect((error as StaleFencingTokenError).highestToken).toBe(7n);
+      expect(service.claims).toHaveLength(1);
     } finally {
       endpoint.close();
       staleEndpoint.close();
-      await guarded.close();
+      await service.close();
     }
   });
 });

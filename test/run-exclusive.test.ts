@@ -4,22 +4,28 @@
 // own expires_at and clock), and a grant that arrives too late is not used.
 
 import { once } from "node:events";
+import { createClient } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   type ClientEvent,
+  createEndpoint,
   createLeaseClient,
   durationFromMs,
+  fencingInterceptor,
   LateGrantError,
   type LeaseClient,
   type LeaseClientOptions,
   LeaseLostError,
+  StaleFencingTokenError,
+  toLeaseholdError,
 } from "../src/client/index.js";
+import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
 import { createLeaseStore, type SessionKey } from "../src/server/lease-store.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";
-import { spawnServer, startTestServer } from "./support/server.js";
+import { spawnServer, startTestGuardedServer, startTestServer } from "./support/server.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
 
 let db: TestDatabase;
@@ -309,5 +315,55 @@ describe("handoff", () => {
     );
     expect(request.requesterHolder).toBe("browser");
     expect(request.reason).toBe("continue on this device");
+  });
+});
+
+describe("writing to the guarded store", () => {
+  it("S7, L2: a run writes with its token; once revoked it stops, its context sends nothing, and its late raw write is refused", async () => {
+    const guarded = await startTestGuardedServer(db.url);
+    cleanups.push(() => guarded.close());
+    const endpoint = createEndpoint(guarded.url, { interceptors: [fencingInterceptor()] });
+    cleanups.push(() => endpoint.close());
+    const store = createClient(GuardedStoreService, endpoint.transport);
+    const text = (s: string) => new TextEncoder().encode(s);
+    const key = freshKey("agent");
+    const a = client();
+    const b = client({ protocol: "grpc" });
+
+    const runA = await a.runExclusive(
+      key,
+      async (ctx) => {
+        await store.put(
+          { key, name: "transcript", value: text("A1"), fencingToken: ctx.fencingToken },
+          ctx.callOptions(),
+        );
+        const aborted = once(ctx.signal, "abort");
+        await createLeaseStore(db.sql).revoke(key, "moved to the browser");
+        await aborted;
+        // B takes over and writes while A is still "paused".
+        await b.runExclusive(key, (next) =>
+          store.put(
+            { key, name: "transcript", value: text("B1"), fencingToken: next.fencingToken },
+            next.callOptions(),
+          ),
+        );
+        const viaContext = await store
+          .put(
+            { key, name: "transcript", value: text("A2"), fencingToken: ctx.fencingToken },
+            ctx.callOptions(),
+          )
+          .catch((e: unknown) => toLeaseholdError(e));
+        const raw = await store
+          .put({ key, name: "transcript", value: text("A2"), fencingToken: ctx.fencingToken })
+          .catch((e: unknown) => toLeaseholdError(e));
+        return { reason: ctx.signal.reason as unknown, viaContext, raw };
+      },
+      { ttlMs: 5_000 },
+    );
+    expect((runA.reason as LeaseLostError).lossReason).toBe("revoked");
+    expect(runA.viaContext).toBeInstanceOf(LeaseLostError);
+    expect(runA.raw).toBeInstanceOf(StaleFencingTokenError);
+    const doc = await store.get({ key, name: "transcript" });
+    expect(new TextDecoder().decode(doc.value)).toBe("B1");
   });
 });
