@@ -80,6 +80,11 @@ async function storedLease(key: SessionKey) {
   return row;
 }
 
+/** Resolves once `signal` has aborted (at once if it already has). */
+function aborted(signal: AbortSignal): Promise<unknown> {
+  return signal.aborted ? Promise.resolve() : once(signal, "abort");
+}
+
 /**
  * Runs work that waits for its signal to abort and, at that moment, reads the
  * server-side time left; resolves with the abort reason and that reading.
@@ -95,7 +100,7 @@ async function abortedWhen(
     key,
     async (ctx) => {
       await onHeld();
-      await once(ctx.signal, "abort");
+      await aborted(ctx.signal);
       const leftMs = await serverSideLeftMs(key);
       return { reason: ctx.signal.reason as unknown, leftMs, runId: ctx.runId };
     },
@@ -272,9 +277,8 @@ describe("release", () => {
     const result = await c.runExclusive(
       key,
       async (ctx) => {
-        const aborted = once(ctx.signal, "abort");
         caller.abort(new Error("user pressed stop"));
-        await aborted;
+        await aborted(ctx.signal);
         return (ctx.signal.reason as Error).message;
       },
       { signal: caller.signal },
@@ -337,9 +341,8 @@ describe("writing to the guarded store", () => {
           { key, name: "transcript", value: text("A1"), fencingToken: ctx.fencingToken },
           ctx.callOptions(),
         );
-        const aborted = once(ctx.signal, "abort");
         await createLeaseStore(db.sql).revoke(key, "moved to the browser");
-        await aborted;
+        await aborted(ctx.signal);
         // B takes over and writes while A is still "paused".
         await b.runExclusive(key, (next) =>
           store.put(
