@@ -141,8 +141,8 @@ export async function runExclusive<T>(
     }
   };
 
-  // One grant attempt: the lease and its local deadline, or undefined when
-  // the response came too late to use.
+  // One grant attempt: the lease, its local deadline, and whether the answer
+  // arrived too late to use.
   const attempt = async (wait: number) => {
     const sentAt = now();
     const response = await deps.acquire(
