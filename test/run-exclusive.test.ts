@@ -310,7 +310,9 @@ describe("handoff", () => {
         // Ask once the stream has renewed this run (the server then knows
         // which stream to tell); ctx.lease is replaced by every renewal.
         const granted = ctx.lease;
-        while (ctx.lease === granted) await new Promise((r) => setTimeout(r, 5));
+        while (ctx.lease === granted && !ctx.signal.aborted) {
+          await new Promise((r) => setTimeout(r, 5));
+        }
         const answer = await other.requestHandoff({
           key,
           requesterHolder: "browser",
