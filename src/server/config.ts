@@ -15,6 +15,7 @@ import {
   type TlsConfig,
   tlsSettings,
 } from "./ops-config.js";
+import { defaultWebDir } from "./static.js";
 import { parseStreamTuning, type StreamTuning, streamSettings } from "./stream-config.js";
 
 /** What every Leasehold server process needs: a database and a port. */
@@ -37,6 +38,8 @@ export interface ServerConfig extends HostConfig {
   limits: Limits;
   ops: OpsConfig;
   streams: StreamTuning;
+  /** Folder of the built web page served at `/`. */
+  webDir: string;
 }
 
 export class ConfigError extends Error {
@@ -97,6 +100,10 @@ export const serverSettings = {
   "max-wait": { env: "LEASEHOLD_MAX_WAIT", help: "longest Acquire wait (default 5m)" },
   ...streamSettings,
   ...opsSettings,
+  "web-dir": {
+    env: "LEASEHOLD_WEB_DIR",
+    help: "built web page served at / (default web/dist of this package)",
+  },
 } as const satisfies Record<string, Setting>;
 
 /** Reads one settings table: flags first, then the environment. */
@@ -188,6 +195,7 @@ export function parseServerConfig(
     limits: { ...limits, ...ops.limits },
     ops: ops.ops,
     streams: parseStreamTuning(read),
+    webDir: read.get("web-dir") ?? defaultWebDir,
   };
 }
 

@@ -7,7 +7,7 @@ import { setMaxListeners } from "node:events";
 import type http from "node:http";
 import type http2 from "node:http2";
 import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
-import { connectNodeAdapter } from "@connectrpc/connect-node";
+import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
 import type { HostConfig } from "./config.js";
 import { openDatabase, type Sql } from "./db.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "./embedded-postgres.js";
@@ -43,6 +43,8 @@ export interface HostedServices {
   maxStreamsPerConnection?: number;
   /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
   beginShutdown?: () => void;
+  /** Answers requests for paths that are not RPCs (the lease server's web page). */
+  fallback?: ConnectNodeAdapterOptions["fallback"];
   /** Stops the services' own work; runs after requests drain, before the pool closes. */
   close?: () => Promise<void>;
 }
@@ -97,6 +99,7 @@ export async function startHost(
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
       readMaxBytes: services.readMaxBytes,
+      fallback: services.fallback,
     });
     listener = await listen({
       host: config.listenHost,

@@ -10,6 +10,7 @@ import { createLogger, type Logger } from "./logger.js";
 import { startOperations } from "./operations.js";
 import { checkExposure } from "./ops-config.js";
 import { leaseRoutes } from "./routes.js";
+import { createStaticHandler } from "./static.js";
 import { type Streaming, startStreaming } from "./streaming.js";
 
 export type { RunningServer };
@@ -65,6 +66,10 @@ export async function startServer(
         readMaxBytes: config.limits.maxMessageBytes,
         maxStreamsPerConnection: config.limits.maxStreamsPerConnection,
         beginShutdown: ops.beginShutdown,
+        fallback: createStaticHandler({
+          root: config.webDir,
+          onError: (error) => logger.error({ err: error }, "serving the web page failed"),
+        }),
         // Streams have ended by now; queued changes are published before
         // the pool closes.
         close: async () => {
