@@ -15,13 +15,20 @@ import { LeaseService } from "../../src/gen/leasehold/v1/lease_pb.js";
 export type LeaseClient = Client<typeof LeaseService>;
 
 /** A client whose calls carry `authorization: Bearer <token()>` when token() is not empty. */
-export function createLeaseClient(baseUrl: string, token: () => string): LeaseClient {
+export function createLeaseClient(
+  baseUrl: string,
+  token: () => string,
+  interceptors: Interceptor[] = [],
+): LeaseClient {
   const bearer: Interceptor = (next) => (req) => {
     const value = token().trim();
     if (value !== "") req.header.set("authorization", `Bearer ${value}`);
     return next(req);
   };
-  return createClient(LeaseService, createConnectTransport({ baseUrl, interceptors: [bearer] }));
+  return createClient(
+    LeaseService,
+    createConnectTransport({ baseUrl, interceptors: [bearer, ...interceptors] }),
+  );
 }
 
 /** The ErrorInfo reason and metadata of a Connect error, when the server sent one. */

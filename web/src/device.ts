@@ -158,7 +158,11 @@ export class Device {
       const answer = await this.client.renew(
         { key: run.key, runId: run.runId },
         // A renewal that cannot answer before the local deadline is useless.
-        { signal: run.controller.signal, timeoutMs: Math.max(1, state.deadline - sentAt) },
+        // (The Connect timeout header takes whole milliseconds.)
+        {
+          signal: run.controller.signal,
+          timeoutMs: Math.max(1, Math.floor(state.deadline - sentAt)),
+        },
       );
       if (this.run !== run || answer.lease === undefined) return;
       this.hooks.onLease(answer.lease, performance.now());

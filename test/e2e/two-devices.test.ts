@@ -1,0 +1,170 @@
+// The problem statement's scene in a real browser: one account opens the same
+// session on two devices. Two browser contexts (each its own storage and
+// network) load the page from `leasehold serve`, running as its own process
+// on a fresh database. Every wait is on something the page shows; nothing
+// sleeps for a guessed time.
+
+import { randomUUID } from "node:crypto";
+import { copyFile } from "node:fs/promises";
+import path from "node:path";
+import type { Browser, BrowserContext, Page } from "playwright-core";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { connectClient, repoRoot, type ServerProcess, spawnServer } from "../support/server.js";
+import { launchChromium, runningLog, runningLogScript, screenshot } from "./browser.js";
+
+const ttlSeconds = 3;
+const session = "s1";
+
+let db: TestDatabase;
+let server: ServerProcess;
+let browser: Browser;
+const pageErrors: string[] = [];
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  server = await spawnServer(db.url);
+  browser = await launchChromium();
+});
+afterAll(async () => {
+  await browser?.close();
+  await server?.stop();
+  await db?.close();
+});
+
+interface DeviceTab {
+  context: BrowserContext;
+  page: Page;
+}
+
+async function openDevice(accountId: string, device: string): Promise<DeviceTab> {
+  const context = await browser.newContext({ viewport: { width: 1100, height: 860 } });
+  await context.addInitScript(runningLogScript);
+  const page = await context.newPage();
+  page.on("pageerror", (error) => pageErrors.push(`${device}: ${error.message}`));
+  const query = new URLSearchParams({
+    account: accountId,
+    session,
+    device,
+    ttl: String(ttlSeconds),
+  });
+  await page.goto(`${server.url}/?${query}`);
+  await page.locator('#feed-status[data-state="live"]').waitFor();
+  return { context, page };
+}
+
+/** The short run id and fencing token a device shows for its own run. */
+async function ownRun(page: Page): Promise<{ run: string; token: bigint }> {
+  const text = (await page.locator('#device-status[data-running="true"]').textContent()) ?? "";
+  const m = /run ([0-9a-f]{8}), fencing token (\d+)/.exec(text);
+  if (!m?.[1] || !m[2]) throw new Error(`no run in ${JSON.stringify(text)}`);
+  return { run: m[1], token: BigInt(m[2]) };
+}
+
+describe("two devices, one session", () => {
+  it("L2, S1, S6: held elsewhere within a second, a handoff request, a cut keepalive, a takeover", async () => {
+    const accountId = `e2e-${randomUUID().slice(0, 8)}`;
+    // Other sessions of the account, so the table shows more than the scene.
+    const api = connectClient(server.url);
+    for (const [sessionId, holder] of [
+      ["notes", "phone"],
+      ["report", "cli"],
+    ] as const) {
+      const other = await api.acquire({
+        key: { accountId, sessionId },
+        ttl: { seconds: 600n },
+        holder,
+      });
+      expect(other.acquired).toBe(true);
+    }
+
+    const desktop = await openDevice(accountId, "desktop");
+    const laptop = await openDevice(accountId, "browser");
+
+    // Page 1 starts a run.
+    await desktop.page.click("#start");
+    await desktop.page.locator('#device-status[data-running="true"]').waitFor();
+    const first = await ownRun(desktop.page);
+
+    // Within a second page 2 shows it held elsewhere, its button disabled.
+    await laptop.page
+      .locator("#start:disabled", { hasText: /^Running on desktop — \d+ s left$/ })
+      .waitFor({ timeout: 1000 });
+    const cells = await laptop.page
+      .locator(`#sessions tr[data-session="${session}"] td`)
+      .allTextContents();
+    expect(cells.slice(0, 4)).toEqual([session, "desktop", first.run, String(first.token)]);
+    expect(cells[4]).toMatch(/^[1-3] s$/);
+    await screenshot(laptop.page, "1-browser-sees-desktop");
+
+    // Page 2 asks for a handoff; page 1 shows the request addressed to its run.
+    await laptop.page.click("#handoff");
+    const request = desktop.page.locator("#handoff-request");
+    await request.waitFor({ state: "visible" });
+    await expect(request.textContent()).resolves.toContain(
+      "browser asks this run to hand off: “continue on browser”",
+    );
+    await laptop.page
+      .locator(`#transitions li[data-type="HANDOFF_REQUESTED"][data-session="${session}"]`)
+      .waitFor();
+    const shot = await screenshot(desktop.page, "2-desktop-asked-to-hand-off");
+    if (process.env.LEASEHOLD_UPDATE_DOCS === "1") {
+      await copyFile(shot, path.join(repoRoot, "docs", "page.png"));
+    }
+
+    // Page 1 loses its network: its renewals (and its release) fail.
+    await desktop.context.setOffline(true);
+
+    // Page 2 sees the lease expire after its TTL, and takes the session.
+    await laptop.page
+      .locator(`#transitions li[data-type="EXPIRED"][data-session="${session}"]`)
+      .waitFor({ timeout: (ttlSeconds + 10) * 1000 });
+    // L2: by then page 1 has stopped presenting itself as the holder.
+    await expect(desktop.page.locator("#device-status").getAttribute("data-running")).resolves.toBe(
+      "false",
+    );
+    await expect(desktop.page.locator("#device-note").textContent()).resolves.toContain(
+      "Lease lost: no renewal was confirmed before the local deadline.",
+    );
+    await laptop.page.locator("#start:enabled", { hasText: "Start run" }).waitFor();
+    await laptop.page.click("#start");
+    await laptop.page.locator('#device-status[data-running="true"]').waitFor();
+    const second = await ownRun(laptop.page);
+    expect(second.token).toBeGreaterThan(first.token);
+    await screenshot(laptop.page, "3-browser-took-over");
+    await screenshot(desktop.page, "3-desktop-offline-stopped");
+
+    // S1 as the devices showed it: page 1 stopped showing itself as running
+    // before page 2 started to.
+    const desktopLog = await runningLog(desktop.page);
+    const laptopLog = await runningLog(laptop.page);
+    const desktopStopped = desktopLog.at(-1);
+    const laptopStarted = laptopLog.find((change) => change.running);
+    expect(desktopStopped?.running).toBe(false);
+    expect(laptopStarted).toBeDefined();
+    expect(desktopStopped?.at ?? Number.POSITIVE_INFINITY).toBeLessThan(
+      laptopStarted?.at ?? Number.NEGATIVE_INFINITY,
+    );
+
+    // Page 1 comes back online: it shows page 2's run, not itself.
+    await desktop.context.setOffline(false);
+    await desktop.page
+      .locator("#start:disabled", { hasText: /^Running on browser — \d+ s left$/ })
+      .waitFor({ timeout: 20_000 });
+    await expect(desktop.page.locator("#device-status").getAttribute("data-running")).resolves.toBe(
+      "false",
+    );
+    const desktopRow = desktop.page.locator(`#sessions tr[data-session="${session}"] td`);
+    await expect(desktopRow.nth(3).textContent()).resolves.toBe(String(second.token));
+    await screenshot(desktop.page, "4-desktop-back-sees-browser");
+
+    // Page 2 stops; page 1 may start again.
+    await laptop.page.click("#stop");
+    await desktop.page
+      .locator(`#transitions li[data-type="RELEASED"][data-session="${session}"]`)
+      .waitFor();
+    await desktop.page.locator("#start:enabled", { hasText: "Start run" }).waitFor();
+
+    expect(pageErrors).toEqual([]);
+  });
+});
