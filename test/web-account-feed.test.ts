@@ -1,0 +1,85 @@
+// The page's live view of an account (web/src/account-feed.ts) run in Node
+// against real servers: List, then Watch, and both again after the server
+// it talks to goes away and comes back.
+
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { RunningServer } from "../src/server/server.js";
+import { type FeedStatus, runAccountFeed } from "../web/src/account-feed.js";
+import { AccountView } from "../web/src/account-view.js";
+import { createLeaseClient } from "../web/src/api.js";
+import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { freshKey } from "./support/leases.js";
+import { connectClient, startTestServer } from "./support/server.js";
+
+let db: TestDatabase;
+let other: RunningServer;
+
+beforeAll(async () => {
+  db = await createTestDatabase();
+  other = await startTestServer(db.url);
+});
+afterAll(async () => {
+  await other?.close();
+  await db?.close();
+});
+
+describe("the page's account feed", () => {
+  it("L1: after its server restarts, the feed lists and watches again: a grant made meanwhile appears, later ones stream in", async () => {
+    let server = await startTestServer(db.url);
+    const port = server.port;
+    const view = new AccountView();
+    const statuses: FeedStatus["kind"][] = [];
+    const waiters = new Set<() => void>();
+    const until = (predicate: () => boolean) =>
+      new Promise<void>((resolve) => {
+        const check = () => {
+          if (!predicate()) return;
+          waiters.delete(check);
+          resolve();
+        };
+        waiters.add(check);
+        check();
+      });
+    const stop = new AbortController();
+    const { accountId } = freshKey();
+    const feed = runAccountFeed({
+      client: createLeaseClient(server.url, () => ""),
+      accountId,
+      view,
+      signal: stop.signal,
+      onChange: (status) => {
+        statuses.push(status.kind);
+        for (const wake of waiters) wake();
+      },
+    });
+    const api = connectClient(other.url);
+    try {
+      await until(() => statuses.at(-1) === "live");
+
+      await server.close();
+      await until(() => statuses.at(-1) === "retrying");
+      // Made through another instance while the feed's server is away.
+      const meanwhile = await api.acquire({
+        key: { accountId, sessionId: "meanwhile" },
+        ttl: { seconds: 60n },
+        holder: "desktop",
+      });
+      server = await startTestServer(db.url, ["--listen", `127.0.0.1:${port}`]);
+      await until(() => view.sessions.has("meanwhile") && statuses.at(-1) === "live");
+      expect(view.sessions.get("meanwhile")?.lease.runId).toBe(meanwhile.lease?.runId);
+
+      const later = await api.acquire({
+        key: { accountId, sessionId: "later" },
+        ttl: { seconds: 60n },
+        holder: "phone",
+      });
+      await until(() => view.sessions.has("later"));
+      expect(view.sessions.get("later")?.lease.runId).toBe(later.lease?.runId);
+      expect(view.transitions[0]?.sessionId).toBe("later");
+    } finally {
+      stop.abort();
+      await feed;
+      await server.close();
+    }
+  });
+});
