@@ -181,4 +181,33 @@ describe("two devices, one session", () => {
     expect(pageErrors).toEqual([]);
     await writeFile(path.join(artifactsDir, "timings.json"), `${JSON.stringify(timings)}\n`);
   });
+
+  it("sends the token field as a bearer token on every call, and keeps it out of the URL", async () => {
+    const context = await browser.newContext();
+    try {
+      const page = await context.newPage();
+      page.on("pageerror", (error) => pageErrors.push(`token: ${error.message}`));
+      await page.goto(`${server.url}/?account=acme`);
+      await page.locator('#feed-status[data-state="live"]').waitFor();
+      await expect(page.locator("#auth-notice").textContent()).resolves.toContain(
+        "Development mode",
+      );
+      const listed = page.waitForRequest((r) =>
+        r.url().endsWith("/leasehold.v1.LeaseService/List"),
+      );
+      await page.fill("#token", "secret-token");
+      await page.press("#token", "Enter");
+      await page.locator("#token").blur();
+      const request = await listed;
+      expect(request.headers().authorization).toBe("Bearer secret-token");
+      expect(page.url()).not.toContain("secret-token");
+      await page.locator('#feed-status[data-state="live"]').waitFor();
+      await expect(page.locator("#auth-notice").textContent()).resolves.toBe(
+        "Calls carry your bearer token.",
+      );
+      expect(pageErrors).toEqual([]);
+    } finally {
+      await context.close();
+    }
+  });
 });
