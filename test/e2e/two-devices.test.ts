@@ -4,8 +4,10 @@
 // on a fresh database. Every wait is on something the page shows; nothing
 // sleeps for a guessed time.
 
+import { randomBytes } from "node:crypto";
 import { copyFile, writeFile } from "node:fs/promises";
 import path from "node:path";
+import { SignJWT } from "jose";
 import type { Browser, BrowserContext, Page } from "playwright-core";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
@@ -182,32 +184,57 @@ describe("two devices, one session", () => {
     await writeFile(path.join(artifactsDir, "timings.json"), `${JSON.stringify(timings)}\n`);
   });
 
-  it("sends the token field as a bearer token on every call, and keeps it out of the URL", async () => {
-    const context = await browser.newContext();
+  it("with authentication on: asks for a token, names a token of another account, works with the right one", async () => {
+    const secret = randomBytes(32).toString("hex");
+    const token = (account: string) =>
+      new SignJWT({})
+        .setProtectedHeader({ alg: "HS256" })
+        .setSubject(account)
+        .setExpirationTime("10m")
+        .sign(new TextEncoder().encode(secret));
+    const authed = await spawnServer(db.url, [], { LEASEHOLD_JWT_SECRET: secret });
+    const context = await browser.newContext({ viewport: { width: 1100, height: 860 } });
     try {
       const page = await context.newPage();
-      page.on("pageerror", (error) => pageErrors.push(`token: ${error.message}`));
-      await page.goto(`${server.url}/?account=acme`);
-      await page.locator('#feed-status[data-state="live"]').waitFor();
-      await expect(page.locator("#auth-notice").textContent()).resolves.toContain(
-        "Development mode",
+      page.on("pageerror", (error) => pageErrors.push(`auth: ${error.message}`));
+      await page.goto(`${authed.url}/?account=acme&session=${session}&device=browser`);
+      const notice = page.locator("#auth-notice");
+      await page.locator('#auth-notice[data-kind="error"]').waitFor();
+      await expect(notice.textContent()).resolves.toBe(
+        "This server requires a bearer token: paste one above.",
       );
-      const listed = page.waitForRequest((r) =>
-        r.url().endsWith("/leasehold.v1.LeaseService/List"),
-      );
-      await page.fill("#token", "secret-token");
-      await page.press("#token", "Enter");
+
+      await page.fill("#token", await token("someone-else"));
       await page.locator("#token").blur();
-      const request = await listed;
-      expect(request.headers().authorization).toBe("Bearer secret-token");
-      expect(page.url()).not.toContain("secret-token");
-      await page.locator('#feed-status[data-state="live"]').waitFor();
-      await expect(page.locator("#auth-notice").textContent()).resolves.toBe(
-        "Calls carry your bearer token.",
+      await page
+        .locator("#auth-notice", { hasText: "This token does not give access to account “acme”." })
+        .waitFor();
+
+      const good = await token("acme");
+      const listed = page.waitForRequest(
+        (r) =>
+          r.url().endsWith("/leasehold.v1.LeaseService/List") &&
+          r.headers().authorization === `Bearer ${good}`,
       );
+      await page.fill("#token", good);
+      await page.locator("#token").blur();
+      await listed;
+      await page.locator('#feed-status[data-state="live"]').waitFor();
+      await page.locator('#auth-notice[data-kind="ok"]').waitFor();
+      await expect(notice.textContent()).resolves.toBe("Calls carry your bearer token.");
+      await page.click("#start");
+      await page.locator('#device-status[data-running="true"]').waitFor();
+      await page
+        .locator(`#transitions li[data-type="ACQUIRED"][data-session="${session}"]`)
+        .waitFor();
+      expect(page.url()).not.toContain(good);
+      await screenshot(page, "5-authenticated");
+      await page.click("#stop");
+      await page.locator("#device-note", { hasText: "Stopped and released." }).waitFor();
       expect(pageErrors).toEqual([]);
     } finally {
       await context.close();
+      await authed.stop();
     }
   });
 });
