@@ -1,0 +1,417 @@
+// The history checker of the fault suite: a pure function from what the
+// clients saw (every grant, renewal, release, guarded write and abort, with
+// the database times the server returned) and what the database recorded
+// (lease_events) to the list of broken invariants of DESIGN §1.
+//
+// Every rule errs towards silence only where the history cannot know more:
+// an answer lost on the way back (a dropped connection) hides a renewal from
+// the client, so "renewed after its deadline" is judged only against the
+// deadline the database must have had (a later grant of another run, the
+// run's own release), never against a deadline the client merely last saw.
+//
+// Times are microseconds since the epoch on the database clock, except the
+// `*Ms` fields of guarded writes (the client's wall clock, used only to
+// order two writes in real time) and the `wallUs` of an abort (the same
+// host's clock as the database's, used only when the database was down).
+
+export type HistoryRecord =
+  | GrantRecord
+  | RenewedRecord
+  | RenewFailedRecord
+  | ReleaseRecord
+  | WriteRecord
+  | AbortRecord
+  | PauseRecord;
+
+/** A lease the client was granted (Acquire, or runExclusive's grant). */
+export interface GrantRecord {
+  type: "grant";
+  client: number;
+  key: string;
+  runId: string;
+  token: number;
+  acquiredAt: number;
+  expiresAt: number;
+  ttlUs: number;
+  via: "acquire" | "exclusive";
+}
+
+/** A renewal the client saw confirmed: by Renew, or on the KeepAlive stream. */
+export interface RenewedRecord {
+  type: "renewed";
+  client: number;
+  key: string;
+  runId: string;
+  token: number;
+  expiresAt: number;
+  ttlUs: number;
+  via: "renew" | "keepalive";
+  /** Every earlier renewal of this run had a known outcome, so the client knows its deadline. */
+  deadlineKnown: boolean;
+}
+
+/** A Renew that failed; `cause` is the LEASE_NOT_HELD cause, `code` the error code name. */
+export interface RenewFailedRecord {
+  type: "renew-failed";
+  client: number;
+  key: string;
+  runId: string;
+  code: string;
+  cause?: string;
+}
+
+/** A release the client sent; `released` is undefined when its answer was not seen. */
+export interface ReleaseRecord {
+  type: "release";
+  client: number;
+  key: string;
+  runId: string;
+  released?: boolean;
+}
+
+/** A guarded store Put made with a run's fencing token. */
+export interface WriteRecord {
+  type: "write";
+  client: number;
+  key: string;
+  runId: string;
+  token: number;
+  /** True: accepted; false: refused as stale (ABORTED); undefined: outcome unknown. */
+  accepted?: boolean;
+  startMs: number;
+  endMs: number;
+}
+
+/** runExclusive aborted a run's signal while its work was still running. */
+export interface AbortRecord {
+  type: "abort";
+  client: number;
+  key: string;
+  runId: string;
+  /** LeaseLostError.lossReason. */
+  reason: string;
+  /** The last deadline (expires_at) the client saw confirmed for the run. */
+  deadlineUs: number;
+  /** The database clock read by a query sent right after the abort, and that query's round trip. */
+  dbUs?: number;
+  dbRttUs?: number;
+  /** The host clock at the abort (the database runs on the same host). */
+  wallUs: number;
+}
+
+/** A client's event loop did not run between these instants (a busy loop or SIGSTOP). */
+export interface PauseRecord {
+  type: "pause";
+  client: number;
+  fromUs: number;
+  toUs: number;
+}
+
+/** One row of lease_events. */
+export interface LeaseEvent {
+  id: number;
+  type: string;
+  key: string;
+  runId: string;
+  token: number;
+  atUs: number;
+}
+
+export type Invariant = "S1" | "S4" | "S5" | "S6" | "S7" | "L2" | "audit";
+
+export interface Violation {
+  invariant: Invariant;
+  key: string;
+  message: string;
+}
+
+export interface CheckResult {
+  violations: Violation[];
+  /** Aborts after the deadline of clients that were paused across it: excused, not checked. */
+  l2Excused: number;
+  /** Aborts whose lateness is within the clock query's round trip: not provably late. */
+  l2WithinLatency: number;
+  /** Aborts checked for L2. */
+  l2Checked: number;
+  /** Grants in lease_events whose answer no client saw (lost on the way back). */
+  unseenGrants: number;
+}
+
+interface RunView {
+  key: string;
+  runId: string;
+  token: number;
+  acquiredAt: number;
+  /** The latest confirmed deadline. */
+  expiresAt: number;
+  releasedAt?: number;
+  releaseSent: boolean;
+}
+
+/** Checks a history against S1, S4–S7 and L2, and against the database's audit trail. */
+export function checkHistory(
+  records: readonly HistoryRecord[],
+  events: readonly LeaseEvent[],
+): CheckResult {
+  const violations: Violation[] = [];
+  const flag = (invariant: Invariant, key: string, message: string) =>
+    violations.push({ invariant, key, message });
+
+  const runs = new Map<string, RunView>();
+  const releasedEvents = new Map<string, LeaseEvent>();
+  for (const e of events) if (e.type === "released") releasedEvents.set(e.runId, e);
+
+  for (const r of records) {
+    if (r.type === "grant") {
+      const seen = runs.get(r.runId);
+      if (seen && seen.token !== r.token) {
+        flag(
+          "S6",
+          r.key,
+          `run ${r.runId} was granted twice with tokens ${seen.token} and ${r.token}`,
+        );
+      }
+      if (!seen) {
+        runs.set(r.runId, {
+          key: r.key,
+          runId: r.runId,
+          token: r.token,
+          acquiredAt: r.acquiredAt,
+          expiresAt: r.expiresAt,
+          releaseSent: false,
+        });
+      } else {
+        seen.expiresAt = Math.max(seen.expiresAt, r.expiresAt);
+      }
+    } else if (r.type === "renewed") {
+      const run = runs.get(r.runId);
+      if (!run) continue;
+      if (r.token !== run.token) {
+        flag("S6", r.key, `renewal of run ${r.runId} changed its token ${run.token} to ${r.token}`);
+      }
+      // S4: the renewal's own database time is its new deadline minus its TTL.
+      const renewedAt = r.expiresAt - r.ttlUs;
+      if (r.deadlineKnown && renewedAt >= run.expiresAt) {
+        flag(
+          "S4",
+          r.key,
+          `run ${r.runId} was renewed at ${renewedAt}, after its deadline ${run.expiresAt}`,
+        );
+      }
+      const release = releasedEvents.get(r.runId);
+      if (release && renewedAt >= release.atUs) {
+        flag(
+          "S4",
+          r.key,
+          `run ${r.runId} was renewed at ${renewedAt}, after its release at ${release.atUs}`,
+        );
+      }
+      run.expiresAt = Math.max(run.expiresAt, r.expiresAt);
+    } else if (r.type === "release") {
+      const run = runs.get(r.runId);
+      if (run) run.releaseSent = true;
+      else
+        runs.set(r.runId, {
+          key: r.key,
+          runId: r.runId,
+          token: 0,
+          acquiredAt: 0,
+          expiresAt: 0,
+          releaseSent: true,
+        });
+      if (r.released === true && !releasedEvents.has(r.runId)) {
+        flag(
+          "audit",
+          r.key,
+          `release of run ${r.runId} answered released=true but lease_events has no release`,
+        );
+      }
+    }
+  }
+  for (const [runId, e] of releasedEvents) {
+    const run = runs.get(runId);
+    if (run) run.releasedAt = e.atUs;
+  }
+
+  // Per key: the held intervals of every run, in grant order.
+  const byKey = new Map<string, RunView[]>();
+  for (const run of runs.values()) {
+    if (run.acquiredAt === 0) continue;
+    const list = byKey.get(run.key) ?? [];
+    list.push(run);
+    byKey.set(run.key, list);
+  }
+  for (const [key, list] of byKey) {
+    list.sort((a, b) => a.acquiredAt - b.acquiredAt || a.token - b.token);
+    let holder: RunView | undefined;
+    let holderEnd = Number.NEGATIVE_INFINITY;
+    for (let i = 0; i < list.length; i++) {
+      const run = list[i] as RunView;
+      const end = Math.min(run.expiresAt, run.releasedAt ?? Number.POSITIVE_INFINITY);
+      // S1: a grant may start exactly at the previous deadline (expires_at <= observed_at), not before.
+      if (holder && run.acquiredAt < holderEnd) {
+        flag(
+          "S1",
+          key,
+          `run ${run.runId} (token ${run.token}) was granted at ${run.acquiredAt} while run ${holder.runId} (token ${holder.token}) held until ${holderEnd}`,
+        );
+      }
+      const previous = list[i - 1];
+      if (previous && run.token <= previous.token) {
+        flag(
+          "S6",
+          key,
+          `token ${run.token} (run ${run.runId}) was granted after token ${previous.token} (run ${previous.runId})`,
+        );
+      }
+      if (end > holderEnd) {
+        holder = run;
+        holderEnd = end;
+      }
+    }
+  }
+
+  // S4: no confirmed renewal of a run at or after another run's grant of its key.
+  for (const r of records) {
+    if (r.type !== "renewed") continue;
+    const renewedAt = r.expiresAt - r.ttlUs;
+    for (const other of byKey.get(r.key) ?? []) {
+      if (
+        other.runId !== r.runId &&
+        other.acquiredAt <= renewedAt &&
+        other.acquiredAt > (runs.get(r.runId)?.acquiredAt ?? 0)
+      ) {
+        flag(
+          "S4",
+          r.key,
+          `run ${r.runId} was renewed at ${renewedAt}, after run ${other.runId} was granted at ${other.acquiredAt}`,
+        );
+        break;
+      }
+    }
+  }
+
+  // S5: a lease ends as "released" only by its own run's release.
+  for (const r of records) {
+    if (r.type === "renew-failed" && r.cause === "released" && !runs.get(r.runId)?.releaseSent) {
+      flag("S5", r.key, `run ${r.runId} never released, yet its renew failed as released`);
+    }
+    if (r.type === "abort" && r.reason === "released" && !runs.get(r.runId)?.releaseSent) {
+      flag("S5", r.key, `run ${r.runId} never released, yet its stream reported it released`);
+    }
+  }
+  for (const e of releasedEvents.values()) {
+    if (!runs.get(e.runId)?.releaseSent) {
+      flag(
+        "S5",
+        e.key,
+        `lease_events records a release of run ${e.runId}, which never asked for one`,
+      );
+    }
+  }
+
+  // S7: an accepted write never follows (in real time) an accepted write with a higher token.
+  const writes = new Map<string, WriteRecord[]>();
+  for (const r of records) {
+    if (r.type !== "write" || r.accepted !== true) continue;
+    const list = writes.get(r.key) ?? [];
+    list.push(r);
+    writes.set(r.key, list);
+  }
+  for (const [key, list] of writes) {
+    list.sort((a, b) => a.startMs - b.startMs);
+    for (const later of list) {
+      for (const earlier of list) {
+        if (earlier.endMs < later.startMs && later.token < earlier.token) {
+          flag(
+            "S7",
+            key,
+            `write with token ${later.token} accepted after a write with token ${earlier.token} was accepted`,
+          );
+          break;
+        }
+      }
+    }
+  }
+
+  // L2: a run that lost its lease saw its signal abort before the database deadline.
+  const pauses = records.filter((r): r is PauseRecord => r.type === "pause");
+  let l2Excused = 0;
+  let l2WithinLatency = 0;
+  let l2Checked = 0;
+  for (const r of records) {
+    if (r.type !== "abort") continue;
+    l2Checked += 1;
+    const latest = r.dbUs ?? r.wallUs;
+    const earliest = r.dbUs !== undefined ? r.dbUs - (r.dbRttUs ?? 0) : r.wallUs;
+    // A "lost" the server sent is a claim that the lease had expired: it
+    // cannot come before the deadline the client saw confirmed.
+    if ((r.reason === "expired" || r.reason === "taken_over") && latest < r.deadlineUs) {
+      flag(
+        "L2",
+        r.key,
+        `run ${r.runId} was reported ${r.reason} at ${latest}, before its confirmed deadline ${r.deadlineUs}`,
+      );
+    }
+    if (earliest <= r.deadlineUs) {
+      if (latest > r.deadlineUs) l2WithinLatency += 1;
+      continue;
+    }
+    const paused = pauses.some(
+      (p) => p.client === r.client && p.fromUs <= r.deadlineUs && p.toUs >= r.deadlineUs - 1,
+    );
+    if (paused) {
+      l2Excused += 1;
+      continue;
+    }
+    flag(
+      "L2",
+      r.key,
+      `run ${r.runId} aborted at ${earliest} or later, after its deadline ${r.deadlineUs}`,
+    );
+  }
+
+  // The audit trail: every grant a client saw is recorded once; tokens grow per key.
+  const acquiredByRun = new Map<string, LeaseEvent>();
+  const lastToken = new Map<string, number>();
+  for (const e of [...events].sort((a, b) => a.id - b.id)) {
+    if (e.type !== "acquired") continue;
+    if (acquiredByRun.has(e.runId)) {
+      flag("audit", e.key, `lease_events records two grants of run ${e.runId}`);
+    }
+    acquiredByRun.set(e.runId, e);
+    const last = lastToken.get(e.key);
+    if (last !== undefined && e.token <= last) {
+      flag("S6", e.key, `lease_events grants token ${e.token} after token ${last}`);
+    }
+    lastToken.set(e.key, e.token);
+  }
+  let seenGrants = 0;
+  for (const run of runs.values()) {
+    if (run.acquiredAt === 0) continue;
+    const e = acquiredByRun.get(run.runId);
+    if (!e) {
+      flag(
+        "audit",
+        run.key,
+        `run ${run.runId} (token ${run.token}) was granted but lease_events has no grant`,
+      );
+    } else if (e.token !== run.token || e.atUs !== run.acquiredAt || e.key !== run.key) {
+      flag(
+        "audit",
+        run.key,
+        `run ${run.runId}: granted token ${run.token} at ${run.acquiredAt}, recorded token ${e.token} at ${e.atUs}`,
+      );
+    } else {
+      seenGrants += 1;
+    }
+  }
+
+  return {
+    violations,
+    l2Excused,
+    l2WithinLatency,
+    l2Checked,
+    unseenGrants: acquiredByRun.size - seenGrants,
+  };
+}
