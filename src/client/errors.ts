@@ -205,6 +205,18 @@ function parseBigInt(text: string | undefined): bigint | undefined {
 }
 
 /**
+ * True for a call cut by its connection (a reset or destroyed socket), which
+ * connect-node reports as ABORTED. No server sent it: a server's ABORTED
+ * carries an ErrorInfo and no Node system error as its cause. It must not
+ * read as a stale fencing token; it is as retryable as UNAVAILABLE.
+ */
+export function brokenConnection(ce: ConnectError): boolean {
+  if (ce.code !== Code.Aborted || ce.details.length > 0) return false;
+  const cause: unknown = ce.cause;
+  return cause instanceof Error && typeof (cause as { code?: unknown }).code === "string";
+}
+
+/**
  * Converts any error from a call into a typed LeaseholdError (errors that
  * already are one pass through). The original error is kept as `cause`.
  */
@@ -229,6 +241,7 @@ export function toLeaseholdError(error: unknown): LeaseholdError {
       { cause: error },
     );
   }
+  if (brokenConnection(ce)) return new UnavailableError(message, Code.Unavailable, options);
   if (reason === "STALE_FENCING_TOKEN" || ce.code === Code.Aborted) {
     return new StaleFencingTokenError(
       message,

@@ -10,6 +10,7 @@ import {
   createGrpcTransport,
   Http2SessionManager,
 } from "@connectrpc/connect-node";
+import { brokenConnection } from "./errors.js";
 
 /** Wire protocol of a client: gRPC (HTTP/2) or Connect (HTTP/2, or HTTP/1.1 for unary calls). */
 export type Protocol = "grpc" | "connect";
@@ -83,9 +84,18 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
   };
 }
 
+// A connection closed under a call (an instance killed behind a proxy or a
+// load balancer) surfaces as an HTTP/2 CANCEL, i.e. Canceled, although the
+// caller canceled nothing: the call never reached a server that answered,
+// so it is as retryable as UNAVAILABLE. (The caller's own cancel is told
+// apart by its signal.) A reset connection reads as ABORTED: see brokenConnection.
+function failsOver(error: ConnectError): boolean {
+  return error.code === Code.Unavailable || error.code === Code.Canceled || brokenConnection(error);
+}
+
 /**
  * A transport over several instances. A unary call that finds its instance
- * UNAVAILABLE is sent to the next one; the instance that answered last is
+ * UNAVAILABLE (or its connection closed under it) is sent to the next one; the instance that answered last is
  * tried first next time. Streams go to that preferred instance: their
  * callers (KeepAlive, Watch) reconnect on their own terms.
  */
@@ -111,7 +121,7 @@ export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
           return response;
         } catch (error) {
           lastError = error;
-          if (signal?.aborted || ConnectError.from(error).code !== Code.Unavailable) throw error;
+          if (signal?.aborted || !failsOver(ConnectError.from(error))) throw error;
         }
       }
       throw lastError;

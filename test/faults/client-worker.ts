@@ -1,0 +1,396 @@
+// One client of the fault suite, as its own OS process so that the suite can
+// freeze it (SIGSTOP) without freezing the others. It runs seeded random
+// operations on a few shared keys for a bounded time and writes every
+// request's outcome as one JSON line (a HistoryRecord) on stdout; its last
+// line is its operation counts.
+//
+// Run: node --import tsx test/faults/client-worker.ts '<WorkerConfig JSON>'
+
+import { randomUUID } from "node:crypto";
+import { setTimeout as sleep } from "node:timers/promises";
+import type { Timestamp } from "@bufbuild/protobuf/wkt";
+import { Code, ConnectError, createClient } from "@connectrpc/connect";
+import { createConnectTransport } from "@connectrpc/connect-node";
+import postgres from "postgres";
+import {
+  createLeaseClient,
+  durationFromMs,
+  LateGrantError,
+  type LeaseContext,
+  LeaseholdError,
+  LeaseLostError,
+  LeaseNotHeldError,
+  NotAcquiredError,
+} from "../../src/client/index.js";
+import { GuardedStoreService } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
+import type { Lease } from "../../src/gen/leasehold/v1/lease_pb.js";
+import type { HistoryRecord } from "./checker.js";
+import { createPrng } from "./prng.js";
+
+export interface WorkerConfig {
+  client: number;
+  seed: number;
+  /** Lease server instances (through the suite's TCP proxies). */
+  baseUrls: string[];
+  guardedUrl: string;
+  databaseUrl: string;
+  accountId: string;
+  sessionIds: string[];
+  /** Upper bound of the run; the suite normally ends it earlier by closing stdin. */
+  durationMs: number;
+  ttlMs: number;
+}
+
+const config = JSON.parse(process.argv[2] ?? "") as WorkerConfig;
+const rng = createPrng(config.seed);
+const counts: Record<string, number> = {};
+const count = (what: string) => {
+  counts[what] = (counts[what] ?? 0) + 1;
+};
+const emit = (record: HistoryRecord) => process.stdout.write(`${JSON.stringify(record)}\n`);
+const wallUs = () => Math.round((performance.timeOrigin + performance.now()) * 1000);
+const wallMs = () => performance.timeOrigin + performance.now();
+const us = (ts: Timestamp | undefined) =>
+  ts ? Number(ts.seconds) * 1_000_000 + Math.round(ts.nanos / 1000) : 0;
+const durationUs = (d: Lease["ttl"]) =>
+  d ? Number(d.seconds) * 1_000_000 + Math.round(d.nanos / 1000) : 0;
+
+const client = createLeaseClient({
+  baseUrls: config.baseUrls,
+  // A stalled connection must not hold a call for long: fail over instead.
+  defaultTimeoutMs: 2_000,
+  reconnectBackoff: { initialMs: 50, maxMs: 500 },
+});
+const guarded = createClient(
+  GuardedStoreService,
+  createConnectTransport({ baseUrl: config.guardedUrl, httpVersion: "2", defaultTimeoutMs: 2_000 }),
+);
+// Reads the database clock (L2) and waits on it (sleeping past a TTL).
+const sql = postgres(config.databaseUrl, {
+  max: 2,
+  connect_timeout: 2,
+  onnotice: () => {},
+  connection: { statement_timeout: 10_000 },
+});
+
+const codeName = (error: unknown) => {
+  if (error instanceof LeaseholdError) return Code[error.code];
+  if (error instanceof ConnectError) return Code[error.code];
+  return "Error";
+};
+
+function grantRecord(key: string, lease: Lease, via: "acquire" | "exclusive"): HistoryRecord {
+  return {
+    type: "grant",
+    client: config.client,
+    key,
+    runId: lease.runId,
+    token: Number(lease.fencingToken),
+    acquiredAt: us(lease.acquiredAt),
+    expiresAt: us(lease.expiresAt),
+    ttlUs: durationUs(lease.ttl),
+    via,
+  };
+}
+
+/** A guarded write with the run's token, recorded with its real-time span. */
+async function write(key: string, sessionId: string, runId: string, token: bigint) {
+  const startMs = wallMs();
+  let accepted: boolean | undefined;
+  try {
+    await guarded.put({
+      key: { accountId: config.accountId, sessionId },
+      name: "transcript",
+      value: new TextEncoder().encode(`${runId} ${token}`),
+      fencingToken: token,
+    });
+    accepted = true;
+  } catch (error) {
+    if (ConnectError.from(error).code === Code.Aborted) accepted = false;
+  }
+  count(
+    accepted === true ? "write-accepted" : accepted === false ? "write-refused" : "write-unknown",
+  );
+  emit({
+    type: "write",
+    client: config.client,
+    key,
+    runId,
+    token: Number(token),
+    accepted,
+    startMs,
+    endMs: wallMs(),
+  });
+}
+
+/** Keeps the CPU busy: the event loop (timers, streams) does not run meanwhile. */
+function busyPause(ms: number) {
+  const from = wallUs();
+  const until = performance.now() + ms;
+  while (performance.now() < until) {
+    // A stop-the-world pause, like a long GC or a blocking call.
+  }
+  emit({ type: "pause", client: config.client, fromUs: from, toUs: wallUs() });
+  count("pause-busy");
+}
+
+async function databaseClock(): Promise<{ dbUs: number; dbRttUs: number } | undefined> {
+  const sent = performance.now();
+  try {
+    const rows = await Promise.race([
+      sql`SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint::text AS now_us`,
+      sleep(1_000).then(() => undefined),
+    ]);
+    const row = rows?.[0];
+    if (!row) return undefined;
+    return { dbUs: Number(row.now_us), dbRttUs: Math.ceil((performance.now() - sent) * 1000) };
+  } catch {
+    return undefined;
+  }
+}
+
+async function exclusiveRun(sessionId: string) {
+  const key = `${config.accountId}/${sessionId}`;
+  const runId = randomUUID();
+  const waitMs = rng.chance(0.5) ? rng.int(200, 2 * config.ttlMs) : 0;
+  const steps = Array.from({ length: rng.int(1, 4) }, () => rng.next());
+  const holdMs = steps.map(() => rng.int(50, config.ttlMs));
+  const pauseMs = rng.int(Math.round(config.ttlMs / 2), 2 * config.ttlMs);
+  let workDone = false;
+  let releaseSent = false;
+  const pendingAborts: Promise<void>[] = [];
+  const work = async (ctx: LeaseContext) => {
+    emit(grantRecord(key, ctx.lease, "exclusive"));
+    let lastExpires = us(ctx.lease.expiresAt);
+    const noteRenewals = () => {
+      const expires = us(ctx.lease.expiresAt);
+      if (expires === lastExpires) return;
+      lastExpires = expires;
+      emit({
+        type: "renewed",
+        client: config.client,
+        key,
+        runId,
+        token: Number(ctx.lease.fencingToken),
+        expiresAt: expires,
+        ttlUs: durationUs(ctx.lease.ttl),
+        via: "keepalive",
+        deadlineKnown: false,
+      });
+    };
+    ctx.signal.addEventListener("abort", () => {
+      if (workDone) return;
+      const at = wallUs();
+      noteRenewals();
+      const reason =
+        ctx.signal.reason instanceof LeaseLostError ? ctx.signal.reason.lossReason : "other";
+      count(`abort-${reason}`);
+      pendingAborts.push(
+        databaseClock().then((clock) => {
+          emit({
+            type: "abort",
+            client: config.client,
+            key,
+            runId,
+            reason,
+            deadlineUs: lastExpires,
+            wallUs: at,
+            ...clock,
+          });
+        }),
+      );
+    });
+    for (const [i, step] of steps.entries()) {
+      noteRenewals();
+      if (step < 0.08) {
+        // The classic fencing story: a pause longer than the lease, then a
+        // write with the old token before the process notices anything.
+        busyPause(pauseMs);
+        await write(key, sessionId, runId, ctx.fencingToken);
+        return;
+      }
+      if (ctx.signal.aborted) return;
+      if (step < 0.6) await write(key, sessionId, runId, ctx.fencingToken);
+      // The work's own duration, cut short when the lease is lost.
+      await sleep(holdMs[i] ?? 0, undefined, { signal: ctx.signal }).catch(() => undefined);
+    }
+    noteRenewals();
+  };
+  try {
+    await client.runExclusive(
+      { accountId: config.accountId, sessionId },
+      async (ctx) => {
+        try {
+          return await work(ctx);
+        } finally {
+          workDone = true;
+          releaseSent = true;
+        }
+      },
+      {
+        ttlMs: config.ttlMs,
+        waitMs,
+        runId,
+        holder: `client-${config.client}`,
+        safetyMarginMs: config.ttlMs / 4,
+      },
+    );
+    count("exclusive-ran");
+  } catch (error) {
+    if (error instanceof LateGrantError) {
+      releaseSent = true;
+      count("exclusive-late-grant");
+    } else if (error instanceof NotAcquiredError) {
+      count("exclusive-not-acquired");
+    } else {
+      // runExclusive releases by run_id when the grant's answer may have been lost.
+      releaseSent = true;
+      count(`exclusive-${codeName(error)}`);
+    }
+  }
+  if (releaseSent) emit({ type: "release", client: config.client, key, runId });
+  await Promise.all(pendingAborts);
+}
+
+/** Runs whose lease ended, for late releases (S5). */
+const endedRuns: { sessionId: string; runId: string }[] = [];
+
+async function rawRun(sessionId: string) {
+  const key = `${config.accountId}/${sessionId}`;
+  const sessionKey = { accountId: config.accountId, sessionId };
+  const runId = randomUUID();
+  const wait = rng.chance(0.4) ? rng.int(100, 2 * config.ttlMs) : 0;
+  const plan = Array.from({ length: rng.int(0, 3) }, () => rng.next());
+  const abandon = rng.chance(0.15);
+  let lease: Lease;
+  try {
+    const answer = await client.acquire({
+      key: sessionKey,
+      runId,
+      ttl: durationFromMs(config.ttlMs),
+      wait: wait > 0 ? durationFromMs(wait) : undefined,
+      holder: `client-${config.client}`,
+    });
+    if (!answer.acquired || !answer.lease) {
+      count("acquire-not-acquired");
+      return;
+    }
+    lease = answer.lease;
+    count(wait > 0 ? "acquire-waited" : "acquire");
+  } catch (error) {
+    count(`acquire-${codeName(error)}`);
+    return;
+  }
+  emit(grantRecord(key, lease, "acquire"));
+  let expiresAt = us(lease.expiresAt);
+  let deadlineKnown = true;
+  const renew = async () => {
+    try {
+      const renewed = await client.renew({ key: sessionKey, runId });
+      if (!renewed.lease) return;
+      expiresAt = us(renewed.lease.expiresAt);
+      count("renew-ok");
+      emit({
+        type: "renewed",
+        client: config.client,
+        key,
+        runId,
+        token: Number(renewed.lease.fencingToken),
+        expiresAt,
+        ttlUs: durationUs(renewed.lease.ttl),
+        via: "renew",
+        deadlineKnown,
+      });
+    } catch (error) {
+      if (!(error instanceof LeaseNotHeldError)) deadlineKnown = false;
+      count(
+        `renew-${error instanceof LeaseNotHeldError ? `not-held-${error.lossCause}` : codeName(error)}`,
+      );
+      emit({
+        type: "renew-failed",
+        client: config.client,
+        key,
+        runId,
+        code: codeName(error),
+        cause: error instanceof LeaseNotHeldError ? error.lossCause : undefined,
+      });
+    }
+  };
+  for (const step of plan) {
+    if (step < 0.45) await renew();
+    else if (step < 0.8) await write(key, sessionId, runId, lease.fencingToken);
+    else {
+      // Sleeping past the TTL (a deliberate fault), on the database's clock;
+      // the renew that follows must fail (S4).
+      count("sleep-past-ttl");
+      const slept =
+        await sql`SELECT pg_sleep_until(to_timestamp(${expiresAt}::float8 / 1000000) + interval '5 milliseconds')`
+          .then(() => true)
+          .catch(() => false);
+      if (slept) await renew();
+    }
+  }
+  if (abandon) {
+    count("abandoned");
+  } else {
+    emit({ type: "release", client: config.client, key, runId });
+    try {
+      const answer = await client.release({ key: sessionKey, runId });
+      count(answer.released ? "release-released" : "release-nothing");
+      emit({ type: "release", client: config.client, key, runId, released: answer.released });
+    } catch (error) {
+      count(`release-${codeName(error)}`);
+    }
+  }
+  endedRuns.push({ sessionId, runId });
+}
+
+async function lateRelease() {
+  const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
+  if (!ended) return;
+  const key = `${config.accountId}/${ended.sessionId}`;
+  emit({ type: "release", client: config.client, key, runId: ended.runId });
+  try {
+    const answer = await client.release({
+      key: { accountId: config.accountId, sessionId: ended.sessionId },
+      runId: ended.runId,
+    });
+    count(answer.released ? "late-release-released" : "late-release-nothing");
+    emit({
+      type: "release",
+      client: config.client,
+      key,
+      runId: ended.runId,
+      released: answer.released,
+    });
+  } catch (error) {
+    count(`late-release-${codeName(error)}`);
+  }
+}
+
+// The suite ends the load by closing this process's stdin; durationMs bounds
+// it should the suite itself die.
+let stopping = false;
+process.stdin
+  .on("data", () => {})
+  .on("end", () => {
+    stopping = true;
+  });
+const stopAt = performance.now() + config.durationMs;
+while (!stopping && performance.now() < stopAt) {
+  const sessionId = rng.pick(config.sessionIds);
+  const op = rng.next();
+  count("operations");
+  if (op < 0.45) await exclusiveRun(sessionId);
+  else if (op < 0.9) await rawRun(sessionId);
+  else if (op < 0.95) await lateRelease();
+  else {
+    await client.get({ key: { accountId: config.accountId, sessionId } }).catch(() => undefined);
+    count("get");
+  }
+}
+client.close();
+await sql.end({ timeout: 1 });
+process.stdout.write(`${JSON.stringify({ type: "counts", client: config.client, counts })}\n`);
+// Open HTTP/2 sessions to killed instances may linger; the history is complete.
+process.exit(0);
