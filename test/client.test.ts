@@ -4,7 +4,7 @@
 
 import { once } from "node:events";
 import http2 from "node:http2";
-import type net from "node:net";
+import net from "node:net";
 import { create } from "@bufbuild/protobuf";
 import {
   Code,
@@ -159,6 +159,27 @@ describe("typed errors", () => {
     expect((error as StaleFencingTokenError).presentedToken).toBe(4n);
     expect((error as StaleFencingTokenError).highestToken).toBe(9n);
     expect(error.cause).toBe(wire);
+  });
+
+  it("a connection reset (ABORTED from connect-node, no ErrorInfo) is UNAVAILABLE, not a stale token", () => {
+    const reset = Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET" });
+    const wire = new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, reset);
+    const error = toLeaseholdError(wire);
+    expect(error).toBeInstanceOf(UnavailableError);
+    expect(error).not.toBeInstanceOf(StaleFencingTokenError);
+  });
+
+  it("fails over when the first instance's connection is reset under the call", async () => {
+    const resetting = net.createServer((socket) =>
+      socket.on("data", () => socket.resetAndDestroy()),
+    );
+    resetting.listen(0, "127.0.0.1");
+    await once(resetting, "listening");
+    const port = (resetting.address() as net.AddressInfo).port;
+    const c = client({ baseUrls: [`http://127.0.0.1:${port}`, server.url] });
+    const answer = await c.get({ key: freshKey() });
+    expect(answer.held).toBe(false);
+    await new Promise<void>((resolve) => resetting.close(() => resolve()));
   });
 
   it("NotAcquiredError carries the current holder", async () => {
