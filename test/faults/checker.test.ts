@@ -251,7 +251,12 @@ describe("history checker", () => {
 
   it("audit: flags a grant the database never recorded, and one recorded twice", () => {
     expect(invariants([grant("A", 10, t0)], [])).toEqual(["audit"]);
-    const twice = [acquiredEvent(1, "A", 10, t0), acquiredEvent(2, "A", 12, t0 + 2 * ttlUs)];
+    const twice = [acquiredEvent(1, "A", 10, t0), acquiredEvent(2, "A", 10, t0)];
     expect(invariants([grant("A", 10, t0)], twice)).toContain("audit");
+  });
+
+  it("audit: a run_id granted again after its grant expired is a new grant, not a duplicate", () => {
+    const again = [acquiredEvent(1, "A", 10, t0), acquiredEvent(2, "A", 12, t0 + 2 * ttlUs)];
+    expect(invariants([grant("A", 12, t0 + 2 * ttlUs)], again)).toEqual([]);
   });
 });

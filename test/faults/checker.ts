@@ -371,15 +371,23 @@ export function checkHistory(
     );
   }
 
-  // The audit trail: every grant a client saw is recorded once; tokens grow per key.
-  const acquiredByRun = new Map<string, LeaseEvent>();
+  // The audit trail: every grant a client saw is recorded once; tokens grow
+  // per key. One run_id may hold several grants in turn (a retry with the
+  // same run_id after its earlier grant expired is a new grant with a new
+  // token), but never one grant twice.
+  const acquiredByGrant = new Map<string, LeaseEvent>();
   const lastToken = new Map<string, number>();
   for (const e of [...events].sort((a, b) => a.id - b.id)) {
     if (e.type !== "acquired") continue;
-    if (acquiredByRun.has(e.runId)) {
-      flag("audit", e.key, `lease_events records two grants of run ${e.runId}`);
+    const grantId = `${e.runId} ${e.token}`;
+    if (acquiredByGrant.has(grantId)) {
+      flag(
+        "audit",
+        e.key,
+        `lease_events records the grant of run ${e.runId}, token ${e.token}, twice`,
+      );
     }
-    acquiredByRun.set(e.runId, e);
+    acquiredByGrant.set(grantId, e);
     const last = lastToken.get(e.key);
     if (last !== undefined && e.token <= last) {
       flag("S6", e.key, `lease_events grants token ${e.token} after token ${last}`);
@@ -389,14 +397,14 @@ export function checkHistory(
   let seenGrants = 0;
   for (const run of runs.values()) {
     if (run.acquiredAt === 0) continue;
-    const e = acquiredByRun.get(run.runId);
+    const e = acquiredByGrant.get(`${run.runId} ${run.token}`);
     if (!e) {
       flag(
         "audit",
         run.key,
         `run ${run.runId} (token ${run.token}) was granted but lease_events has no grant`,
       );
-    } else if (e.token !== run.token || e.atUs !== run.acquiredAt || e.key !== run.key) {
+    } else if (e.atUs !== run.acquiredAt || e.key !== run.key) {
       flag(
         "audit",
         run.key,
@@ -412,6 +420,6 @@ export function checkHistory(
     l2Excused,
     l2WithinLatency,
     l2Checked,
-    unseenGrants: acquiredByRun.size - seenGrants,
+    unseenGrants: acquiredByGrant.size - seenGrants,
   };
 }

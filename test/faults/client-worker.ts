@@ -241,6 +241,9 @@ async function exclusiveRun(sessionId: string) {
       releaseSent = true;
       count("exclusive-late-grant");
     } else if (error instanceof NotAcquiredError) {
+      // A waited grant that arrived late is confirmed by a second acquire;
+      // when that one is refused, runExclusive releases the first grant.
+      if (waitMs > 0) releaseSent = true;
       count("exclusive-not-acquired");
     } else {
       // runExclusive releases by run_id when the grant's answer may have been lost.

@@ -450,6 +450,13 @@ describe("fault injection under a checked history", () => {
       counts,
     };
     await writeSummary(summary, result.violations);
+    // The raw history, for reading a failure against lease_events.
+    await writeFile(
+      path.join(repoRoot, "test-results", "faults-history.jsonl"),
+      [...records, ...events.map((e) => ({ ...e, type: `event:${e.type}` }))]
+        .map((r) => JSON.stringify(r))
+        .join("\n"),
+    );
 
     expect(grants, "the clients were granted leases").toBeGreaterThan(0);
     expect(summary.writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
