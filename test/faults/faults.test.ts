@@ -76,7 +76,8 @@ function startWorker(index: number, cluster: Cluster, durationMs: number): Worke
     child,
     records: [],
     counts: {},
-    exited: once(child, "exit").then(([code]) => code as number | null),
+    // "close", not "exit": only then has every line of its stdout been read.
+    exited: once(child, "close").then(([code]) => code as number | null),
   };
   createInterface({ input: child.stdout as NodeJS.ReadableStream }).on("line", (line) => {
     const parsed = JSON.parse(line) as
