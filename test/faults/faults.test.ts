@@ -25,8 +25,13 @@ import type { WorkerConfig } from "./client-worker.js";
 import { type Cluster, startCluster } from "./cluster.js";
 import { createPrng, suiteSeed } from "./prng.js";
 
-const soak = process.env.LEASEHOLD_SOAK === "1" || process.argv.includes("--soak");
+const soak = process.env.LEASEHOLD_SOAK === "1";
 const soakMinutes = Number(process.env.LEASEHOLD_SOAK_MINUTES ?? "10");
+if (!(soakMinutes > 0 && Number.isFinite(soakMinutes))) {
+  throw new RangeError(
+    `LEASEHOLD_SOAK_MINUTES must be a positive number, got ${process.env.LEASEHOLD_SOAK_MINUTES}`,
+  );
+}
 const seed = suiteSeed();
 const rng = createPrng(seed);
 const ttlMs = 1_200;
