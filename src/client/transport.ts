@@ -124,6 +124,19 @@ export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
           if (signal?.aborted || !failsOver(ConnectError.from(error))) throw error;
         }
       }
+      // Every instance failed without answering. A closed connection reads
+      // as Canceled or a reset as ABORTED, but the caller canceled nothing
+      // and no server refused anything: say what it is, UNAVAILABLE.
+      const last = ConnectError.from(lastError);
+      if (last.code !== Code.Unavailable) {
+        throw new ConnectError(
+          `the server closed the connection under the call (${last.rawMessage})`,
+          Code.Unavailable,
+          undefined,
+          undefined,
+          lastError,
+        );
+      }
       throw lastError;
     },
     stream(method, signal, timeoutMs, header, input, contextValues) {
