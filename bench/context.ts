@@ -1,0 +1,53 @@
+// What every scenario gets from the orchestrator: the settings of this run,
+// the running systems, and a way to say what is running now.
+
+import type { Measured, Systems } from "./measure.js";
+import type { Comparison, Row, Target } from "./report.js";
+
+export interface BenchSettings {
+  quick: boolean;
+  /** Measured windows per figure; the figure is their median. */
+  rounds: number;
+  warmupMs: number;
+  windowMs: number;
+  concurrencies: number[];
+  keys: number;
+  ttlSeconds: number;
+  servers: number;
+  poolSize: number;
+  /** Also run Leasehold's store SQL without RPC (explains the gap to the limit). */
+  storeBaseline: boolean;
+}
+
+export interface BenchContext {
+  settings: BenchSettings;
+  systems: Systems;
+  serverUrls: string[];
+  progress(label: string): void;
+}
+
+/** What a scenario hands back: raw figures for the JSON, rows, comparisons, targets. */
+export interface ScenarioReport {
+  id: string;
+  name: string;
+  figures: unknown;
+  rows: Row[];
+  comparisons: Comparison[];
+  targets: Target[];
+  skipped?: string[];
+  /** Windows worth a server CPU profile (with --cpu-prof), and what ran in them. */
+  profile?: { label: string; windows: [number, number][] };
+}
+
+/** The median of each numeric figure across repeated windows. */
+export function medianOf<R>(runs: Measured<R>[], pick: (m: Measured<R>) => number): number {
+  const values = runs
+    .map(pick)
+    .filter(Number.isFinite)
+    .sort((a, b) => a - b);
+  if (values.length === 0) return Number.NaN;
+  const mid = values.length >> 1;
+  return values.length % 2
+    ? (values[mid] as number)
+    : ((values[mid - 1] as number) + (values[mid] as number)) / 2;
+}

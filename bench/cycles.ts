@@ -1,0 +1,221 @@
+// Scenario 1: acquire → release cycles at each concurrency, through the
+// service, against the seed's two statements sent straight to the same
+// database (the limit the service sits on), and — scenario 5 — against etcd.
+// Systems take turns within each round, so noise from other work on the
+// machine falls on all of them alike; each figure is the median of rounds.
+
+import { type BenchContext, medianOf, type ScenarioReport } from "./context.js";
+import type { CycleOptions, CycleResult, CycleTarget } from "./load-cycles.js";
+import { type Measured, measureLoad } from "./measure.js";
+import { type Comparison, compare, fmtMs, fmtRate, fmtRatio, type Row } from "./report.js";
+
+type System = "leasehold" | "sql" | "store" | "etcd";
+
+const labels: Record<System, string> = {
+  leasehold: "Leasehold (gRPC)",
+  sql: "raw SQL (seed statements)",
+  store: "Leasehold store SQL, no RPC",
+  etcd: "etcd",
+};
+
+export interface CycleFigures {
+  system: System;
+  concurrency: number;
+  cyclesPerSec: number;
+  contendedPerSec: number;
+  p50Ms: number;
+  p99Ms: number;
+  acquireP50Ms: number;
+  acquireP99Ms: number;
+  errors: number;
+  cpuCores: Record<string, number>;
+  databaseStatementsPerSec: number;
+  walSyncsPerSec: number;
+  etcdWalFsyncsPerSec?: number;
+  /** Every window, for anyone who wants the spread. */
+  windows: { cyclesPerSec: number; p50Ms: number; p99Ms: number; otherCpu: number }[];
+}
+
+export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
+  const { settings, systems } = ctx;
+  const present: System[] = ["leasehold", "sql"];
+  if (settings.storeBaseline) present.push("store");
+  if (systems.etcd) present.push("etcd");
+  const targetOf = (system: System): CycleTarget => {
+    switch (system) {
+      case "leasehold":
+        return { kind: "service", urls: ctx.serverUrls };
+      case "sql":
+        return { kind: "sql", databaseUrl: systems.postgres.url };
+      case "store":
+        return { kind: "store", databaseUrl: systems.postgres.url };
+      case "etcd":
+        return { kind: "etcd", url: systems.etcd?.url ?? "" };
+    }
+  };
+
+  const figures: CycleFigures[] = [];
+  const profileWindows: [number, number][] = [];
+  const profiled = Math.max(...settings.concurrencies);
+  for (const concurrency of settings.concurrencies) {
+    const runs = new Map<System, Measured<CycleResult>[]>(present.map((s) => [s, []]));
+    for (let round = 1; round <= settings.rounds; round++) {
+      for (const system of present) {
+        ctx.progress(
+          `1 acquire→release · c=${concurrency} · ${labels[system]} · round ${round}/${settings.rounds}`,
+        );
+        const options: CycleOptions = {
+          target: targetOf(system),
+          concurrency,
+          keys: settings.keys,
+          ttlSeconds: settings.ttlSeconds,
+          accountId: `bench-${system}`,
+          warmupMs: settings.warmupMs,
+          windowMs: settings.windowMs,
+        };
+        const measured = await measureLoad<CycleResult>(systems, "load-cycles.ts", options);
+        if (measured.load.errors > 0) {
+          process.stderr.write(
+            `\n${labels[system]} c=${concurrency}: ${measured.load.errors} errors, first: ${measured.load.firstError}\n`,
+          );
+        }
+        runs.get(system)?.push(measured);
+        if (system === "leasehold" && concurrency === profiled)
+          profileWindows.push(measured.window);
+      }
+    }
+    for (const system of present) {
+      const r = runs.get(system) ?? [];
+      const cpuKeys = Object.keys(r[0]?.cpu ?? {});
+      figures.push({
+        system,
+        concurrency,
+        cyclesPerSec: medianOf(r, (m) => m.load.cyclesPerSec),
+        contendedPerSec: medianOf(r, (m) => m.load.contendedPerSec),
+        p50Ms: medianOf(r, (m) => m.load.cycle.p50Ms),
+        p99Ms: medianOf(r, (m) => m.load.cycle.p99Ms),
+        acquireP50Ms: medianOf(r, (m) => m.load.acquire.p50Ms),
+        acquireP99Ms: medianOf(r, (m) => m.load.acquire.p99Ms),
+        errors: r.reduce((sum, m) => sum + m.load.errors, 0),
+        cpuCores: Object.fromEntries(cpuKeys.map((k) => [k, medianOf(r, (m) => m.cpu[k] ?? 0)])),
+        databaseStatementsPerSec: medianOf(r, (m) => m.database.statementsPerSec),
+        walSyncsPerSec: medianOf(r, (m) => m.database.walSyncsPerSec),
+        etcdWalFsyncsPerSec:
+          system === "etcd" ? medianOf(r, (m) => m.etcdWalFsyncsPerSec ?? Number.NaN) : undefined,
+        windows: r.map((m) => ({
+          cyclesPerSec: m.load.cyclesPerSec,
+          p50Ms: m.load.cycle.p50Ms,
+          p99Ms: m.load.cycle.p99Ms,
+          otherCpu: m.cpu.other ?? Number.NaN,
+        })),
+      });
+    }
+  }
+  return {
+    ...report(ctx, figures),
+    profile: { label: `1 acquire→release, Leasehold at c=${profiled}`, windows: profileWindows },
+  };
+}
+
+function report(ctx: BenchContext, figures: CycleFigures[]): ScenarioReport {
+  const scenario = "1 acquire→release";
+  const rows: Row[] = [];
+  const comparisons: Comparison[] = [];
+  const targets: ScenarioReport["targets"] = [];
+  for (const concurrency of ctx.settings.concurrencies) {
+    const get = (s: System) => figures.find((f) => f.system === s && f.concurrency === concurrency);
+    const service = get("leasehold");
+    const sql = get("sql");
+    const store = get("store");
+    const etcd = get("etcd");
+    if (!service || !sql) continue;
+    const load = `c=${concurrency}, ${ctx.settings.keys} keys`;
+    const add = (metric: string, value: (f: CycleFigures) => number, higher: boolean) => {
+      const out: Comparison[] = [
+        compare(scenario, load, metric, value(service), "raw SQL", value(sql), higher),
+      ];
+      if (etcd)
+        out.push(compare(scenario, load, metric, value(service), "etcd", value(etcd), higher));
+      comparisons.push(...out);
+      return out;
+    };
+    const [rateSql, rateEtcd] = add("cycles/s", (f) => f.cyclesPerSec, true);
+    const [p50Sql, p50Etcd] = add("cycle p50 ms", (f) => f.p50Ms, false);
+    const [p99Sql, p99Etcd] = add("cycle p99 ms", (f) => f.p99Ms, false);
+    const pair = (f: CycleFigures | undefined) =>
+      f ? `${fmtMs(f.p50Ms)} / ${fmtMs(f.p99Ms)}` : undefined;
+    const ratioPair = (a?: Comparison, b?: Comparison) =>
+      a && b ? `${fmtRatio(a.ratio)} / ${fmtRatio(b.ratio)}` : undefined;
+    rows.push({
+      scenario,
+      load,
+      metric: "cycles/s",
+      leasehold: fmtRate(service.cyclesPerSec),
+      sql: fmtRate(sql.cyclesPerSec),
+      vsSql: fmtRatio(rateSql?.ratio),
+      etcd: etcd ? fmtRate(etcd.cyclesPerSec) : undefined,
+      vsEtcd: fmtRatio(rateEtcd?.ratio),
+    });
+    rows.push({
+      scenario,
+      load,
+      metric: "p50 / p99 ms",
+      leasehold: pair(service) ?? "",
+      sql: pair(sql),
+      vsSql: ratioPair(p50Sql, p99Sql),
+      etcd: pair(etcd),
+      vsEtcd: ratioPair(p50Etcd, p99Etcd),
+    });
+    // Who used the two cores: the systems, the load generator, and the
+    // rest of the machine (other work sharing it) in parentheses.
+    const cores = (f: CycleFigures | undefined, keys: string[]) =>
+      f
+        ? `${keys.map((k) => (f.cpuCores[k] ?? 0).toFixed(2)).join("+")} (${(f.cpuCores.other ?? 0).toFixed(2)})`
+        : undefined;
+    rows.push({
+      scenario,
+      load,
+      metric: "CPU cores: system+gen (other)",
+      leasehold: cores(service, ["server", "postgres", "load"]) ?? "",
+      sql: cores(sql, ["postgres", "load"]),
+      etcd: cores(etcd, ["etcd", "load"]),
+    });
+    if (store) {
+      const c = compare(
+        scenario,
+        load,
+        "store SQL cycles/s",
+        store.cyclesPerSec,
+        "raw SQL",
+        sql.cyclesPerSec,
+        true,
+      );
+      comparisons.push(c);
+      rows.push({
+        scenario,
+        load,
+        metric: "store SQL without RPC, cycles/s",
+        leasehold: fmtRate(store.cyclesPerSec),
+        sql: fmtRate(sql.cyclesPerSec),
+        vsSql: fmtRatio(c.ratio),
+      });
+    }
+    if (concurrency === 32 && rateSql) {
+      targets.push({
+        scenario,
+        target: "cycles/s at c=32 ≥ 0.8× the raw-SQL limit",
+        measured: `${rateSql.ratio.toFixed(2)}×`,
+        met: rateSql.ratio >= 0.8,
+      });
+    }
+    if (rateEtcd) {
+      targets.push({
+        scenario,
+        target: `cycles/s at c=${concurrency} ≥ etcd`,
+        measured: `${rateEtcd.ratio.toFixed(2)}×`,
+        met: rateEtcd.ratio >= 1,
+      });
+    }
+  }
+  return { id: "cycles", name: "acquire → release cycles", figures, rows, comparisons, targets };
+}

@@ -1,0 +1,309 @@
+// `npm run bench`: starts embedded PostgreSQL, the lease server as separate
+// processes and (when available) etcd, runs every scenario with its load
+// generator as its own process, prints one table and writes
+// bench/results/latest.json. See bench/README.md.
+
+import { copyFile, mkdir, mkdtemp, readdir, readFile, rm, writeFile } from "node:fs/promises";
+import os from "node:os";
+import path from "node:path";
+import { parseArgs } from "node:util";
+import { type ServerProcess, spawnLeasehold } from "../test/support/server-process.js";
+import type { BenchContext, BenchSettings, ScenarioReport } from "./context.js";
+import { type ProfileSummary, summarizeProfile } from "./cpu-profile.js";
+import { runCycles } from "./cycles.js";
+import { type EtcdServer, findEtcd, installEtcd, startEtcd } from "./etcd.js";
+
+import { describeMachine, machineLine, packageVersions } from "./machine.js";
+import { type BenchPostgres, startBenchPostgres } from "./postgres.js";
+import { renderMarkdown, renderText } from "./report.js";
+
+const usage = `Usage: npm run bench -- [flags]
+
+  --quick            one short window per figure (under two minutes)
+  --with-etcd        install Debian's etcd-server when etcd is missing (root only)
+  --no-etcd          skip etcd even when it is installed
+  --only LIST        scenarios to run, comma-separated: cycles,etcd-keepalive
+  --servers N        lease server processes (default 1)
+  --pool-size N      database connections per server (default 20, the server default)
+  --rounds N         measured windows per figure (default 3, quick 1)
+  --cpu-prof         run the servers under node --cpu-prof; print where their CPU went
+                     (profiles kept as bench/results/server-PID.cpuprofile)
+  --out FILE         where to write the JSON (default bench/results/latest.json)
+`;
+
+const resultsDir = new URL("results/", import.meta.url);
+const readmeFile = new URL("README.md", import.meta.url);
+
+async function main(): Promise<number> {
+  const { values } = parseArgs({
+    options: {
+      quick: { type: "boolean", default: false },
+      "with-etcd": { type: "boolean", default: false },
+      "no-etcd": { type: "boolean", default: false },
+      only: { type: "string" },
+      servers: { type: "string", default: "1" },
+      "pool-size": { type: "string", default: "20" },
+      rounds: { type: "string" },
+      "cpu-prof": { type: "boolean", default: false },
+      out: { type: "string" },
+      help: { type: "boolean", default: false },
+    },
+  });
+  if (values.help) {
+    process.stdout.write(usage);
+    return 0;
+  }
+  const quick = values.quick;
+  const settings: BenchSettings = {
+    quick,
+    rounds: Number(values.rounds ?? (quick ? 1 : 3)),
+    warmupMs: quick ? 1_000 : 2_000,
+    windowMs: quick ? 2_500 : 5_000,
+    concurrencies: [1, 8, 32],
+    keys: 1_000,
+    ttlSeconds: 30,
+    servers: Number(values.servers),
+    poolSize: Number(values["pool-size"]),
+    storeBaseline: !quick,
+  };
+  for (const [name, v] of Object.entries({
+    rounds: settings.rounds,
+    servers: settings.servers,
+    "pool-size": settings.poolSize,
+  })) {
+    if (!Number.isInteger(v) || v < 1) throw new Error(`--${name} must be a positive integer`);
+  }
+  const only = values.only?.split(",").map((s) => s.trim());
+  const wanted = (id: string) => !only || only.includes(id);
+
+  const started = performance.now();
+  const progress = (label: string) => {
+    const s = Math.round((performance.now() - started) / 1000);
+    const stamp = `[${String(Math.floor(s / 60)).padStart(2, "0")}:${String(s % 60).padStart(2, "0")}]`;
+    if (process.stderr.isTTY) process.stderr.write(`\r\x1b[K${stamp} ${label}`);
+    else process.stderr.write(`${stamp} ${label}\n`);
+  };
+  const log = (line: string) => {
+    if (process.stderr.isTTY) process.stderr.write("\r\x1b[K");
+    process.stderr.write(`${line}\n`);
+  };
+
+  const machine = describeMachine();
+  log(`machine: ${machineLine(machine)}`);
+
+  const cleanups: (() => Promise<void>)[] = [];
+  const cleanup = async () => {
+    for (const stop of cleanups.splice(0).reverse()) await stop().catch(() => {});
+  };
+  const onSignal = () => {
+    log("interrupted: stopping servers, etcd and PostgreSQL");
+    void cleanup().then(() => process.exit(130));
+  };
+  process.once("SIGINT", onSignal);
+  process.once("SIGTERM", onSignal);
+
+  try {
+    progress("starting embedded PostgreSQL");
+    const postgres: BenchPostgres = await startBenchPostgres();
+    cleanups.push(() => postgres.stop());
+    log(`postgres: ${postgres.version.split(" on ")[0]}`);
+    log(
+      `postgres settings: ${Object.entries(postgres.settings)
+        .map(([k, v]) => `${k}=${v}`)
+        .join(" ")}`,
+    );
+
+    let etcd: EtcdServer | undefined;
+    let etcdSkipped: string | undefined;
+    if (values["no-etcd"]) etcdSkipped = "--no-etcd";
+    else {
+      let binary = findEtcd();
+      if (!binary && values["with-etcd"]) binary = await installEtcd(log);
+      if (!binary) {
+        etcdSkipped = values["with-etcd"]
+          ? "etcd could not be installed (needs root and Debian's etcd-server)"
+          : "no etcd binary (run with --with-etcd as root to install Debian's etcd-server)";
+      } else {
+        progress("starting etcd");
+        etcd = await startEtcd(binary);
+        const e = etcd;
+        cleanups.push(() => e.stop());
+        log(`etcd: ${e.version} on ${e.url}`);
+      }
+    }
+    if (etcdSkipped) log(`etcd: skipped — ${etcdSkipped}`);
+
+    progress(`starting ${settings.servers} lease server process(es)`);
+    const profileDir = values["cpu-prof"]
+      ? await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-prof-"))
+      : "";
+    const servers: ServerProcess[] = [];
+    for (let i = 0; i < settings.servers; i++) {
+      const server = await spawnLeasehold({
+        argv: [
+          "serve",
+          "--database-url",
+          postgres.url,
+          "--listen",
+          "127.0.0.1:0",
+          "--pool-size",
+          String(settings.poolSize),
+          "--shutdown-grace",
+          "2s",
+        ],
+        nodeArgs: values["cpu-prof"] ? ["--cpu-prof", "--cpu-prof-dir", profileDir] : [],
+      });
+      servers.push(server);
+      cleanups.push(() => server.stop());
+    }
+    log(`servers: ${servers.map((s) => `${s.url} (pid ${s.child.pid})`).join(", ")}`);
+
+    const ctx: BenchContext = {
+      settings,
+      systems: {
+        postgres,
+        etcd,
+        serverPids: () => servers.flatMap((s) => (s.child.pid ? [s.child.pid] : [])),
+      },
+      serverUrls: servers.map((s) => s.url),
+      progress,
+    };
+    const reports: ScenarioReport[] = [];
+    if (wanted("cycles")) reports.push(await runCycles(ctx));
+
+    await cleanup();
+    const profiles = values["cpu-prof"] ? await collectProfiles(profileDir, servers, reports) : [];
+    machine.loadAverageAtEnd = Math.round((os.loadavg()[0] ?? 0) * 100) / 100;
+    const rows = reports.flatMap((r) => r.rows);
+    const table = renderText(rows);
+    const versions = {
+      ...packageVersions(),
+      postgres: postgres.version,
+      etcd: etcd?.version ?? "not measured",
+    };
+    const seconds = Math.round((performance.now() - started) / 1000);
+    log("");
+    process.stdout.write(`Leasehold benchmark — ${machineLine(machine)}\n`);
+    process.stdout.write(
+      `${quick ? "quick: " : ""}${settings.rounds} window(s) of ${settings.windowMs / 1000} s after ${
+        settings.warmupMs / 1000
+      } s warm-up per figure, medians; ${settings.servers} server process(es), pool ${settings.poolSize}; ${seconds} s in all\n\n`,
+    );
+    process.stdout.write(`${table}\n\n`);
+    const targets = reports.flatMap((r) => r.targets);
+    for (const t of targets) {
+      const verdict = t.met === null ? "n/a" : t.met ? "met" : "MISSED";
+      process.stdout.write(`target ${verdict}: ${t.target} — measured ${t.measured}\n`);
+    }
+    if (etcdSkipped) process.stdout.write(`etcd skipped: ${etcdSkipped}\n`);
+    for (const p of profiles) process.stdout.write(`\n${describeProfile(p)}\n`);
+
+    const results = {
+      generatedAt: new Date().toISOString(),
+      command: `npm run bench -- ${process.argv.slice(2).join(" ")}`.trim(),
+      durationSeconds: seconds,
+      machine,
+      versions,
+      settings: {
+        ...settings,
+        postgres: postgres.settings,
+        serverArgs: ["--pool-size", String(settings.poolSize)],
+        cpuProfile: values["cpu-prof"],
+      },
+      etcd: etcd ? { measured: true, url: etcd.url } : { measured: false, skipped: etcdSkipped },
+      scenarios: Object.fromEntries(
+        reports.map((r) => [r.id, { name: r.name, figures: r.figures, skipped: r.skipped }]),
+      ),
+      comparisons: reports.flatMap((r) => r.comparisons),
+      targets,
+      profiles,
+      table,
+    };
+    await mkdir(resultsDir, { recursive: true });
+    const out = values.out ?? new URL("latest.json", resultsDir).pathname;
+    await writeFile(out, `${JSON.stringify(results, null, 2)}\n`);
+    process.stdout.write(`\nwrote ${out}\n`);
+    if (!quick && !only && !values.out) {
+      await updateReadme(`${machineLine(machine)}\n\n${renderMarkdown(rows)}`, results.generatedAt);
+    }
+    return 0;
+  } finally {
+    await cleanup();
+  }
+}
+
+interface ServerProfile {
+  file: string;
+  label: string;
+  summary: ProfileSummary;
+}
+
+/**
+ * Keeps each server's main-thread profile in bench/results (git-ignored) and
+ * summarizes it over the windows the scenarios asked for.
+ */
+async function collectProfiles(
+  dir: string,
+  servers: ServerProcess[],
+  reports: ScenarioReport[],
+): Promise<ServerProfile[]> {
+  const out: ServerProfile[] = [];
+  const files = await readdir(dir);
+  for (const server of servers) {
+    // CPU.<date>.<time>.<pid>.<thread>.<seq>.cpuprofile; thread 0 is the main one
+    // (tsx's loader runs in a worker thread of its own).
+    const main = files.find(
+      (f) => f.split(".")[3] === String(server.child.pid) && f.split(".")[4] === "0",
+    );
+    if (!main) continue;
+    const file = new URL(`server-${server.child.pid}.cpuprofile`, resultsDir).pathname;
+    await copyFile(path.join(dir, main), file);
+    for (const r of reports) {
+      if (!r.profile || r.profile.windows.length === 0) continue;
+      out.push({
+        file,
+        label: r.profile.label,
+        summary: await summarizeProfile(file, r.profile.windows),
+      });
+    }
+  }
+  await rm(dir, { recursive: true, force: true });
+  return out;
+}
+
+function describeProfile(p: ServerProfile): string {
+  const pct = (x: number) => `${(x * 100).toFixed(1)}%`;
+  return [
+    `server CPU profile — ${p.label} (${p.file}): busy ${pct(p.summary.busyShare)} of ${p.summary.sampledMs} ms sampled`,
+    `  by module: ${p.summary.byModule.map((m) => `${m.module} ${pct(m.share)}`).join(", ")}`,
+    "  top self time:",
+    ...p.summary.topFunctions.map((f) => `    ${pct(f.share).padStart(6)}  ${f.fn}`),
+  ].join("\n");
+}
+
+/** Replaces the results section of bench/README.md after a full run. */
+async function updateReadme(table: string, at: string): Promise<void> {
+  const start = "<!-- results:start -->";
+  const end = "<!-- results:end -->";
+  let text: string;
+  try {
+    text = await readFile(readmeFile, "utf8");
+  } catch {
+    return;
+  }
+  const i = text.indexOf(start);
+  const j = text.indexOf(end);
+  if (i < 0 || j < i) return;
+  const body = `${start}\nMeasured ${at.slice(0, 10)} on: ${table}\n${end}`;
+  await writeFile(readmeFile, text.slice(0, i) + body + text.slice(j + end.length));
+}
+
+main().then(
+  (code) => process.exit(code),
+  (error: unknown) => {
+    process.stderr.write(
+      `\nbench: ${error instanceof Error ? (error.stack ?? error.message) : String(error)}\n`,
+    );
+    process.exit(1);
+  },
+);

@@ -1,0 +1,67 @@
+// `leasehold serve` as a separate OS process, on a real socket. Shared by the
+// tests (spawnServer) and the benchmark, which both need servers that do not
+// share a CPU-bound event loop with the code driving them.
+
+import { type ChildProcess, spawn } from "node:child_process";
+import { once } from "node:events";
+import { fileURLToPath } from "node:url";
+
+export const repoRoot = fileURLToPath(new URL("../../", import.meta.url));
+export const cliPath = fileURLToPath(new URL("../../bin/leasehold.js", import.meta.url));
+
+export interface ServerProcess {
+  url: string;
+  child: ChildProcess;
+  /** SIGTERM and wait for exit. */
+  stop(): Promise<void>;
+  /** SIGKILL and wait for exit. */
+  kill(): Promise<void>;
+}
+
+export interface SpawnOptions {
+  /** The command and its flags, e.g. ["serve", "--listen", "127.0.0.1:0", …]. */
+  argv: string[];
+  env?: NodeJS.ProcessEnv;
+  /** Flags for node itself, e.g. --cpu-prof. */
+  nodeArgs?: string[];
+}
+
+/** Runs a `leasehold` server command and resolves with the URL it reports serving on. */
+export async function spawnLeasehold(options: SpawnOptions): Promise<ServerProcess> {
+  const child = spawn(process.execPath, [...(options.nodeArgs ?? []), cliPath, ...options.argv], {
+    cwd: repoRoot,
+    env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn", ...options.env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let stderr = "";
+  const url = await new Promise<string>((resolve, reject) => {
+    const onData = (chunk: Buffer) => {
+      stderr += chunk.toString();
+      const m = /serving on (http:\/\/\S+)/.exec(stderr);
+      if (m?.[1]) {
+        child.stderr?.off("data", onData);
+        child.off("exit", onExit);
+        resolve(m[1]);
+      }
+    };
+    const onExit = (code: number | null) =>
+      reject(new Error(`server exited with ${code}: ${stderr}`));
+    child.stderr?.on("data", onData);
+    child.once("exit", onExit);
+  });
+  child.stdout?.resume();
+  child.stderr?.resume();
+  const exited = child.exitCode === null ? once(child, "exit") : Promise.resolve();
+  return {
+    url,
+    child,
+    stop: async () => {
+      if (child.exitCode === null) child.kill("SIGTERM");
+      await exited;
+    },
+    kill: async () => {
+      if (child.exitCode === null) child.kill("SIGKILL");
+      await exited;
+    },
+  };
+}
