@@ -20,6 +20,8 @@ export interface BenchPostgres {
   /** The postmaster and its backends. */
   pids(): number[];
   counters(): Promise<DatabaseCounters>;
+  /** S1 on the database's own record: grants of a key that began before the previous run ended. */
+  overlappingGrants(accountId: string, sessionId: string): Promise<number>;
   stop(): Promise<void>;
 }
 
@@ -94,6 +96,31 @@ export async function startBenchPostgres(): Promise<BenchPostgres> {
           walSyncs: Number(wal?.walSync ?? 0),
           walBytes: Number(wal?.walBytes ?? 0),
         };
+      },
+      overlappingGrants: async (accountId, sessionId) => {
+        // Each grant's span runs from its 'acquired' event to the first
+        // event that ended it, on the database clock. In token (= grant)
+        // order, a grant that starts before an earlier one ended means two
+        // runs held the key at that moment.
+        const [row] = await sql<{ overlaps: string }[]>`
+          WITH events AS (
+            SELECT type, run_id, fencing_token, at FROM lease_events
+            WHERE account_id = ${accountId} AND session_id = ${sessionId}
+          ),
+          spans AS (
+            SELECT g.fencing_token, g.at AS started,
+                   coalesce((SELECT min(e.at) FROM events e
+                             WHERE e.run_id = g.run_id AND e.type <> 'acquired'
+                               AND e.type <> 'handoff_requested'), 'infinity') AS ended
+            FROM events g WHERE g.type = 'acquired'
+          ),
+          ordered AS (
+            SELECT started, max(ended) OVER (ORDER BY fencing_token
+              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier_ended
+            FROM spans
+          )
+          SELECT count(*)::text AS overlaps FROM ordered WHERE started < earlier_ended`;
+        return Number(row?.overlaps ?? 0);
       },
       stop: async () => {
         await sql.end({ timeout: 1 });

@@ -8,26 +8,30 @@ import os from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
 import { type ServerProcess, spawnLeasehold } from "../test/support/server-process.js";
+import { serverStreams } from "./capabilities.js";
 import type { BenchContext, BenchSettings, ScenarioReport } from "./context.js";
 import { type ProfileSummary, summarizeProfile } from "./cpu-profile.js";
-import { runCycles } from "./cycles.js";
 import { type EtcdServer, findEtcd, installEtcd, startEtcd } from "./etcd.js";
-
 import { describeMachine, machineLine, packageVersions } from "./machine.js";
 import { type BenchPostgres, startBenchPostgres } from "./postgres.js";
 import { renderMarkdown, renderText } from "./report.js";
+import { runContention } from "./scenario-contention.js";
+import { runCycles } from "./scenario-cycles.js";
+import { runKeepAlive } from "./scenario-keepalive.js";
+import { runWatch } from "./scenario-watch.js";
 
 const usage = `Usage: npm run bench -- [flags]
 
   --quick            one short window per figure (under two minutes)
   --with-etcd        install Debian's etcd-server when etcd is missing (root only)
   --no-etcd          skip etcd even when it is installed
-  --only LIST        scenarios to run, comma-separated: cycles,etcd-keepalive
+  --only LIST        scenarios to run, comma-separated: cycles,contention,keepalive,watch
   --servers N        lease server processes (default 1)
   --pool-size N      database connections per server (default 20, the server default)
   --rounds N         measured windows per figure (default 3, quick 1)
   --cpu-prof         run the servers under node --cpu-prof; print where their CPU went
                      (profiles kept as bench/results/server-PID.cpuprofile)
+  --server-cli PATH  run the bin/leasehold.js of another checkout (to compare builds)
   --out FILE         where to write the JSON (default bench/results/latest.json)
 `;
 
@@ -45,6 +49,7 @@ async function main(): Promise<number> {
       "pool-size": { type: "string", default: "20" },
       rounds: { type: "string" },
       "cpu-prof": { type: "boolean", default: false },
+      "server-cli": { type: "string" },
       out: { type: "string" },
       help: { type: "boolean", default: false },
     },
@@ -152,6 +157,7 @@ async function main(): Promise<number> {
           "2s",
         ],
         nodeArgs: values["cpu-prof"] ? ["--cpu-prof", "--cpu-prof-dir", profileDir] : [],
+        cli: values["server-cli"] && path.resolve(values["server-cli"]),
       });
       servers.push(server);
       cleanups.push(() => server.stop());
@@ -168,8 +174,25 @@ async function main(): Promise<number> {
       serverUrls: servers.map((s) => s.url),
       progress,
     };
+    const streams = await serverStreams(ctx.serverUrls[0] as string);
+    const skipped: { scenario: string; reason: string }[] = [];
     const reports: ScenarioReport[] = [];
     if (wanted("cycles")) reports.push(await runCycles(ctx));
+    const streaming = [
+      { id: "contention", scenario: "2 contention", run: () => runContention(ctx) },
+      { id: "keepalive", scenario: "3 KeepAlive", run: () => runKeepAlive(ctx, etcd) },
+      { id: "watch", scenario: "4 watch fan-out", run: () => runWatch(ctx) },
+    ];
+    for (const s of streaming.filter((x) => wanted(x.id))) {
+      if (streams) reports.push(await s.run());
+      else {
+        skipped.push({
+          scenario: s.scenario,
+          reason:
+            "the server answers Watch with UNIMPLEMENTED: no KeepAlive, Watch or Acquire wait",
+        });
+      }
+    }
 
     await cleanup();
     const profiles = values["cpu-prof"] ? await collectProfiles(profileDir, servers, reports) : [];
@@ -196,6 +219,7 @@ async function main(): Promise<number> {
       process.stdout.write(`target ${verdict}: ${t.target} — measured ${t.measured}\n`);
     }
     if (etcdSkipped) process.stdout.write(`etcd skipped: ${etcdSkipped}\n`);
+    for (const s of skipped) process.stdout.write(`scenario ${s.scenario} skipped: ${s.reason}\n`);
     for (const p of profiles) process.stdout.write(`\n${describeProfile(p)}\n`);
 
     const results = {
@@ -208,12 +232,14 @@ async function main(): Promise<number> {
         ...settings,
         postgres: postgres.settings,
         serverArgs: ["--pool-size", String(settings.poolSize)],
+        serverCli: values["server-cli"] ?? "bin/leasehold.js",
         cpuProfile: values["cpu-prof"],
       },
       etcd: etcd ? { measured: true, url: etcd.url } : { measured: false, skipped: etcdSkipped },
       scenarios: Object.fromEntries(
         reports.map((r) => [r.id, { name: r.name, figures: r.figures, skipped: r.skipped }]),
       ),
+      skipped,
       comparisons: reports.flatMap((r) => r.comparisons),
       targets,
       profiles,

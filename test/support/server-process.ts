@@ -4,6 +4,7 @@
 
 import { type ChildProcess, spawn } from "node:child_process";
 import { once } from "node:events";
+import path from "node:path";
 import { fileURLToPath } from "node:url";
 
 export const repoRoot = fileURLToPath(new URL("../../", import.meta.url));
@@ -24,12 +25,15 @@ export interface SpawnOptions {
   env?: NodeJS.ProcessEnv;
   /** Flags for node itself, e.g. --cpu-prof. */
   nodeArgs?: string[];
+  /** Another checkout's bin/leasehold.js (to compare builds); default this one. */
+  cli?: string;
 }
 
 /** Runs a `leasehold` server command and resolves with the URL it reports serving on. */
 export async function spawnLeasehold(options: SpawnOptions): Promise<ServerProcess> {
-  const child = spawn(process.execPath, [...(options.nodeArgs ?? []), cliPath, ...options.argv], {
-    cwd: repoRoot,
+  const cli = options.cli ?? cliPath;
+  const child = spawn(process.execPath, [...(options.nodeArgs ?? []), cli, ...options.argv], {
+    cwd: path.dirname(path.dirname(cli)),
     env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn", ...options.env },
     stdio: ["ignore", "pipe", "pipe"],
   });
