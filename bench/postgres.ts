@@ -7,6 +7,7 @@ import { mkdtemp, readFile, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
+import { defaultTimeouts, openDatabase, type Sql } from "../src/server/db.js";
 import { startEmbeddedPostgres } from "../src/server/embedded-postgres.js";
 import { migrate } from "../src/server/migrate.js";
 import { processTree } from "./process-stats.js";
@@ -57,17 +58,13 @@ export async function startBenchPostgres(): Promise<BenchPostgres> {
     await admin.end();
     const url = embedded.urlFor("leasehold_bench");
     await migrate(url);
-    const sql = postgres(url, { max: 1, onnotice: () => {} });
-    // The seed's table, for the raw-SQL limit: exactly the columns its two
-    // statements need, next to Leasehold's own tables in the same database.
-    await sql`
-      CREATE TABLE demo_session_lease (
-        account_id text NOT NULL,
-        session_id text NOT NULL,
-        run_id uuid NOT NULL,
-        expires_at timestamptz NOT NULL,
-        PRIMARY KEY (account_id, session_id)
-      )`;
+    const sql = openDatabase({
+      url,
+      maxConnections: 1,
+      ...defaultTimeouts,
+      applicationName: "leasehold-bench-monitor",
+    });
+    await createSeedTable(sql);
     const settings: Record<string, string> = {};
     for (const name of shownSettings) {
       const [row] = await sql.unsafe<{ value: string }[]>(
@@ -97,31 +94,8 @@ export async function startBenchPostgres(): Promise<BenchPostgres> {
           walBytes: Number(wal?.walBytes ?? 0),
         };
       },
-      overlappingGrants: async (accountId, sessionId) => {
-        // Each grant's span runs from its 'acquired' event to the first
-        // event that ended it, on the database clock. In token (= grant)
-        // order, a grant that starts before an earlier one ended means two
-        // runs held the key at that moment.
-        const [row] = await sql<{ overlaps: string }[]>`
-          WITH events AS (
-            SELECT type, run_id, fencing_token, at FROM lease_events
-            WHERE account_id = ${accountId} AND session_id = ${sessionId}
-          ),
-          spans AS (
-            SELECT g.fencing_token, g.at AS started,
-                   coalesce((SELECT min(e.at) FROM events e
-                             WHERE e.run_id = g.run_id AND e.type <> 'acquired'
-                               AND e.type <> 'handoff_requested'), 'infinity') AS ended
-            FROM events g WHERE g.type = 'acquired'
-          ),
-          ordered AS (
-            SELECT started, max(ended) OVER (ORDER BY fencing_token
-              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier_ended
-            FROM spans
-          )
-          SELECT count(*)::text AS overlaps FROM ordered WHERE started < earlier_ended`;
-        return Number(row?.overlaps ?? 0);
-      },
+      overlappingGrants: (accountId, sessionId) =>
+        countOverlappingGrants(sql, accountId, sessionId),
       stop: async () => {
         await sql.end({ timeout: 1 });
         await embedded.stop();
@@ -133,6 +107,53 @@ export async function startBenchPostgres(): Promise<BenchPostgres> {
     await rm(dir, { recursive: true, force: true });
     throw error;
   }
+}
+
+/**
+ * The seed's table, for the raw-SQL limit: exactly the columns its two
+ * statements need, next to Leasehold's own tables in the same database.
+ */
+export async function createSeedTable(sql: Sql): Promise<void> {
+  await sql`
+    CREATE TABLE demo_session_lease (
+      account_id text NOT NULL,
+      session_id text NOT NULL,
+      run_id uuid NOT NULL,
+      expires_at timestamptz NOT NULL,
+      PRIMARY KEY (account_id, session_id)
+    )`;
+}
+
+/**
+ * S1 on the database's own record. Each grant's span runs from its
+ * 'acquired' event to the first event that ended that run, on the database
+ * clock; in token (= grant) order, a grant that starts before an earlier
+ * one ended means two runs held the key at that moment.
+ */
+export async function countOverlappingGrants(
+  sql: Sql,
+  accountId: string,
+  sessionId: string,
+): Promise<number> {
+  const [row] = await sql<{ overlaps: string }[]>`
+    WITH events AS (
+      SELECT type, run_id, fencing_token, at FROM lease_events
+      WHERE account_id = ${accountId} AND session_id = ${sessionId}
+    ),
+    spans AS (
+      SELECT g.fencing_token, g.at AS started,
+             coalesce((SELECT min(e.at) FROM events e
+                       WHERE e.run_id = g.run_id
+                         AND e.type IN ('released', 'expired', 'revoked')), 'infinity') AS ended
+      FROM events g WHERE g.type = 'acquired'
+    ),
+    ordered AS (
+      SELECT started, max(ended) OVER (ORDER BY fencing_token
+        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS earlier_ended
+      FROM spans
+    )
+    SELECT count(*)::text AS overlaps FROM ordered WHERE started < earlier_ended`;
+  return Number(row?.overlaps ?? 0);
 }
 
 /** Per-second rates between two counter readings. */
