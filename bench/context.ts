@@ -34,7 +34,6 @@ export interface ScenarioReport {
   rows: Row[];
   comparisons: Comparison[];
   targets: Target[];
-  skipped?: string[];
   /** Windows worth a server CPU profile (with --cpu-prof), and what ran in them. */
   profile?: { label: string; windows: [number, number][] };
 }
