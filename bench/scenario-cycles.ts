@@ -28,7 +28,10 @@ export interface CycleFigures {
   acquireP50Ms: number;
   acquireP99Ms: number;
   errors: number;
+  /** Cores busy during the window, per process group; `other` is the rest of the machine. */
   cpuCores: Record<string, number>;
+  /** CPU milliseconds per completed cycle, per process group. */
+  cpuMsPerCycle: Record<string, number>;
   databaseStatementsPerSec: number;
   walSyncsPerSec: number;
   etcdWalFsyncsPerSec?: number;
@@ -87,6 +90,9 @@ export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
     for (const system of present) {
       const r = runs.get(system) ?? [];
       const cpuKeys = Object.keys(r[0]?.cpu ?? {});
+      const cpuCores = Object.fromEntries(
+        cpuKeys.map((k) => [k, medianOf(r, (m) => m.cpu[k] ?? 0)]),
+      );
       figures.push({
         system,
         concurrency,
@@ -97,7 +103,17 @@ export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
         acquireP50Ms: medianOf(r, (m) => m.load.acquire.p50Ms),
         acquireP99Ms: medianOf(r, (m) => m.load.acquire.p99Ms),
         errors: r.reduce((sum, m) => sum + m.load.errors, 0),
-        cpuCores: Object.fromEntries(cpuKeys.map((k) => [k, medianOf(r, (m) => m.cpu[k] ?? 0)])),
+        cpuCores,
+        cpuMsPerCycle: Object.fromEntries(
+          cpuKeys
+            .filter((k) => k !== "machine" && k !== "other")
+            .map((k) => [
+              k,
+              Math.round(
+                medianOf(r, (m) => ((m.cpu[k] ?? 0) / m.load.cyclesPerSec) * 1000) * 1000,
+              ) / 1000,
+            ]),
+        ),
         databaseStatementsPerSec: medianOf(r, (m) => m.database.statementsPerSec),
         walSyncsPerSec: medianOf(r, (m) => m.database.walSyncsPerSec),
         etcdWalFsyncsPerSec:
@@ -166,19 +182,20 @@ function report(ctx: BenchContext, figures: CycleFigures[]): ScenarioReport {
       etcd: pair(etcd),
       vsEtcd: ratioPair(p50Etcd, p99Etcd),
     });
-    // Who used the two cores: the systems, the load generator, and the
-    // rest of the machine (other work sharing it) in parentheses.
-    const cores = (f: CycleFigures | undefined, keys: string[]) =>
+    // CPU per cycle, per process, says what a cycle costs and holds up far
+    // better than throughput when other work shares the machine; that
+    // other work (in cores) is in brackets.
+    const perCycle = (f: CycleFigures | undefined, keys: string[]) =>
       f
-        ? `${keys.map((k) => (f.cpuCores[k] ?? 0).toFixed(2)).join("+")} (${(f.cpuCores.other ?? 0).toFixed(2)})`
+        ? `${keys.map((k) => (f.cpuMsPerCycle[k] ?? 0).toFixed(2)).join("+")} [${(f.cpuCores.other ?? 0).toFixed(1)}]`
         : undefined;
     rows.push({
       scenario,
       load,
-      metric: "CPU cores: system+gen (other)",
-      leasehold: cores(service, ["server", "postgres", "load"]) ?? "",
-      sql: cores(sql, ["postgres", "load"]),
-      etcd: cores(etcd, ["etcd", "load"]),
+      metric: "CPU ms/cycle: system+gen [other]",
+      leasehold: perCycle(service, ["server", "postgres", "load"]) ?? "",
+      sql: perCycle(sql, ["postgres", "load"]),
+      etcd: perCycle(etcd, ["etcd", "load"]),
     });
     if (store) {
       const c = compare(
