@@ -3,7 +3,10 @@
 // as one JSON argument, and writes JSON lines on stdout: `measure` when the
 // warm-up ends, `window-end` when the measured window closes, and finally
 // `result`. The orchestrator samples CPU and database counters at the first
-// two, so those figures cover exactly the measured window.
+// two, so those figures cover exactly the measured window, and answers
+// `window-end` with a line on stdin: until then the load generator keeps its
+// connections, whose server-side processes (PostgreSQL backends) would
+// otherwise be gone before their CPU time was read.
 
 import { spawn } from "node:child_process";
 import { fileURLToPath } from "node:url";
@@ -54,7 +57,7 @@ export class MeasuredWindow {
           this.cpuInWindow = process.cpuUsage(this.cpuAtStart);
           this.stopped = true;
           send({ phase: "window-end" });
-          resolve();
+          process.stdin.once("data", () => resolve());
         }, timing.windowMs);
       }, timing.warmupMs);
     });
@@ -99,9 +102,11 @@ export function runLoad<R>(
     const child = spawn(
       process.execPath,
       ["--import", "tsx", `${benchDir}${script}`, JSON.stringify(options)],
-      { stdio: ["ignore", "pipe", "pipe"] },
+      { stdio: ["pipe", "pipe", "pipe"] },
     );
     if (child.pid !== undefined) hooks.onStart?.(child.pid);
+    // A child that died early closes its stdin; the exit handler reports it.
+    child.stdin.on("error", () => {});
     let stderr = "";
     let result: { value: R } | undefined;
     let buffered = "";
@@ -125,8 +130,10 @@ export function runLoad<R>(
           continue;
         }
         if (message.phase === "measure") hooks.onMeasure?.();
-        else if (message.phase === "window-end") hooks.onWindowEnd?.();
-        else result = { value: message.result as R };
+        else if (message.phase === "window-end") {
+          hooks.onWindowEnd?.();
+          child.stdin.write("sampled\n");
+        } else result = { value: message.result as R };
       }
     });
     child.once("exit", (code) => {
