@@ -1,7 +1,7 @@
 // What every scenario gets from the orchestrator: the settings of this run,
 // the running systems, and a way to say what is running now.
 
-import type { Measured, Systems } from "./measure.js";
+import type { Systems } from "./measure.js";
 import type { Comparison, Row, Target } from "./report.js";
 
 export interface BenchSettings {
@@ -38,12 +38,13 @@ export interface ScenarioReport {
   profile?: { label: string; windows: [number, number][] };
 }
 
-/** The median of each numeric figure across repeated windows. */
-export function medianOf<R>(runs: Measured<R>[], pick: (m: Measured<R>) => number): number {
-  const values = runs
-    .map(pick)
-    .filter(Number.isFinite)
-    .sort((a, b) => a - b);
+/** The median of a figure across repeated windows. */
+export function medianOf<R>(runs: R[], pick: (m: R) => number): number {
+  return median(runs.map(pick));
+}
+
+export function median(all: number[]): number {
+  const values = all.filter(Number.isFinite).sort((a, b) => a - b);
   if (values.length === 0) return Number.NaN;
   const mid = values.length >> 1;
   return values.length % 2

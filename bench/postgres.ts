@@ -46,7 +46,11 @@ const shownSettings = [
   "autovacuum",
 ];
 
-export async function startBenchPostgres(): Promise<BenchPostgres> {
+/**
+ * `migrate: false` leaves the schema to the first server that starts: a
+ * server of another build (--server-cli) may know other migrations.
+ */
+export async function startBenchPostgres(options: { migrate: boolean }): Promise<BenchPostgres> {
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
   const embedded = await startEmbeddedPostgres({
     dataDir: path.join(dir, "pgdata"),
@@ -57,7 +61,7 @@ export async function startBenchPostgres(): Promise<BenchPostgres> {
     await admin.unsafe("CREATE DATABASE leasehold_bench");
     await admin.end();
     const url = embedded.urlFor("leasehold_bench");
-    await migrate(url);
+    if (options.migrate) await migrate(url);
     const sql = openDatabase({
       url,
       maxConnections: 1,

@@ -69,7 +69,8 @@ async function main(): Promise<number> {
     ttlSeconds: 30,
     servers: Number(values.servers),
     poolSize: Number(values["pool-size"]),
-    storeBaseline: !quick,
+    // The store baseline runs this checkout's SQL: meaningless against another build.
+    storeBaseline: !quick && values["server-cli"] === undefined,
   };
   for (const [name, v] of Object.entries({
     rounds: settings.rounds,
@@ -109,7 +110,9 @@ async function main(): Promise<number> {
 
   try {
     progress("starting embedded PostgreSQL");
-    const postgres: BenchPostgres = await startBenchPostgres();
+    const postgres: BenchPostgres = await startBenchPostgres({
+      migrate: values["server-cli"] === undefined,
+    });
     cleanups.push(() => postgres.stop());
     log(`postgres: ${postgres.version.split(" on ")[0]}`);
     log(
