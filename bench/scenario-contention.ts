@@ -82,6 +82,10 @@ export async function runContention(ctx: BenchContext): Promise<ScenarioReport> 
       },
     ],
     comparisons: [],
+    profile: {
+      label: `2 contention, ${clients} clients on one key`,
+      windows: runs.map((m) => m.window),
+    },
     targets: [
       {
         scenario,

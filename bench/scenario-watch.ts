@@ -92,6 +92,7 @@ export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
       },
     ],
     comparisons: [],
+    profile: { label: `4 watch fan-out, ${watchers} watchers`, windows: runs.map((m) => m.window) },
     targets: [
       {
         scenario,
