@@ -23,6 +23,8 @@ export interface BenchContext {
   settings: BenchSettings;
   systems: Systems;
   serverUrls: string[];
+  /** With --cpu-prof: where servers started by a scenario itself write their profiles. */
+  cpuProfileDir: string | undefined;
   progress(label: string): void;
 }
 
@@ -36,6 +38,8 @@ export interface ScenarioReport {
   targets: Target[];
   /** Windows worth a server CPU profile (with --cpu-prof), and what ran in them. */
   profile?: { label: string; windows: [number, number][] };
+  /** Profiles of servers the scenario started itself, and their measured windows. */
+  serverProfiles?: { label: string; file: string; windows: [number, number][] }[];
 }
 
 /** The median of a figure across repeated windows. */

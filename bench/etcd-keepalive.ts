@@ -3,17 +3,9 @@
 
 import { type BenchContext, medianOf } from "./context.js";
 import type { EtcdServer } from "./etcd.js";
+import { describeLoad, type KeepAliveLoad, windowFor } from "./keepalive-loads.js";
 import type { EtcdKeepAliveOptions, KeepAliveResult } from "./load-etcd-keepalive.js";
 import { type Measured, measureLoad } from "./measure.js";
-
-export interface KeepAliveLoad {
-  leases: number;
-  ttlSeconds: number;
-  streams: number;
-  intervalMs: number;
-  /** 0: steady renewals every intervalMs; above 0: saturation with this many in flight per stream. */
-  inflight: number;
-}
 
 export interface KeepAliveFigures {
   load: KeepAliveLoad;
@@ -28,29 +20,23 @@ export interface KeepAliveFigures {
   windows: { renewalsPerSec: number; p50Ms: number; p99Ms: number; otherCpu: number }[];
 }
 
-export function describeLoad(load: KeepAliveLoad): string {
-  const base = `${load.leases.toLocaleString("en-US")} leases, ${load.streams} streams`;
-  return load.inflight === 0
-    ? `${base}, every ${load.intervalMs / 1000} s`
-    : `${base}, saturating (${load.inflight} in flight/stream)`;
-}
-
 export async function measureEtcdKeepAlive(
   ctx: BenchContext,
   etcd: EtcdServer,
   load: KeepAliveLoad,
+  rounds: number,
 ): Promise<KeepAliveFigures> {
   const runs: Measured<KeepAliveResult>[] = [];
-  for (let round = 1; round <= ctx.settings.rounds; round++) {
-    ctx.progress(
-      `5 etcd keepalive · ${describeLoad(load)} · round ${round}/${ctx.settings.rounds}`,
-    );
+  for (let round = 1; round <= rounds; round++) {
+    ctx.progress(`5 KeepAlive · etcd · ${describeLoad(load)} · round ${round}/${rounds}`);
     await etcd.restart();
     const options: EtcdKeepAliveOptions = {
       url: etcd.url,
       ...load,
-      warmupMs: ctx.settings.warmupMs,
-      windowMs: ctx.settings.windowMs,
+      // A steady load warms up for one renewal period, so that every lease
+      // has been renewed once before the window, as on Leasehold's side.
+      warmupMs: load.inflight === 0 ? load.intervalMs : ctx.settings.warmupMs,
+      windowMs: windowFor(ctx, load),
     };
     runs.push(await measureLoad<KeepAliveResult>(ctx.systems, "load-etcd-keepalive.ts", options));
   }

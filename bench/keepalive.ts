@@ -4,8 +4,10 @@
 // the renewal round trip (p50/p99, measured from send to answer on the
 // client), database statements per second (pg_stat_statements), server CPU
 // and memory. Then acquire throughput with the notification path on and off.
+// With --inflight K it saturates instead: each stream keeps K renewals in
+// flight, sending its next lease as each answer arrives.
 //
-//   npx tsx bench/keepalive.ts [--leases N] [--streams M] [--measure 30s] [--quick] [--json]
+//   npx tsx bench/keepalive.ts [--leases N] [--streams M] [--inflight K] [--measure 30s] [--quick] [--json]
 //
 // `run(options)` is the same scenario for the benchmark harness.
 
@@ -32,6 +34,12 @@ export interface KeepAliveBenchOptions {
   streams: number;
   ttlMs: number;
   renewEveryMs: number;
+  /**
+   * Saturation: renewals each stream keeps in flight, every answer sending
+   * the stream's next lease at once (a closed loop: as fast as the server
+   * answers). 0 renews each lease every renewEveryMs.
+   */
+  inflightPerStream: number;
   /** Length of the measured window, after one full renewal period of warm-up. */
   measureMs: number;
   /** Seconds per acquire-throughput phase (notifications on, off, on, off); 0 skips it. */
@@ -61,6 +69,8 @@ export interface KeepAliveBenchResult {
   };
   server: { cpuCores: number; rssMiB: number };
   loadGeneratorCpuCores: number;
+  /** The measured window on the monotonic clock in µs, as CPU profiles stamp it. */
+  windowMicros: [number, number];
   acquire?: {
     notificationsOnPerSecond: number;
     notificationsOffPerSecond: number;
@@ -74,6 +84,7 @@ const defaults: KeepAliveBenchOptions = {
   streams: 100,
   ttlMs: 15_000,
   renewEveryMs: 5_000,
+  inflightPerStream: 0,
   measureMs: 30_000,
   acquireSeconds: 10,
   acquireConcurrency: 32,
@@ -158,7 +169,14 @@ export async function run(
     `KeepAlive: ${o.leases} leases, TTL ${o.ttlMs / 1000}s, renewed every ${o.renewEveryMs / 1000}s over ${o.streams} streams`,
   );
   const db = await startBenchDatabase();
-  const server = await spawnLeasehold(db.url, ["--pool-size", "20"]);
+  // All leases are in one account: lift the per-account quota (10,000 by
+  // default), which is not what this scenario measures.
+  const server = await spawnLeasehold(db.url, [
+    "--pool-size",
+    "20",
+    "--max-leases-per-account",
+    "0",
+  ]);
   try {
     const conns = clients(server.url, Math.max(1, Math.ceil(o.streams / 25)));
     const accountId = "bench";
@@ -190,46 +208,66 @@ export async function run(
     let samples = 0;
     let lost = 0;
     let sent = 0;
+    let stopping = false;
     const queues = Array.from({ length: o.streams }, () => new RequestQueue());
+    const requests = runIds.map((runId, i) => ({
+      key: { accountId, sessionId: `s${i}` },
+      runId,
+      ttl: duration(o.ttlMs),
+    }));
+    const send = (i: number) => {
+      sentAt[i] = performance.now();
+      (queues[i % o.streams] as RequestQueue).push(requests[i] as KeepAliveInit);
+      if (measuring) {
+        sent++;
+        if (awaited[i] === 0) outstanding++;
+        awaited[i] = 1;
+      }
+    };
+    // Saturation: stream s cycles through its own leases s, s + M, s + 2M, …
+    const perStream = Math.ceil(o.leases / o.streams);
+    const cursor = new Uint32Array(o.streams);
+    const sendNext = (s: number) => {
+      for (let tries = 0; tries < perStream; tries++) {
+        const c = cursor[s] ?? 0;
+        cursor[s] = c + 1;
+        const i = s + o.streams * (c % perStream);
+        if (i < o.leases) return send(i);
+      }
+    };
     const readers = queues.map(async (queue, s) => {
       const client = conns[s % conns.length] as LeaseClient;
       for await (const answer of client.keepAlive(queue)) {
         const i = indexOf.get(answer.runId);
         if (i === undefined) continue;
         if (answer.result.case === "lost") lost++;
+        if (answer.result.case !== "lease") continue;
         // Only renewals sent inside the window count, answered when they may.
-        if (answer.result.case !== "lease" || awaited[i] !== 1) continue;
-        awaited[i] = 0;
-        outstanding--;
-        if (samples === rtts.length) {
-          const bigger = new Float64Array(rtts.length * 2);
-          bigger.set(rtts);
-          rtts = bigger;
+        if (awaited[i] === 1) {
+          awaited[i] = 0;
+          outstanding--;
+          if (samples === rtts.length) {
+            const bigger = new Float64Array(rtts.length * 2);
+            bigger.set(rtts);
+            rtts = bigger;
+          }
+          rtts[samples++] = performance.now() - (sentAt[i] ?? 0);
         }
-        rtts[samples++] = performance.now() - (sentAt[i] ?? 0);
+        if (o.inflightPerStream > 0 && !stopping) sendNext(s);
       }
     });
-    const requests = runIds.map((runId, i) => ({
-      key: { accountId, sessionId: `s${i}` },
-      runId,
-      ttl: duration(o.ttlMs),
-    }));
     const t0 = performance.now();
     let sentUpTo = 0;
-    const ticker = setInterval(() => {
-      const due = Math.floor(((performance.now() - t0) / o.renewEveryMs) * o.leases);
-      const now = performance.now();
-      for (; sentUpTo < due; sentUpTo++) {
-        const i = sentUpTo % o.leases;
-        sentAt[i] = now;
-        (queues[i % o.streams] as RequestQueue).push(requests[i] as KeepAliveInit);
-        if (measuring) {
-          sent++;
-          if (awaited[i] === 0) outstanding++;
-          awaited[i] = 1;
-        }
-      }
-    }, 5);
+    const ticker =
+      o.inflightPerStream > 0
+        ? undefined
+        : setInterval(() => {
+            const due = Math.floor(((performance.now() - t0) / o.renewEveryMs) * o.leases);
+            for (; sentUpTo < due; sentUpTo++) send(sentUpTo % o.leases);
+          }, 5);
+    for (let s = 0; s < o.streams && o.inflightPerStream > 0; s++) {
+      for (let k = 0; k < o.inflightPerStream; k++) sendNext(s);
+    }
 
     // Warm-up: one full renewal period, so every lease is on its 15 s TTL.
     await new Promise((r) => setTimeout(r, o.renewEveryMs));
@@ -241,9 +279,12 @@ export async function run(
       at: performance.now(),
     };
     measuring = true;
+    const windowStart = Number(process.hrtime.bigint() / 1000n);
     lost = 0;
     await new Promise((r) => setTimeout(r, o.measureMs));
     measuring = false;
+    const windowEnd = Number(process.hrtime.bigint() / 1000n);
+    stopping = true;
     const seconds = (performance.now() - before.at) / 1000;
     const after = {
       stmts: await statementCounts(db),
@@ -282,6 +323,7 @@ export async function run(
       },
       server: { cpuCores: (after.server - before.server) / seconds, rssMiB: after.rss / 2 ** 20 },
       loadGeneratorCpuCores: (after.self.user + after.self.system) / 1e6 / seconds,
+      windowMicros: [windowStart, windowEnd],
     };
     log(
       `renewals: ${result.renewals.perSecond.toFixed(0)}/s, round trip p50 ${result.renewals.p50Ms.toFixed(1)} ms, p99 ${result.renewals.p99Ms.toFixed(1)} ms, max ${result.renewals.maxMs.toFixed(1)} ms; lost ${lost}, unanswered ${result.renewals.unanswered}`,
@@ -390,6 +432,7 @@ async function main() {
     options: {
       leases: { type: "string" },
       streams: { type: "string" },
+      inflight: { type: "string" },
       measure: { type: "string" },
       "acquire-seconds": { type: "string" },
       quick: { type: "boolean" },
@@ -406,6 +449,7 @@ async function main() {
   const result = await run({
     leases: number(values.leases, quick ? 1_000 : defaults.leases),
     streams: number(values.streams, defaults.streams),
+    inflightPerStream: values.inflight === undefined ? 0 : number(values.inflight, 0),
     measureMs: values.measure
       ? (parseDuration(values.measure) ?? defaults.measureMs)
       : quick

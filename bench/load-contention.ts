@@ -6,6 +6,7 @@
 // bench/run.ts as its own process; see load-protocol.ts.
 
 import { randomUUID } from "node:crypto";
+import { setMaxListeners } from "node:events";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
@@ -48,6 +49,8 @@ async function main(): Promise<void> {
   const wait = { seconds: BigInt(options.waitSeconds), nanos: 0 };
   const handover = new Latency();
   const stop = new AbortController();
+  // Every waiting Acquire listens on this one signal.
+  setMaxListeners(options.clients + 10, stop.signal);
   let handovers = 0;
   let overlaps = 0;
   let tokenRegressions = 0;

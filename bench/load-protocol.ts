@@ -97,12 +97,13 @@ export function runLoad<R>(
   options: object,
   hooks: LoadHooks,
   timeoutMs: number,
+  env: NodeJS.ProcessEnv = {},
 ): Promise<R> {
   return new Promise((resolve, reject) => {
     const child = spawn(
       process.execPath,
       ["--import", "tsx", `${benchDir}${script}`, JSON.stringify(options)],
-      { stdio: ["pipe", "pipe", "pipe"] },
+      { stdio: ["pipe", "pipe", "pipe"], env: { ...process.env, ...env } },
     );
     if (child.pid !== undefined) hooks.onStart?.(child.pid);
     // A child that died early closes its stdin; the exit handler reports it.

@@ -6,6 +6,7 @@
 // bench/run.ts as its own process; see load-protocol.ts.
 
 import { randomUUID } from "node:crypto";
+import { setMaxListeners } from "node:events";
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import { EventType, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
@@ -65,13 +66,17 @@ async function main(): Promise<void> {
   const perDelivery = new Latency();
   const releases = new Map<string, Release>();
   const stop = new AbortController();
+  // Every Watch call listens on this one signal.
+  setMaxListeners(options.watchers + 10, stop.signal);
   let resyncs = 0;
   let errors = 0;
   let firstError: string | undefined;
   let subscribed = 0;
   let allSubscribed: () => void = () => {};
-  const ready = new Promise<void>((resolve) => {
+  let subscribeFailed: (error: unknown) => void = () => {};
+  const ready = new Promise<void>((resolve, reject) => {
     allSubscribed = resolve;
+    subscribeFailed = reject;
   });
 
   const watch = async (i: number) => {
@@ -102,6 +107,9 @@ async function main(): Promise<void> {
       }
     } catch (error) {
       if (stop.signal.aborted) return;
+      // A watcher refused before its snapshot (a limit, say) would leave the
+      // run waiting for all of them forever.
+      if (snapshots === 0) subscribeFailed(error);
       errors++;
       firstError ??= String(error);
     }
@@ -113,7 +121,12 @@ async function main(): Promise<void> {
   const subscribeSeconds = (performance.now() - subscribeStart) / 1000;
 
   const window = new MeasuredWindow(options);
-  const driver = clients[0] as (typeof clients)[number];
+  // The driver has a connection of its own: the watchers' connections are
+  // full of streams, and the server caps streams per connection.
+  const driver = createClient(
+    LeaseService,
+    createGrpcTransport({ baseUrl: options.urls[0] as string }),
+  );
   const ttl = { seconds: BigInt(options.ttlSeconds), nanos: 0 };
   const intervalMs = 1000 / options.rate;
   let measured = 0;
@@ -123,13 +136,16 @@ async function main(): Promise<void> {
     const key = { accountId: options.accountId, sessionId: `s-${randomUUID()}` };
     const runId = randomUUID();
     try {
-      const res = await driver.acquire({ key, runId, ttl, holder: "driver" });
+      const res = await driver.acquire(
+        { key, runId, ttl, holder: "driver" },
+        { timeoutMs: 10_000 },
+      );
       if (!res.acquired) throw new Error(`fresh session ${key.sessionId} was not acquired`);
       const sentAt = performance.now();
       const inWindow = window.counts(sentAt);
       if (inWindow) measured++;
       releases.set(key.sessionId, { sentAt, received: 0, measured: inWindow });
-      await driver.release({ key, runId });
+      await driver.release({ key, runId }, { timeoutMs: 10_000 });
     } catch (error) {
       errors++;
       firstError ??= String(error);

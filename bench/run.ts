@@ -145,20 +145,21 @@ async function main(): Promise<number> {
     const profileDir = values["cpu-prof"]
       ? await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-prof-"))
       : "";
+    const serverArgs = [
+      "--listen",
+      "127.0.0.1:0",
+      "--pool-size",
+      String(settings.poolSize),
+      "--shutdown-grace",
+      "2s",
+      // Scenario 4 opens 1,000 Watch streams on one account (default limit 100).
+      "--max-watchers-per-account",
+      "1000",
+    ];
     const servers: ServerProcess[] = [];
     for (let i = 0; i < settings.servers; i++) {
       const server = await spawnLeasehold({
-        argv: [
-          "serve",
-          "--database-url",
-          postgres.url,
-          "--listen",
-          "127.0.0.1:0",
-          "--pool-size",
-          String(settings.poolSize),
-          "--shutdown-grace",
-          "2s",
-        ],
+        argv: ["serve", "--database-url", postgres.url, ...serverArgs],
         nodeArgs: values["cpu-prof"] ? ["--cpu-prof", "--cpu-prof-dir", profileDir] : [],
         cli: values["server-cli"] && path.resolve(values["server-cli"]),
       });
@@ -175,6 +176,7 @@ async function main(): Promise<number> {
         serverPids: () => servers.flatMap((s) => (s.child.pid ? [s.child.pid] : [])),
       },
       serverUrls: servers.map((s) => s.url),
+      cpuProfileDir: values["cpu-prof"] ? profileDir : undefined,
       progress,
     };
     const streams = await serverStreams(ctx.serverUrls[0] as string);
@@ -253,7 +255,7 @@ async function main(): Promise<number> {
       settings: {
         ...settings,
         postgres: postgres.settings,
-        serverArgs: ["--pool-size", String(settings.poolSize)],
+        serverArgs,
         serverCli: values["server-cli"] ?? "bin/leasehold.js",
         cpuProfile: values["cpu-prof"],
       },
@@ -313,6 +315,13 @@ async function collectProfiles(
         label: r.profile.label,
         summary: await summarizeProfile(file, r.profile.windows),
       });
+    }
+  }
+  for (const r of reports) {
+    for (const p of r.serverProfiles ?? []) {
+      const file = new URL(path.basename(p.file), resultsDir).pathname;
+      await copyFile(p.file, file);
+      out.push({ file, label: p.label, summary: await summarizeProfile(file, p.windows) });
     }
   }
   await rm(dir, { recursive: true, force: true });

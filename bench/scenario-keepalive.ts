@@ -1,22 +1,110 @@
 // Scenario 3: KeepAlive capacity — leases held at TTL 15 s, each renewed
-// every 5 s over 100 streams, at growing counts, then a saturation run; and,
-// side by side (scenario 5), etcd under the same loads.
+// every 5 s over 100 streams, at growing counts, then a saturation run (each
+// stream keeping renewals in flight); and, side by side (scenario 5), etcd
+// under the same loads. Leasehold's side is bench/keepalive.ts's scenario,
+// which brings its own PostgreSQL and server and counts statements with
+// pg_stat_statements.
 
-import type { BenchContext, ScenarioReport } from "./context.js";
+import { readdir } from "node:fs/promises";
+import path from "node:path";
+import { type BenchContext, medianOf, type ScenarioReport } from "./context.js";
 import type { EtcdServer } from "./etcd.js";
-import { describeLoad, type KeepAliveLoad, measureEtcdKeepAlive } from "./etcd-keepalive.js";
-import { fmtMs, fmtRate } from "./report.js";
+import { type KeepAliveFigures, measureEtcdKeepAlive } from "./etcd-keepalive.js";
+import { describeLoad, type KeepAliveLoad, keepAliveLoads, windowFor } from "./keepalive-loads.js";
+import type { KeepAliveBenchResult, LeaseholdKeepAliveOptions } from "./load-keepalive.js";
+import { runLoad } from "./load-protocol.js";
+import {
+  type Comparison,
+  compare,
+  fmtMs,
+  fmtRate,
+  fmtRatio,
+  type Row,
+  type Target,
+} from "./report.js";
 
-export function keepAliveLoads(quick: boolean): KeepAliveLoad[] {
-  const steady = (leases: number): KeepAliveLoad => ({
-    leases,
-    ttlSeconds: 15,
-    streams: 100,
-    intervalMs: 5_000,
-    inflight: 0,
-  });
-  const sizes = quick ? [1_000, 10_000] : [1_000, 10_000, 50_000];
-  return [...sizes.map(steady), { ...steady(10_000), inflight: 4 }];
+interface LeaseholdFigures {
+  renewalsPerSec: number;
+  p50Ms: number;
+  p99Ms: number;
+  lost: number;
+  unanswered: number;
+  statementsPerSec: number;
+  renewalStatementsPerSec: number;
+  serverCpuCores: number;
+  serverRssMiB: number;
+  postgresCpuCores: number;
+  loadCpuCores: number;
+  setupSeconds: number;
+  windows: { renewalsPerSec: number; p50Ms: number; p99Ms: number }[];
+}
+
+async function measureLeasehold(
+  ctx: BenchContext,
+  load: KeepAliveLoad,
+  round: number,
+  rounds: number,
+  serverProfiles: NonNullable<ScenarioReport["serverProfiles"]>,
+): Promise<KeepAliveBenchResult> {
+  ctx.progress(`3 KeepAlive · Leasehold · ${describeLoad(load)} · round ${round}/${rounds}`);
+  const options: LeaseholdKeepAliveOptions = {
+    leases: load.leases,
+    streams: load.streams,
+    ttlMs: load.ttlSeconds * 1000,
+    renewEveryMs: load.intervalMs,
+    inflightPerStream: load.inflight,
+    measureMs: windowFor(ctx, load),
+  };
+  // bench/keepalive.ts starts its own server; this is how it profiles it.
+  const dir =
+    ctx.cpuProfileDir &&
+    path.join(ctx.cpuProfileDir, `keepalive-${load.leases}-${load.inflight}-${round}`);
+  const env = dir ? { BENCH_SERVER_NODE_ARGS: `--cpu-prof --cpu-prof-dir=${dir}` } : {};
+  // Setup acquires every lease through the service first: allow for it.
+  const result = await runLoad<KeepAliveBenchResult>(
+    "load-keepalive.ts",
+    options,
+    {},
+    600_000,
+    env,
+  );
+  if (dir) {
+    // CPU.<date>.<time>.<pid>.<thread>.<seq>.cpuprofile; thread 0 is the main one.
+    const main = (await readdir(dir)).find((f) => f.split(".")[4] === "0");
+    if (main) {
+      serverProfiles.push({
+        label: `3 KeepAlive, Leasehold, ${describeLoad(load)}, round ${round}`,
+        file: path.join(dir, main),
+        windows: [result.windowMicros],
+      });
+    }
+  }
+  return result;
+}
+
+function summarize(runs: KeepAliveBenchResult[]): LeaseholdFigures {
+  const med = (pick: (r: KeepAliveBenchResult) => number) => medianOf(runs, pick);
+  const r1 = (x: number) => Math.round(x * 10) / 10;
+  const r2 = (x: number) => Math.round(x * 100) / 100;
+  return {
+    renewalsPerSec: Math.round(med((r) => r.renewals.perSecond)),
+    p50Ms: r2(med((r) => r.renewals.p50Ms)),
+    p99Ms: r2(med((r) => r.renewals.p99Ms)),
+    lost: runs.reduce((sum, r) => sum + r.renewals.lost, 0),
+    unanswered: runs.reduce((sum, r) => sum + r.renewals.unanswered, 0),
+    statementsPerSec: r1(med((r) => r.database.statementsPerSecond)),
+    renewalStatementsPerSec: r1(med((r) => r.database.renewalStatementsPerSecond)),
+    serverCpuCores: r2(med((r) => r.server.cpuCores)),
+    serverRssMiB: Math.round(med((r) => r.server.rssMiB)),
+    postgresCpuCores: r2(med((r) => r.database.cpuCores)),
+    loadCpuCores: r2(med((r) => r.loadGeneratorCpuCores)),
+    setupSeconds: r1(med((r) => r.setup.seconds)),
+    windows: runs.map((r) => ({
+      renewalsPerSec: Math.round(r.renewals.perSecond),
+      p50Ms: r.renewals.p50Ms,
+      p99Ms: r.renewals.p99Ms,
+    })),
+  };
 }
 
 export async function runKeepAlive(
@@ -24,37 +112,85 @@ export async function runKeepAlive(
   etcd: EtcdServer | undefined,
 ): Promise<ScenarioReport> {
   const scenario = "3 KeepAlive";
-  const report: ScenarioReport = {
-    id: "keepalive",
-    name: "KeepAlive capacity (TTL 15 s, every 5 s, 100 streams) and saturation",
-    figures: [],
-    rows: [],
-    comparisons: [],
-    targets: [],
-  };
-  if (!etcd) return report;
-  const figures = [];
+  const rows: Row[] = [];
+  const comparisons: Comparison[] = [];
+  const targets: Target[] = [];
+  const serverProfiles: NonNullable<ScenarioReport["serverProfiles"]> = [];
+  const figures: { load: KeepAliveLoad; leasehold: LeaseholdFigures; etcd?: KeepAliveFigures }[] =
+    [];
   for (const load of keepAliveLoads(ctx.settings.quick)) {
-    const e = await measureEtcdKeepAlive(ctx, etcd, load);
-    figures.push({ load, etcd: e });
+    // Setting up 50,000 leases takes most of a minute: one window of tens
+    // of thousands of renewals is enough there.
+    const rounds = load.leases > 10_000 ? 1 : ctx.settings.rounds;
+    const runs: KeepAliveBenchResult[] = [];
+    for (let round = 1; round <= rounds; round++) {
+      runs.push(await measureLeasehold(ctx, load, round, rounds, serverProfiles));
+    }
+    const l = summarize(runs);
+    const e = etcd ? await measureEtcdKeepAlive(ctx, etcd, load, rounds) : undefined;
+    figures.push({ load, leasehold: l, etcd: e });
+
     const name = describeLoad(load);
-    report.rows.push(
+    const vs = (metric: string, lv: number, ev: number | undefined, higher: boolean) => {
+      if (ev === undefined) return undefined;
+      const c = compare(scenario, name, metric, lv, "etcd", ev, higher);
+      comparisons.push(c);
+      return c;
+    };
+    const rate = vs("renewals/s", l.renewalsPerSec, e?.renewalsPerSec, true);
+    const p50 = vs("round trip p50 ms", l.p50Ms, e?.p50Ms, false);
+    const p99 = vs("round trip p99 ms", l.p99Ms, e?.p99Ms, false);
+    rows.push(
       {
         scenario,
         load: name,
         metric: "renewals/s",
-        leasehold: "",
-        etcd: fmtRate(e.renewalsPerSec),
+        leasehold: fmtRate(l.renewalsPerSec),
+        etcd: e ? fmtRate(e.renewalsPerSec) : undefined,
+        vsEtcd: fmtRatio(rate?.ratio),
       },
       {
         scenario,
         load: name,
         metric: "round trip p50 / p99 ms",
-        leasehold: "",
-        etcd: `${fmtMs(e.p50Ms)} / ${fmtMs(e.p99Ms)}`,
+        leasehold: `${fmtMs(l.p50Ms)} / ${fmtMs(l.p99Ms)}`,
+        etcd: e ? `${fmtMs(e.p50Ms)} / ${fmtMs(e.p99Ms)}` : undefined,
+        vsEtcd: p50 && p99 ? `${fmtRatio(p50.ratio)} / ${fmtRatio(p99.ratio)}` : undefined,
+      },
+      {
+        scenario,
+        load: name,
+        metric: "statements/s · server CPU · RSS",
+        leasehold: `${fmtRate(l.statementsPerSec)} · ${l.serverCpuCores.toFixed(2)} · ${l.serverRssMiB} MiB`,
+        etcd: e
+          ? `${fmtRate(e.etcdWalFsyncsPerSec)} fsync · ${(e.cpuCores.etcd ?? 0).toFixed(2)}`
+          : undefined,
       },
     );
+    if (load.leases === 50_000 && load.inflight === 0) {
+      targets.push({
+        scenario,
+        target: "50,000 leases: p99 < 50 ms and < 100 statements/s",
+        measured: `p99 ${fmtMs(l.p99Ms)} ms, ${fmtRate(l.statementsPerSec)} statements/s`,
+        met: l.p99Ms < 50 && l.statementsPerSec < 100,
+      });
+    }
+    if (load.inflight > 0 && rate) {
+      targets.push({
+        scenario,
+        target: "keepalive capacity (saturation renewals/s) ≥ etcd",
+        measured: `${rate.ratio.toFixed(2)}×`,
+        met: rate.ratio >= 1,
+      });
+    }
   }
-  report.figures = figures;
-  return report;
+  return {
+    id: "keepalive",
+    name: "KeepAlive capacity (TTL 15 s, every 5 s, 100 streams) and saturation",
+    figures,
+    rows,
+    comparisons,
+    targets,
+    serverProfiles,
+  };
 }

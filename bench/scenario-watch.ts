@@ -7,7 +7,8 @@ import { type Measured, measureLoad } from "./measure.js";
 import { fmtMs } from "./report.js";
 
 const watchers = 1_000;
-const connections = 10;
+// 50 streams per connection, well under the server's default cap (100).
+const connections = 20;
 const releasesPerSecond = 5;
 
 export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
