@@ -77,7 +77,8 @@ export async function measureLoad<R>(
         rss = systems.serverPids().reduce((sum, pid) => sum + processRssMiB(pid), 0);
       },
     },
-    options.warmupMs + options.windowMs + 120_000,
+    // Setup before the warm-up (granting 50,000 etcd leases) takes a while.
+    options.warmupMs + options.windowMs + 300_000,
   );
   if (!cpuBefore || !cpuAfter || !dbBefore || !dbAfter) {
     throw new Error(`${script} reported a result without a measured window`);
