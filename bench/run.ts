@@ -225,7 +225,8 @@ async function main(): Promise<number> {
     const table = renderText(rows);
     const versions = {
       ...packageVersions(),
-      postgres: postgres.version,
+      // "postgres" is the postgres.js client, above.
+      postgresql: postgres.version,
       etcd: etcd?.version ?? "not measured",
     };
     const seconds = Math.round((performance.now() - started) / 1000);

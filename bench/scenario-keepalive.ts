@@ -160,10 +160,10 @@ export async function runKeepAlive(
       {
         scenario,
         load: name,
-        metric: "statements/s · server CPU · RSS",
+        metric: "DB stmts/s (etcd: WAL fsyncs/s) · server CPU cores · RSS",
         leasehold: `${fmtRate(l.statementsPerSec)} · ${l.serverCpuCores.toFixed(2)} · ${l.serverRssMiB} MiB`,
         etcd: e
-          ? `${fmtRate(e.etcdWalFsyncsPerSec)} fsync · ${(e.cpuCores.etcd ?? 0).toFixed(2)}`
+          ? `${fmtRate(e.etcdWalFsyncsPerSec)} · ${(e.cpuCores.etcd ?? 0).toFixed(2)}`
           : undefined,
       },
     );
