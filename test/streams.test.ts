@@ -140,6 +140,44 @@ describe("KeepAlive", () => {
     stream.abort();
   });
 
+  it("S8: a stuck transaction on one key ends that key's stream fast; other streams renew meanwhile", async () => {
+    const stuckKey = freshKey("stuck");
+    const freeKey = freshKey("free");
+    const a = await client.acquire({ key: stuckKey, ttl: ms(60_000) });
+    const b = await client.acquire({ key: freeKey, ttl: ms(60_000) });
+    const locker = db.connect(1);
+    let unlock!: () => void;
+    const held = new Promise<void>((r) => {
+      unlock = r;
+    });
+    let locked!: () => void;
+    const isLocked = new Promise<void>((r) => {
+      locked = r;
+    });
+    const tx = locker.begin(async (t) => {
+      await t`SELECT 1 FROM leases
+              WHERE account_id = ${stuckKey.accountId} AND session_id = ${stuckKey.sessionId}
+              FOR UPDATE`;
+      locked();
+      await held;
+    });
+    await isLocked;
+    const stuck = openKeepAlive(client);
+    const free = openKeepAlive(client);
+    stuck.send({ key: stuckKey, runId: a.lease?.runId ?? "" });
+    free.send({ key: freeKey, runId: b.lease?.runId ?? "" });
+    const freeAnswer = await answerFor(free, b.lease?.runId ?? "");
+    expect(freeAnswer.result.case).toBe("lease");
+    expect(stuck.reader.done).toBe(false);
+    await stuck.reader.finished;
+    expect(stuck.reader.error?.code).toBe(Code.Unavailable);
+    unlock();
+    await tx;
+    // The stuck key was not renewed, and its lease is still there.
+    expect((await client.get({ key: stuckKey })).lease?.expiresAt).toEqual(a.lease?.expiresAt);
+    free.abort();
+  });
+
   it("closing a stream releases nothing", async () => {
     const key = freshKey("close");
     const a = await client.acquire({ key, ttl: ms(60_000) });

@@ -143,7 +143,13 @@ export function createNotifier(options: NotifierOptions): Notifier {
     }
   }
 
+  // Every payload starts with its source; this instance's own changes
+  // (delivered here already) are skipped without parsing them.
+  const ownPrefix = `{"v":1,"s":${JSON.stringify(instanceId)},`;
+  const ownPing = `${ownPrefix}"p":`;
+
   function onNotify(payload: string) {
+    if (payload.startsWith(ownPrefix) && !payload.startsWith(ownPing)) return;
     const message = decodeMessage(payload);
     if (!message) {
       logger.warn({ bytes: payload.length }, "ignored a notification this version cannot read");
