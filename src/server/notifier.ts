@@ -13,7 +13,6 @@
 // re-check); see docs/streams.md.
 
 import postgres from "postgres";
-import type { Sql } from "./db.js";
 import { classifyDatabaseError } from "./errors.js";
 import type { ChangeType, LeaseChange } from "./lease-change.js";
 import type { Scope } from "./lease-store.js";
@@ -42,10 +41,10 @@ export interface NotifierHandlers {
 }
 
 export interface NotifierOptions {
-  /** Connection URL for the dedicated LISTEN connection. */
+  /** Connection URL for the notifier's own connections (LISTEN, publishing). */
   url: string;
-  /** The pool that runs the publishing statements. */
-  sql: Sql;
+  /** statement_timeout of the publishing connection. */
+  statementTimeoutMs: number;
   instanceId: string;
   /** Longest time a change waits before it is published. */
   tickMs: number;
@@ -79,7 +78,23 @@ export interface Notifier {
 const maxQueuedPayloads = 10_000;
 
 export function createNotifier(options: NotifierOptions): Notifier {
-  const { sql, instanceId, logger } = options;
+  const { instanceId, logger } = options;
+  // Publishing has a connection of its own, with synchronous_commit off:
+  // a notification is not durable anyway (the change it reports already
+  // is), so its commit need not wait for a WAL flush, and the notify lock
+  // it takes at commit is held for the shortest time. Nor does it take a
+  // slot of the pool that serves the lease statements.
+  // (It fetches types: postgres.js needs them to send the payloads as text[].)
+  const sql = postgres(options.url, {
+    max: 1,
+    connect_timeout: 5,
+    onnotice: () => {},
+    connection: {
+      application_name: "leasehold-publish",
+      synchronous_commit: "off",
+      statement_timeout: options.statementTimeoutMs,
+    },
+  });
   const pingIntervalMs = options.pingIntervalMs ?? 15_000;
   const pingTimeoutMs = 5_000;
   const stats: NotifierStats = {
@@ -270,6 +285,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
       listenSql = undefined;
       await current?.end({ timeout: 1 });
       await establishing;
+      await sql.end({ timeout: 1 });
     },
   };
 }

@@ -42,6 +42,7 @@ export async function startServer(
           tuning: config.streams,
           limits: config.limits,
           logger,
+          statementTimeoutMs: config.statementTimeoutMs,
           onRemoteChangeLag: (seconds) => ops.metrics.notificationLag.observe(seconds),
         });
       } catch (error) {

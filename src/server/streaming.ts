@@ -43,16 +43,17 @@ export interface StreamingOptions {
   tuning: StreamTuning;
   limits: Limits;
   logger: Logger;
+  statementTimeoutMs: number;
   /** Seconds from a change's commit to its arrival from another instance. */
   onRemoteChangeLag?: (seconds: number) => void;
 }
 
 export async function startStreaming(options: StreamingOptions): Promise<Streaming> {
-  const { sql, tuning, limits, logger } = options;
+  const { tuning, limits, logger } = options;
   const notifier = tuning.notifications
     ? createNotifier({
         url: options.databaseUrl,
-        sql,
+        statementTimeoutMs: options.statementTimeoutMs,
         instanceId: randomUUID(),
         tickMs: tuning.notifyTickMs,
         logger,
