@@ -7,7 +7,8 @@
 // With --inflight K it saturates instead: each stream keeps K renewals in
 // flight, sending its next lease as each answer arrives.
 //
-//   npx tsx bench/keepalive.ts [--leases N] [--streams M] [--inflight K] [--measure 30s] [--quick] [--json]
+//   npx tsx bench/keepalive.ts [--leases N] [--streams M] [--inflight K] [--measure 30s]
+//     [--acquire-seconds 10] [--acquire-rounds 3] [--quick] [--json]
 //
 // `run(options)` is the same scenario for the benchmark harness.
 
@@ -17,7 +18,11 @@ import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { type Client, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { type KeepAliveRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import {
+  EventType,
+  type KeepAliveRequestSchema,
+  LeaseService,
+} from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseDuration } from "../src/server/limits.js";
 import {
   type BenchDatabase,
@@ -42,10 +47,12 @@ export interface KeepAliveBenchOptions {
   inflightPerStream: number;
   /** Length of the measured window, after one full renewal period of warm-up. */
   measureMs: number;
-  /** Seconds per acquire-throughput phase (notifications on, off, on, off); 0 skips it. */
+  /** Seconds per acquire-throughput phase (acquire+release pairs; off, on, watched); 0 skips it. */
   acquireSeconds: number;
   /** Concurrent acquires in the throughput phases. */
   acquireConcurrency: number;
+  /** How many times each acquire mode runs (alternating); the median is reported. */
+  acquireRounds: number;
   log: (line: string) => void;
 }
 
@@ -72,10 +79,19 @@ export interface KeepAliveBenchResult {
   /** The measured window on the monotonic clock in µs, as CPU profiles stamp it. */
   windowMicros: [number, number];
   acquire?: {
-    notificationsOnPerSecond: number;
     notificationsOffPerSecond: number;
-    /** Share of the acquires of the "on" phases that a watcher on a second instance saw. */
+    /** Published, and received by no other instance. */
+    notificationsOnPerSecond: number;
+    /** Published, and received and fanned out by a second instance on the same machine. */
+    notificationsOnWatchedPerSecond: number;
+    /** Share of the acquires of the "watched" phases that the watcher on the second instance saw. */
     deliveredToWatcher: number;
+    /** Median CPU microseconds of the acquiring server per acquire+release pair, by mode. */
+    serverCpuUsPerAcquire: Record<"off" | "on" | "watched", number>;
+    /** Median CPU microseconds of PostgreSQL (all backends) per pair, by mode. */
+    postgresCpuUsPerAcquire: Record<"off" | "on" | "watched", number>;
+    /** Every phase's rate, by mode, in run order. */
+    phases: Record<"off" | "on" | "watched", number[]>;
   };
 }
 
@@ -88,6 +104,7 @@ const defaults: KeepAliveBenchOptions = {
   measureMs: 30_000,
   acquireSeconds: 10,
   acquireConcurrency: 32,
+  acquireRounds: 3,
   log: (line) => process.stderr.write(`${line}\n`),
 };
 
@@ -181,13 +198,15 @@ export async function run(
     const conns = clients(server.url, Math.max(1, Math.ceil(o.streams / 25)));
     const accountId = "bench";
 
-    // Setup: acquire every lease with a long TTL; the first renewal sets 15 s.
+    // Setup: acquire every lease with a TTL that outlasts the setup on a
+    // slow machine (50,000 acquires can take over two minutes); the first
+    // renewal sets the scenario's TTL.
     const runIds: string[] = new Array(o.leases);
     const setupStart = performance.now();
     await pool(o.leases, 64, async (i) => {
       const a = await (conns[i % conns.length] as LeaseClient).acquire({
         key: { accountId, sessionId: `s${i}` },
-        ttl: duration(Math.max(120_000, o.ttlMs)),
+        ttl: duration(Math.max(900_000, o.ttlMs)),
         holder: "bench",
       });
       if (!a.acquired || !a.lease) throw new Error(`setup could not acquire s${i}`);
@@ -345,84 +364,147 @@ export async function run(
 }
 
 /**
- * Acquire throughput of one instance with the notification path on and off,
- * alternating, while a second instance watches the account (so published
- * changes are received and fanned out there).
+ * Acquire throughput of one instance with the notification path off, on,
+ * and on with a second instance watching the account (so every published
+ * change is received, decoded and sent to a watcher there — on this machine,
+ * with the same CPUs). Each mode twice, alternating, each on a fresh server.
  */
 async function compareNotifications(db: BenchDatabase, o: KeepAliveBenchOptions) {
   const { log } = o;
-  const watcherSide = await spawnLeasehold(db.url, []);
-  const accountId = "bench-acquire";
-  const watcherClient = createClient(
-    LeaseService,
-    createGrpcTransport({ baseUrl: watcherSide.url }),
-  );
-  const controller = new AbortController();
-  let seen = 0;
-  const watching = (async () => {
-    for await (const m of watcherClient.watch(
-      { key: { accountId, sessionId: "" } },
-      { signal: controller.signal },
-    )) {
-      if (m.kind.case === "event") seen++;
-    }
-  })().catch(() => {});
-  const rates: Record<"on" | "off", number[]> = { on: [], off: [] };
-  let acquiredOn = 0;
-  let seenOn = 0;
-  try {
-    for (const mode of ["on", "off", "on", "off"] as const) {
-      const server = await spawnLeasehold(db.url, ["--notifications", mode, "--pool-size", "20"]);
-      try {
-        const client = createClient(LeaseService, createGrpcTransport({ baseUrl: server.url }));
-        // Warm the pool and the code paths before measuring.
-        await pool(200, o.acquireConcurrency, async () => {
-          await client.acquire({
-            key: { accountId: "bench-warm", sessionId: randomUUID() },
-            ttl: duration(60_000),
-          });
+  const modes = ["off", "on", "watched"] as const;
+  const rates: Record<(typeof modes)[number], number[]> = { off: [], on: [], watched: [] };
+  const cpu: Record<(typeof modes)[number], { server: number; pg: number }[]> = {
+    off: [],
+    on: [],
+    watched: [],
+  };
+  let acquiredWatched = 0;
+  let seenWatched = 0;
+  // Rounds alternate direction (off on watched, watched on off, …), so a
+  // drift over the run (a neighbour's load, autovacuum) does not favour a mode.
+  const phases = Array.from({ length: o.acquireRounds }, (_, r) =>
+    r % 2 === 0 ? [...modes] : [...modes].reverse(),
+  ).flat();
+  for (const mode of phases) {
+    // An account of its own per mode: no earlier grant expires in view.
+    const accountId = `bench-acquire-${mode}`;
+    // No quota here: it adds a statement per acquire and would stop the
+    // phase at its limit; the comparison is about the publish path.
+    const server = await spawnLeasehold(db.url, [
+      "--notifications",
+      mode === "off" ? "off" : "on",
+      "--pool-size",
+      "20",
+      "--max-leases-per-account",
+      "0",
+    ]);
+    const watcherSide = mode === "watched" ? await spawnLeasehold(db.url, []) : undefined;
+    const controller = new AbortController();
+    let seen = 0;
+    let ready: () => void = () => {};
+    const snapshot = new Promise<void>((r) => {
+      ready = r;
+    });
+    const watching = watcherSide
+      ? (async () => {
+          const watcher = createClient(
+            LeaseService,
+            createGrpcTransport({ baseUrl: watcherSide.url }),
+          );
+          for await (const m of watcher.watch(
+            { key: { accountId, sessionId: "" } },
+            { signal: controller.signal },
+          )) {
+            if (m.kind.case === "snapshot") ready();
+            else if (m.kind.case === "event" && m.kind.value.type === EventType.ACQUIRED) seen++;
+          }
+        })().catch(() => {})
+      : Promise.resolve();
+    if (!watcherSide) ready();
+    try {
+      await snapshot;
+      const client = createClient(LeaseService, createGrpcTransport({ baseUrl: server.url }));
+      // Warm the pool and the code paths before measuring.
+      await pool(200, o.acquireConcurrency, async () => {
+        await client.acquire({
+          key: { accountId: "bench-warm", sessionId: randomUUID() },
+          ttl: duration(60_000),
         });
-        const seenBefore = seen;
-        let count = 0;
-        const start = performance.now();
-        const end = start + o.acquireSeconds * 1000;
-        await Promise.all(
-          Array.from({ length: o.acquireConcurrency }, async () => {
-            while (performance.now() < end) {
-              const a = await client.acquire({
-                key: { accountId, sessionId: randomUUID() },
-                ttl: duration(60_000),
-              });
-              if (a.acquired) count++;
-            }
-          }),
-        );
-        const rate = count / ((performance.now() - start) / 1000);
-        rates[mode].push(rate);
+      });
+      // Each caller acquires and releases sessions of its own in turn: the
+      // table stays the same size from phase to phase (tombstones are
+      // reused), and every pair publishes two changes.
+      let count = 0;
+      const cpuBefore = {
+        server: await cpuSeconds(server.pid),
+        pg: await treeCpuSeconds(db.postmasterPid),
+      };
+      const start = performance.now();
+      const end = start + o.acquireSeconds * 1000;
+      await Promise.all(
+        Array.from({ length: o.acquireConcurrency }, async (_, caller) => {
+          for (let i = 0; performance.now() < end; i++) {
+            const key = { accountId, sessionId: `c${caller}-${i % 100}` };
+            const a = await client.acquire({ key, ttl: duration(60_000) });
+            if (!a.acquired || !a.lease) throw new Error(`could not acquire ${key.sessionId}`);
+            count++;
+            await client.release({ key, runId: a.lease.runId });
+          }
+        }),
+      );
+      const rate = count / ((performance.now() - start) / 1000);
+      rates[mode].push(rate);
+      // CPU per acquire is steadier than the rate on a shared machine.
+      const serverUs = ((await cpuSeconds(server.pid)) - cpuBefore.server) * 1e6;
+      const pgUs = ((await treeCpuSeconds(db.postmasterPid)) - cpuBefore.pg) * 1e6;
+      cpu[mode].push({ server: serverUs / count, pg: pgUs / count });
+      if (watcherSide) {
         // Let the last tick's changes arrive before counting what was seen.
         await new Promise((r) => setTimeout(r, 500));
-        if (mode === "on") {
-          acquiredOn += count;
-          seenOn += seen - seenBefore;
-        }
-        log(`acquire, notifications ${mode}: ${rate.toFixed(0)}/s`);
-      } finally {
-        await server.stop();
+        acquiredWatched += count;
+        seenWatched += seen;
       }
+      const last = cpu[mode].at(-1);
+      log(
+        `acquires (each then released), notifications ${mode}: ${rate.toFixed(0)}/s; CPU per acquire+release: server ${last?.server.toFixed(0)} µs, PostgreSQL ${last?.pg.toFixed(0)} µs`,
+      );
+    } finally {
+      controller.abort();
+      await watching;
+      await watcherSide?.stop();
+      await server.stop();
     }
-  } finally {
-    controller.abort();
-    await watching;
-    await watcherSide.stop();
   }
-  const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+  // The median: a shared machine's neighbours make single phases noisy.
+  const median = (xs: number[]) => {
+    const sorted = [...xs].sort((a, b) => a - b);
+    const mid = Math.floor(sorted.length / 2);
+    return sorted.length % 2
+      ? (sorted[mid] ?? 0)
+      : ((sorted[mid - 1] ?? 0) + (sorted[mid] ?? 0)) / 2;
+  };
   const out = {
-    notificationsOnPerSecond: mean(rates.on),
-    notificationsOffPerSecond: mean(rates.off),
-    deliveredToWatcher: acquiredOn === 0 ? 0 : seenOn / acquiredOn,
+    notificationsOffPerSecond: median(rates.off),
+    notificationsOnPerSecond: median(rates.on),
+    notificationsOnWatchedPerSecond: median(rates.watched),
+    serverCpuUsPerAcquire: {
+      off: median(cpu.off.map((c) => c.server)),
+      on: median(cpu.on.map((c) => c.server)),
+      watched: median(cpu.watched.map((c) => c.server)),
+    },
+    postgresCpuUsPerAcquire: {
+      off: median(cpu.off.map((c) => c.pg)),
+      on: median(cpu.on.map((c) => c.pg)),
+      watched: median(cpu.watched.map((c) => c.pg)),
+    },
+    phases: rates,
+    deliveredToWatcher: acquiredWatched === 0 ? 0 : seenWatched / acquiredWatched,
   };
   log(
-    `acquire throughput: notifications on ${out.notificationsOnPerSecond.toFixed(0)}/s, off ${out.notificationsOffPerSecond.toFixed(0)}/s; a watcher on another instance saw ${(out.deliveredToWatcher * 100).toFixed(1)}% of the "on" grants`,
+    `CPU per acquire+release (median): server off ${out.serverCpuUsPerAcquire.off.toFixed(0)} µs, on ${out.serverCpuUsPerAcquire.on.toFixed(0)} µs, watched ${out.serverCpuUsPerAcquire.watched.toFixed(0)} µs; PostgreSQL off ${out.postgresCpuUsPerAcquire.off.toFixed(0)} µs, on ${out.postgresCpuUsPerAcquire.on.toFixed(0)} µs, watched ${out.postgresCpuUsPerAcquire.watched.toFixed(0)} µs`,
+  );
+  log(
+    `acquire throughput (median of ${o.acquireRounds}): notifications off ${out.notificationsOffPerSecond.toFixed(0)}/s, on ${out.notificationsOnPerSecond.toFixed(0)}/s, on with a watching instance ${out.notificationsOnWatchedPerSecond.toFixed(0)}/s (which saw ${(out.deliveredToWatcher * 100).toFixed(1)}% of those grants)`,
   );
   return out;
 }
@@ -435,6 +517,7 @@ async function main() {
       inflight: { type: "string" },
       measure: { type: "string" },
       "acquire-seconds": { type: "string" },
+      "acquire-rounds": { type: "string" },
       quick: { type: "boolean" },
       json: { type: "boolean" },
     },
@@ -461,6 +544,7 @@ async function main() {
         : quick
           ? 3
           : defaults.acquireSeconds,
+    acquireRounds: number(values["acquire-rounds"], quick ? 1 : defaults.acquireRounds),
   });
   if (values.json) process.stdout.write(`${JSON.stringify(result, null, 2)}\n`);
 }
