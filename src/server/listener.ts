@@ -54,21 +54,9 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
     },
     options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
   );
-  const sessions = new Set<http2.ServerHttp2Session>();
-  h2.on("session", (session) => {
-    sessions.add(session);
-    session.once("close", () => sessions.delete(session));
-  });
-  const sockets = new Set<net.Socket>();
-  let onDrained: (() => void) | undefined;
-
+  const connections = trackConnections(h2);
   const tcp = net.createServer((socket) => {
-    sockets.add(socket);
-    socket.once("close", () => {
-      sockets.delete(socket);
-      if (sockets.size === 0) onDrained?.();
-    });
-    socket.setNoDelay(true);
+    connections.add(socket);
     // Read the first bytes in paused mode and put them back: both servers
     // then find them in the socket's buffer (Node's HTTP/2 session feeds
     // already-buffered bytes to nghttp2 before reading from the handle).
@@ -82,33 +70,7 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
     });
     socket.once("error", () => socket.destroy());
   });
-
-  await new Promise<void>((resolve, reject) => {
-    tcp.once("error", reject);
-    tcp.listen({ host: options.host, port: options.port }, () => {
-      tcp.off("error", reject);
-      resolve();
-    });
-  });
-  const address = tcp.address() as net.AddressInfo;
-
-  return {
-    host: address.address,
-    port: address.port,
-    close: async (graceMs) => {
-      const closed = new Promise<void>((resolve) => tcp.close(() => resolve()));
-      for (const session of sessions) session.close();
-      h1.closeIdleConnections();
-      const drained = new Promise<void>((resolve) => {
-        onDrained = resolve;
-        if (sockets.size === 0) resolve();
-      });
-      const timer = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
-      await Promise.race([drained, timer]);
-      for (const socket of sockets) socket.destroy();
-      await closed;
-    },
-  };
+  return serveOn(tcp, options, connections, () => h1.closeIdleConnections());
 }
 
 async function listenTls(
@@ -125,24 +87,57 @@ async function listenTls(
     },
     options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
   );
+  const connections = trackConnections(server);
+  server.on("connection", (socket: net.Socket) => connections.add(socket));
+  // A client that fails the handshake must not leave an error unhandled.
+  server.on("tlsClientError", () => {});
+  return serveOn(server, options, connections);
+}
+
+interface Connections {
+  add(socket: net.Socket): void;
+  /** Asks HTTP/2 sessions to finish, waits up to graceMs for every socket to close, destroys the rest. */
+  drain(graceMs: number): Promise<void>;
+}
+
+// The sockets and HTTP/2 sessions of a server, so that close() can let
+// in-flight calls finish before it cuts what is left.
+function trackConnections(h2: http2.Http2Server | http2.Http2SecureServer): Connections {
   const sessions = new Set<http2.ServerHttp2Session>();
-  server.on("session", (session) => {
+  const sockets = new Set<net.Socket>();
+  let onDrained: (() => void) | undefined;
+  h2.on("session", (session: http2.ServerHttp2Session) => {
     sessions.add(session);
     session.once("close", () => sessions.delete(session));
   });
-  const sockets = new Set<net.Socket>();
-  let onDrained: (() => void) | undefined;
-  server.on("connection", (socket: net.Socket) => {
-    sockets.add(socket);
-    socket.setNoDelay(true);
-    socket.once("close", () => {
-      sockets.delete(socket);
-      if (sockets.size === 0) onDrained?.();
-    });
-  });
-  // A client that fails the handshake must not leave an error unhandled.
-  server.on("tlsClientError", () => {});
+  return {
+    add: (socket) => {
+      sockets.add(socket);
+      socket.setNoDelay(true);
+      socket.once("close", () => {
+        sockets.delete(socket);
+        if (sockets.size === 0) onDrained?.();
+      });
+    },
+    drain: async (graceMs) => {
+      for (const session of sessions) session.close();
+      const drained = new Promise<void>((resolve) => {
+        onDrained = resolve;
+        if (sockets.size === 0) resolve();
+      });
+      const timer = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
+      await Promise.race([drained, timer]);
+      for (const socket of sockets) socket.destroy();
+    },
+  };
+}
 
+async function serveOn(
+  server: net.Server,
+  options: ListenerOptions,
+  connections: Connections,
+  closeIdle?: () => void,
+): Promise<Listener> {
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
     server.listen({ host: options.host, port: options.port }, () => {
@@ -156,14 +151,8 @@ async function listenTls(
     port: address.port,
     close: async (graceMs) => {
       const closed = new Promise<void>((resolve) => server.close(() => resolve()));
-      for (const session of sessions) session.close();
-      const drained = new Promise<void>((resolve) => {
-        onDrained = resolve;
-        if (sockets.size === 0) resolve();
-      });
-      const timer = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
-      await Promise.race([drained, timer]);
-      for (const socket of sockets) socket.destroy();
+      closeIdle?.();
+      await connections.drain(graceMs);
       await closed;
     },
   };
