@@ -16,6 +16,7 @@ import {
 import { connectNodeAdapter } from "@connectrpc/connect-node";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
+  type ClientEvent,
   createEndpoint,
   createLeaseClient,
   durationFromMs,
@@ -202,6 +203,38 @@ describe("several base URLs", () => {
     const a = await c.acquire({ key, ttl: durationFromMs(30_000) });
     expect(a.acquired).toBe(true);
     expect((await c.get({ key })).held).toBe(true);
+  });
+
+  it("reports each failover as an event naming the instance that failed and the next one", async () => {
+    const dead = await deadUrl();
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrls: [dead, server.url], onEvent: (e) => events.push(e) });
+    await c.get({ key: freshKey() });
+    const failovers = events.filter((e) => e.type === "failover");
+    expect(failovers).toHaveLength(1);
+    expect(failovers[0]).toMatchObject({ method: "Get", baseUrl: dead, nextBaseUrl: server.url });
+  });
+
+  it("an error after a failover keeps its code and field, and names the instances tried", async () => {
+    const dead = await deadUrl();
+    const c = client({ baseUrls: [dead, server.url] });
+    const error = await c
+      .acquire({ key: freshKey(), ttl: { seconds: -1n } })
+      .catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(InvalidArgumentError);
+    expect((error as InvalidArgumentError).field).toBe("ttl");
+    expect((error as Error).message).toContain(`at ${server.url}, after ${dead}: `);
+  });
+
+  it("when no instance answers, UNAVAILABLE names each one and what it did", async () => {
+    const [a, b] = [await deadUrl(), await deadUrl()];
+    const error = await client({ baseUrls: [a, b] })
+      .get({ key: freshKey() })
+      .catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(UnavailableError);
+    expect((error as Error).message).toMatch(/no instance answered/);
+    expect((error as Error).message).toContain(`${a}: `);
+    expect((error as Error).message).toContain(`${b}: `);
   });
 
   it("S2: an Acquire sent twice (a failover retry) is idempotent: the client-chosen run_id keeps one token", async () => {

@@ -40,11 +40,17 @@ import {
   runExclusive,
   type SessionKeyInit,
 } from "./run-exclusive.js";
-import { createEndpoint, failoverTransport, type TransportOptions } from "./transport.js";
+import {
+  createEndpoint,
+  type FailoverEvent,
+  failoverTransport,
+  type TransportOptions,
+} from "./transport.js";
 
 /** Something the client did in the background, for logs and diagnostics. */
 export type ClientEvent =
   | KeepAliveEvent
+  | FailoverEvent
   | { type: "release-failed"; key: SessionKeyInit; runId: string; error: LeaseholdError };
 
 /** Options of `createLeaseClient`. Give `baseUrl` or `baseUrls`. */
@@ -56,7 +62,7 @@ export interface LeaseClientOptions extends TransportOptions {
    * fail over in order; the KeepAlive stream reconnects to the next one.
    */
   baseUrls?: readonly string[];
-  /** Reports background events: stream reconnects, failed releases. */
+  /** Reports background events: stream reconnects, unary failovers, failed releases. */
   onEvent?: (event: ClientEvent) => void;
   /** Bounds of the KeepAlive reconnect backoff (full jitter), in ms; default 100 and 2 000. */
   reconnectBackoff?: { initialMs?: number; maxMs?: number };
@@ -182,7 +188,7 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
   if (baseUrls.length === 0) throw new RangeError("createLeaseClient needs baseUrl or baseUrls");
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
   const endpoints = baseUrls.map((url) => createEndpoint(url, options));
-  const rpc = createClient(LeaseService, failoverTransport(endpoints));
+  const rpc = createClient(LeaseService, failoverTransport(endpoints, options.onEvent));
   const keepAlive = new KeepAliveChannel({
     baseUrls,
     transport: options,

@@ -50,6 +50,7 @@ export {
   bearerTokenInterceptor,
   createEndpoint,
   type Endpoint,
+  type FailoverEvent,
   type Protocol,
   type TransportOptions,
 } from "./transport.js";

@@ -93,23 +93,40 @@ function failsOver(error: ConnectError): boolean {
   return error.code === Code.Unavailable || error.code === Code.Canceled || brokenConnection(error);
 }
 
+/** A unary call's instance failed without answering; the call goes on to `nextBaseUrl`. */
+export interface FailoverEvent {
+  type: "failover";
+  /** The method, e.g. "Acquire". */
+  method: string;
+  baseUrl: string;
+  error: ConnectError;
+  nextBaseUrl: string;
+}
+
 /**
  * A transport over several instances. A unary call that finds its instance
  * UNAVAILABLE (or its connection closed under it) is sent to the next one; the instance that answered last is
  * tried first next time. Streams go to that preferred instance: their
- * callers (KeepAlive, Watch) reconnect on their own terms.
+ * callers (KeepAlive, Watch) reconnect on their own terms. An error thrown
+ * after a failover names every instance tried and what each did, so that a
+ * deadline hit on the second instance is not read as the first one's.
  */
-export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
+export function failoverTransport(
+  endpoints: readonly Endpoint[],
+  onFailover?: (event: FailoverEvent) => void,
+): Transport {
   if (endpoints.length === 0) throw new RangeError("at least one server base URL is required");
   let preferred = 0;
   const at = (i: number) => endpoints[i % endpoints.length] as Endpoint;
   return {
     async unary(method, signal, timeoutMs, header, input, contextValues) {
-      let lastError: unknown;
+      const tried: string[] = [];
+      let lastError: ConnectError | undefined;
       for (let attempt = 0; attempt < endpoints.length; attempt++) {
         const index = (preferred + attempt) % endpoints.length;
+        const endpoint = at(index);
         try {
-          const response = await at(index).transport.unary(
+          const response = await endpoint.transport.unary(
             method,
             signal,
             timeoutMs,
@@ -120,24 +137,33 @@ export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
           preferred = index;
           return response;
         } catch (error) {
-          lastError = error;
-          if (signal?.aborted || !failsOver(ConnectError.from(error))) throw error;
+          const connectError = ConnectError.from(error);
+          if (signal?.aborted || !failsOver(connectError)) {
+            throw tried.length === 0 ? error : withAttempts(connectError, tried, endpoint.baseUrl);
+          }
+          tried.push(`${endpoint.baseUrl}: ${describe(connectError)}`);
+          lastError = connectError;
+          if (attempt + 1 < endpoints.length) {
+            onFailover?.({
+              type: "failover",
+              method: method.name,
+              baseUrl: endpoint.baseUrl,
+              error: connectError,
+              nextBaseUrl: at(index + 1).baseUrl,
+            });
+          }
         }
       }
       // Every instance failed without answering. A closed connection reads
       // as Canceled or a reset as ABORTED, but the caller canceled nothing
       // and no server refused anything: say what it is, UNAVAILABLE.
-      const last = ConnectError.from(lastError);
-      if (last.code !== Code.Unavailable) {
-        throw new ConnectError(
-          `the server closed the connection under the call (${last.rawMessage})`,
-          Code.Unavailable,
-          undefined,
-          undefined,
-          lastError,
-        );
-      }
-      throw lastError;
+      const last = lastError as ConnectError;
+      if (endpoints.length === 1 && last.code === Code.Unavailable) throw last;
+      const message =
+        endpoints.length === 1
+          ? `the server closed the connection under the call (${last.rawMessage})`
+          : `no instance answered: ${tried.join("; ")}`;
+      throw new ConnectError(message, Code.Unavailable, last.metadata, undefined, last);
     },
     stream(method, signal, timeoutMs, header, input, contextValues) {
       return at(preferred).transport.stream(
@@ -150,4 +176,21 @@ export function failoverTransport(endpoints: readonly Endpoint[]): Transport {
       );
     },
   };
+}
+
+function describe(error: ConnectError): string {
+  return `${Code[error.code] ?? error.code} (${error.rawMessage})`;
+}
+
+/** The same error, its message naming the instances that failed before the one that gave it. */
+function withAttempts(error: ConnectError, tried: string[], baseUrl: string): ConnectError {
+  const wrapped = new ConnectError(
+    `${error.rawMessage} [at ${baseUrl}, after ${tried.join("; ")}]`,
+    error.code,
+    error.metadata,
+    undefined,
+    error,
+  );
+  wrapped.details = error.details;
+  return wrapped;
 }

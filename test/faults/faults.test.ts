@@ -158,9 +158,28 @@ describe("fault injection under a checked history", () => {
     const victim = rng.int(0, 2);
     await cluster.killInstance(victim);
     const order = [victim, (victim + 1) % 3, (victim + 2) % 3].map((i) => instance(i).proxy.url);
-    const client = createLeaseClient({ baseUrls: order, defaultTimeoutMs: 3_000 });
+    const sentAt = performance.now();
+    const failovers: string[] = [];
+    const client = createLeaseClient({
+      baseUrls: order,
+      defaultTimeoutMs: 3_000,
+      onEvent: (e) => {
+        if (e.type === "failover") {
+          failovers.push(
+            `${Math.round(performance.now() - sentAt)} ms: ${e.baseUrl} ${e.error.message}`,
+          );
+        }
+      },
+    });
     const key = probeKey("kill");
-    const granted = await client.acquire({ key, ttl: durationFromMs(ttlMs) });
+    const granted = await client
+      .acquire({ key, ttl: durationFromMs(ttlMs) })
+      .catch((error: unknown) => {
+        throw new Error(
+          `failover acquire after killing instance ${victim} failed at ${Math.round(performance.now() - sentAt)} ms; failovers: [${failovers.join(" | ")}]`,
+          { cause: error },
+        );
+      });
     expect(granted.acquired, "a client listing the killed instance first fails over").toBe(true);
     await client.release({ key, runId: granted.lease?.runId ?? "" });
     client.close();
