@@ -1,11 +1,13 @@
 // KeepAlive, Watch, waiting Acquire and RequestHandoff across two server
 // instances running as separate OS processes on one database. The periodic
-// re-check is set to ten minutes so that nothing here can pass by it: every
-// cross-instance effect must travel the notification path (or, for expiry,
-// the deadline timer confirmed by the database).
+// re-check and the end-to-end check of the LISTEN connection are set to ten
+// minutes so that nothing here can pass by them: every cross-instance effect
+// must travel the notification path (or, for expiry, the deadline timer
+// confirmed by the database).
 
 import { randomUUID } from "node:crypto";
 import { Code } from "@connectrpc/connect";
+import postgres from "postgres";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   type AcquireResponse,
@@ -24,7 +26,7 @@ let one: ServerProcess;
 let two: ServerProcess;
 let c1: LeaseClient;
 let c2: LeaseClient;
-const args = ["--recheck-interval", "10m"];
+const args = ["--recheck-interval", "10m", "--listen-check-interval", "10m"];
 
 beforeAll(async () => {
   db = await createTestDatabase();
@@ -36,6 +38,13 @@ afterAll(async () => {
   await Promise.all([one?.stop(), two?.stop()]);
   await db?.close();
 });
+
+/** A series' value on an instance's /metrics (0 when absent). */
+async function metricValue(baseUrl: string, series: string): Promise<number> {
+  const text = await (await fetch(`${baseUrl}/metrics`)).text();
+  const line = text.split("\n").find((l) => l.startsWith(`${series} `));
+  return line === undefined ? 0 : Number(line.slice(series.length + 1));
+}
 
 const eventOf = (type: EventType) => (m: { kind: { case?: string; value?: unknown } }) =>
   m.kind.case === "event" && (m.kind.value as { type: EventType }).type === type;
@@ -242,6 +251,45 @@ describe("two server processes on one database", () => {
     const again = await watch.reader.next((m) => m.kind.case === "snapshot");
     expect(again.kind.case).toBe("snapshot");
     // And changes flow again afterwards.
+    const a = await c1.acquire({ key, ttl: ms(60_000), holder: "desktop" });
+    const seen = await watch.reader.next(eventOf(EventType.ACQUIRED));
+    expect(seen.kind.case === "event" && seen.kind.value.runId).toBe(a.lease?.runId);
+    watch.abort();
+  });
+
+  it("L1: a LISTEN connection lost while the database refuses connections comes back once it accepts them: a fresh snapshot, then changes", async () => {
+    const key = freshKey("cross-refused");
+    const watch = openWatch(c2, key);
+    await watch.reader.next((m) => m.kind.case === "snapshot");
+    // A database cannot refuse connections to itself: say it from another one.
+    const adminUrl = new URL(db.url);
+    const name = decodeURIComponent(adminUrl.pathname.slice(1));
+    adminUrl.pathname = "/postgres";
+    const admin = postgres(adminUrl.toString(), { max: 1, onnotice: () => {} });
+    const failuresBefore = await metricValue(
+      two.url,
+      "leasehold_notification_listen_failures_total",
+    );
+    await admin.unsafe(`ALTER DATABASE "${name}" ALLOW_CONNECTIONS false`);
+    try {
+      await admin`
+        SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+        WHERE application_name = 'leasehold-listen' AND datname = ${name}`;
+      // The instance tried to LISTEN again and was refused: the moment a
+      // one-shot re-listen would have given up for good.
+      for (;;) {
+        const failures = await metricValue(two.url, "leasehold_notification_listen_failures_total");
+        if (failures > failuresBefore) break;
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+      expect(await metricValue(two.url, "leasehold_notification_listening")).toBe(0);
+    } finally {
+      await admin.unsafe(`ALTER DATABASE "${name}" ALLOW_CONNECTIONS true`);
+      await admin.end();
+    }
+    const again = await watch.reader.next((m) => m.kind.case === "snapshot");
+    expect(again.kind.case).toBe("snapshot");
+    expect(await metricValue(two.url, "leasehold_notification_listening")).toBe(1);
     const a = await c1.acquire({ key, ttl: ms(60_000), holder: "desktop" });
     const seen = await watch.reader.next(eventOf(EventType.ACQUIRED));
     expect(seen.kind.case === "event" && seen.kind.value.runId).toBe(a.lease?.runId);

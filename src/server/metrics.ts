@@ -117,6 +117,71 @@ export function createMetrics(options: MetricsOptions): LeaseMetrics {
   };
 }
 
+/** What the notification channel reports of itself (notifier.ts's stats). */
+export interface NotificationStats {
+  readonly published: number;
+  readonly received: number;
+  readonly dropped: number;
+  readonly reconnects: number;
+  readonly listenFailures: number;
+  readonly listening: boolean;
+}
+
+/**
+ * Adds the notification channel's figures to the registry, read at each
+ * scrape: whether this instance listens (0 means it is deaf to other
+ * instances' changes until it listens again), and its running counts.
+ */
+export function registerNotificationMetrics(metrics: LeaseMetrics, stats: NotificationStats): void {
+  const metric = { registers: [metrics.registry] };
+  new Gauge({
+    ...metric,
+    name: "leasehold_notification_listening",
+    help: "1 while the LISTEN connection is in place (0: other instances' changes are missed)",
+    collect() {
+      this.set(stats.listening ? 1 : 0);
+    },
+  });
+  const counted = (name: string, help: string, read: () => number) => {
+    let reported = 0;
+    new Counter({
+      ...metric,
+      name,
+      help,
+      collect() {
+        const now = read();
+        if (now > reported) this.inc(now - reported);
+        reported = now;
+      },
+    });
+  };
+  counted(
+    "leasehold_notifications_published_total",
+    "lease changes this instance published to the others",
+    () => stats.published,
+  );
+  counted(
+    "leasehold_notifications_received_total",
+    "lease changes received from other instances",
+    () => stats.received,
+  );
+  counted(
+    "leasehold_notifications_dropped_total",
+    "queued notifications dropped while publishing failed",
+    () => stats.dropped,
+  );
+  counted(
+    "leasehold_notification_reconnects_total",
+    "times the LISTEN connection was lost and replaced",
+    () => stats.reconnects,
+  );
+  counted(
+    "leasehold_notification_listen_failures_total",
+    "attempts to LISTEN that failed",
+    () => stats.listenFailures,
+  );
+}
+
 /** Answers GET /metrics in the Prometheus text format; false for any other request. */
 export function serveMetrics(
   metrics: LeaseMetrics,

@@ -58,7 +58,12 @@ export interface NotifierStats {
   publishStatements: number;
   received: number;
   dropped: number;
+  /** Times the LISTEN connection was lost (closed, or a ping did not come back). */
   reconnects: number;
+  /** Attempts to LISTEN that failed (the database unreachable, say). */
+  listenFailures: number;
+  /** LISTEN is in place now. */
+  listening: boolean;
 }
 
 export interface Notifier {
@@ -103,6 +108,8 @@ export function createNotifier(options: NotifierOptions): Notifier {
     received: 0,
     dropped: 0,
     reconnects: 0,
+    listenFailures: 0,
+    listening: false,
   };
   let changes: LeaseChange[] = [];
   let payloads: string[] = [];
@@ -113,7 +120,6 @@ export function createNotifier(options: NotifierOptions): Notifier {
 
   let handlers: NotifierHandlers | undefined;
   let listenSql: postgres.Sql | undefined;
-  let connecting: postgres.Sql | undefined;
   let pendingPing: { nonce: string; resolve: (ok: boolean) => void } | undefined;
   let pingTimer: NodeJS.Timeout | undefined;
   let establishing: Promise<void> | undefined;
@@ -181,37 +187,51 @@ export function createNotifier(options: NotifierOptions): Notifier {
     handlers?.onMessage(message);
   }
 
-  // The dedicated LISTEN connection is postgres.js `listen` on a pool of
-  // its own: after a dropped connection it listens again and calls
-  // onListening, which makes every receiver resynchronise. A re-listen that
-  // fails (the database still down) is given up silently by postgres.js, and
-  // a socket can die without a close; so the whole path is checked end to
-  // end: a ping published through the pool must come back on the LISTEN
-  // connection, else the connection is replaced.
+  // The dedicated LISTEN connection is a one-connection postgres.js pool of
+  // its own that this module watches itself. postgres.js `listen()` would
+  // listen again after a dropped connection, but only once: if the database
+  // is still down at that moment (a restart), it gives up silently and the
+  // instance goes deaf until something else notices. Here every close of the
+  // connection (its `onclose`) replaces it, retrying with backoff until the
+  // database answers; then onListening makes every receiver resynchronise.
+  // A socket can also die without a close, so the whole path is checked end
+  // to end as well: a ping published through the pool must come back on the
+  // LISTEN connection, else the connection is replaced.
   async function establish(): Promise<void> {
     for (let attempt = 0; !closed; attempt++) {
-      const candidate = postgres(options.url, {
+      let lost = false;
+      const listenOptions = {
         max: 1,
+        max_lifetime: null,
         fetch_types: false,
         connect_timeout: 5,
         onnotice: () => {},
         connection: { application_name: "leasehold-listen" },
-      });
-      connecting = candidate;
+        onclose: () => {
+          lost = true;
+          replace(candidate);
+        },
+        // postgres.js hands every NotificationResponse to this option (its own
+        // listen() is built on it); the package's types do not declare it.
+        onnotify: (channel: string, payload: string) => {
+          if (channel === notificationChannel) onNotify(payload);
+        },
+      };
+      const candidate = postgres(options.url, listenOptions as postgres.Options<never>);
       try {
-        await candidate.listen(notificationChannel, onNotify, () => {
-          if (candidate === listenSql || candidate === connecting) handlers?.onListening();
-        });
-        connecting = undefined;
+        await candidate.unsafe(`LISTEN ${notificationChannel}`);
         if (closed) {
           await candidate.end({ timeout: 0 });
           return;
         }
+        if (lost) throw new Error("the notification connection closed as LISTEN completed");
         listenSql = candidate;
+        stats.listening = true;
+        handlers?.onListening();
         return;
       } catch (error) {
-        connecting = undefined;
         await candidate.end({ timeout: 0 }).catch(() => {});
+        stats.listenFailures += 1;
         const delay = Math.min(5_000, 100 * 2 ** Math.min(attempt, 6));
         logger.warn({ err: classifyDatabaseError(error), delay }, "LISTEN failed; retrying");
         await new Promise((resolve) => setTimeout(resolve, delay));
@@ -222,6 +242,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
   function replace(current: postgres.Sql) {
     if (current !== listenSql || closed) return;
     listenSql = undefined;
+    stats.listening = false;
     stats.reconnects += 1;
     current.end({ timeout: 0 }).catch(() => {});
     logger.warn("notification connection lost; listening again");
@@ -283,6 +304,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
       if (pingTimer) clearInterval(pingTimer);
       const current = listenSql;
       listenSql = undefined;
+      stats.listening = false;
       await current?.end({ timeout: 1 });
       await establishing;
       await sql.end({ timeout: 1 });

@@ -7,6 +7,7 @@ import type { ServerConfig } from "./config.js";
 import { type RunningServer, startHost } from "./host.js";
 import { createLeaseStore } from "./lease-store.js";
 import { createLogger, type Logger } from "./logger.js";
+import { registerNotificationMetrics } from "./metrics.js";
 import { startOperations } from "./operations.js";
 import { checkExposure } from "./ops-config.js";
 import { leaseRoutes } from "./routes.js";
@@ -50,6 +51,7 @@ export async function startServer(
         throw error;
       }
       const live = streaming;
+      if (live.notifier) registerNotificationMetrics(ops.metrics, live.notifier.stats);
       return {
         routes: (router) => {
           leaseRoutes({

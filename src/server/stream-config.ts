@@ -14,6 +14,8 @@ export interface StreamTuning {
   notifyTickMs: number;
   /** Period of the safety re-check of watchers and waiters against the database. */
   recheckIntervalMs: number;
+  /** Period of the end-to-end check of the LISTEN connection (a ping that must come back). */
+  listenCheckIntervalMs: number;
 }
 
 export const defaultStreamTuning: StreamTuning = {
@@ -21,6 +23,7 @@ export const defaultStreamTuning: StreamTuning = {
   renewTickMs: 20,
   notifyTickMs: 10,
   recheckIntervalMs: 30_000,
+  listenCheckIntervalMs: 15_000,
 };
 
 export const streamSettings = {
@@ -40,6 +43,10 @@ export const streamSettings = {
     env: "LEASEHOLD_RECHECK_INTERVAL",
     help: "watchers and waiters re-read the database this often (default 30s)",
   },
+  "listen-check-interval": {
+    env: "LEASEHOLD_LISTEN_CHECK_INTERVAL",
+    help: "the notification connection is checked end to end this often (default 15s)",
+  },
 } as const;
 
 export function parseStreamTuning(read: SettingsReader<keyof typeof streamSettings>): StreamTuning {
@@ -54,6 +61,10 @@ export function parseStreamTuning(read: SettingsReader<keyof typeof streamSettin
     renewTickMs: read.duration("renew-tick", defaultStreamTuning.renewTickMs),
     notifyTickMs: read.duration("notify-tick", defaultStreamTuning.notifyTickMs),
     recheckIntervalMs: read.duration("recheck-interval", defaultStreamTuning.recheckIntervalMs),
+    listenCheckIntervalMs: read.duration(
+      "listen-check-interval",
+      defaultStreamTuning.listenCheckIntervalMs,
+    ),
   };
   if (tuning.renewTickMs < 1 || tuning.renewTickMs > 1_000) {
     throw new ConfigError("--renew-tick (LEASEHOLD_RENEW_TICK) must be from 1ms to 1s");
@@ -63,6 +74,11 @@ export function parseStreamTuning(read: SettingsReader<keyof typeof streamSettin
   }
   if (tuning.recheckIntervalMs < 100) {
     throw new ConfigError("--recheck-interval (LEASEHOLD_RECHECK_INTERVAL) must be at least 100ms");
+  }
+  if (tuning.listenCheckIntervalMs < 100) {
+    throw new ConfigError(
+      "--listen-check-interval (LEASEHOLD_LISTEN_CHECK_INTERVAL) must be at least 100ms",
+    );
   }
   return tuning;
 }

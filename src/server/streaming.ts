@@ -56,6 +56,7 @@ export async function startStreaming(options: StreamingOptions): Promise<Streami
         statementTimeoutMs: options.statementTimeoutMs,
         instanceId: randomUUID(),
         tickMs: tuning.notifyTickMs,
+        pingIntervalMs: tuning.listenCheckIntervalMs,
         logger,
       })
     : undefined;

@@ -122,6 +122,19 @@ async function untilAvailable<T>(call: () => Promise<T>, boundMs = 30_000): Prom
   }
 }
 
+/** Waits until an instance's /metrics says its LISTEN connection is in place, up to a bound. */
+async function untilListening(baseUrl: string, boundMs = 30_000): Promise<void> {
+  const giveUpAt = performance.now() + boundMs;
+  for (;;) {
+    const text = await (await fetch(`${baseUrl}/metrics`)).text();
+    if (text.split("\n").includes("leasehold_notification_listening 1")) return;
+    if (performance.now() > giveUpAt) {
+      throw new Error(`${baseUrl} is not listening for notifications ${boundMs} ms on`);
+    }
+    await sleep(50);
+  }
+}
+
 const eventOf = (type: EventType) => (m: WatchResponse) =>
   m.kind.case === "event" && m.kind.value.type === type;
 
@@ -306,6 +319,9 @@ describe("fault injection under a checked history", () => {
     await sleep(downFor);
     await cluster.startDatabase();
     for (const i of [0, 1, 2]) await untilAvailable(() => direct(i).get({ key: held }));
+    // Every instance listens again (its LISTEN connection is replaced with
+    // backoff while the database is down), so a grant now travels as an event.
+    for (const i of [0, 1, 2]) await untilListening(instance(i).directUrl);
     const kept = await direct(1).get({ key: held });
     expect(kept.lease?.runId, "a grant made before the restart is still there").toBe(
       before.lease?.runId,
