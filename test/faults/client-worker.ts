@@ -282,6 +282,10 @@ async function rawRun(sessionId: string) {
     count(wait > 0 ? "acquire-waited" : "acquire");
   } catch (error) {
     count(`acquire-${codeName(error)}`);
+    // A waiting Acquire whose call ended unanswered may have been granted
+    // just then: the server releases such a grant on the run's behalf
+    // (waiters.ts, releaseUnwanted). Abandoning the call asked for it.
+    if (wait > 0) emit({ type: "release", client: config.client, key, runId });
     return;
   }
   emit(grantRecord(key, lease, "acquire"));
