@@ -1,12 +1,38 @@
 import { defineConfig } from "vitest/config";
 
+// `npm test` runs two projects, one after the other (sequence.groupOrder):
+// the unit and integration tests on one shared embedded PostgreSQL, then the
+// fault suite (test/faults/), which starts its own PostgreSQL and server
+// processes and injects faults into them, so it must not share the machine's
+// two cores with the first project. The browser tests have their own config
+// (vitest.e2e.config.ts): they need Debian's Chromium.
 export default defineConfig({
   test: {
-    include: ["test/**/*.test.ts"],
-    exclude: ["test/faults/**", "test/e2e/**", "node_modules/**"],
-    globalSetup: ["test/support/global-setup.ts"],
-    pool: "forks",
-    testTimeout: 60_000,
-    hookTimeout: 60_000,
+    projects: [
+      {
+        test: {
+          name: "unit",
+          include: ["test/**/*.test.ts"],
+          exclude: ["test/faults/**", "test/e2e/**", "node_modules/**"],
+          globalSetup: ["test/support/global-setup.ts"],
+          pool: "forks",
+          testTimeout: 60_000,
+          hookTimeout: 60_000,
+          sequence: { groupOrder: 0 },
+        },
+      },
+      {
+        test: {
+          name: "faults",
+          include: ["test/faults/**/*.test.ts"],
+          pool: "forks",
+          // One file at a time, so faults of one file never land on another.
+          fileParallelism: false,
+          testTimeout: 600_000,
+          hookTimeout: 120_000,
+          sequence: { groupOrder: 1 },
+        },
+      },
+    ],
   },
 });
