@@ -168,6 +168,19 @@ describe("authorization matrix: every RPC × every credential", () => {
         }
       });
 
+      it("a guarded resource's token (fence scope, its own account): only CheckFence serves another account", async () => {
+        const before = await storedState(db.sql);
+        const resource = bearer(await keys.token("guarded-store", { scope: "leasehold:fence" }));
+        const error = await outcome(call(resource));
+        if (rpc === "CheckFence") {
+          expect(error).toBeUndefined();
+        } else {
+          expect(error?.code).toBe(Code.PermissionDenied);
+          expect(error?.rawMessage).not.toContain(account);
+        }
+        expect(await storedState(db.sql)).toEqual(before);
+      });
+
       it("allowed: the account's own token (with the admin scope) is served", async () => {
         const error = await outcome(
           call(bearer(await keys.token(account, { scope: adminScope })), true),

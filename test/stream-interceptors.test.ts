@@ -34,6 +34,7 @@ const auth: AuthConfig = {
   audience: [],
   accountClaim: "sub",
   adminScope: "leasehold:admin",
+  fenceScope: "leasehold:fence",
   sessionAuthorizer: "own-account",
 };
 
@@ -63,6 +64,7 @@ function setup(maxWatchers = 10) {
           authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),
           authorizer: ownAccountAuthorizer,
           adminScope: auth.adminScope,
+          fenceScope: auth.fenceScope,
           limits: defaultLimits,
         }),
         watchLimitInterceptor(LeaseService.typeName, slots),

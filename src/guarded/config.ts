@@ -2,6 +2,7 @@
 // settings (database, listener, pool, timeouts) plus the fence mode and,
 // for live mode, where the lease server is.
 
+import { readFileSync } from "node:fs";
 import {
   ConfigError,
   type HostConfig,
@@ -20,6 +21,12 @@ export interface GuardedConfig extends HostConfig {
   leaseUrl: string | undefined;
   /** Deadline of each CheckFence call in live mode. */
   leaseTimeoutMs: number;
+  /**
+   * The bearer token this resource presents to the lease server (a JWT with
+   * the lease server's fence scope): the text itself, or a file re-read as
+   * it changes. Undefined: the lease server runs without keys.
+   */
+  leaseToken: { text: string } | { file: string } | undefined;
 }
 
 // Another port and data folder than the lease server's, so both run side
@@ -42,6 +49,15 @@ export const guardedSettings = {
   "lease-timeout": {
     env: "LEASEHOLD_LEASE_TIMEOUT",
     help: "deadline of each CheckFence call (default 2s)",
+  },
+  "lease-token": {
+    env: "LEASEHOLD_LEASE_TOKEN",
+    help: "bearer token (JWT with the fence scope) for the lease server (environment only)",
+    envOnly: true,
+  },
+  "lease-token-file": {
+    env: "LEASEHOLD_LEASE_TOKEN_FILE",
+    help: "file holding that token; re-read when it changes",
   },
 } as const satisfies Record<string, Setting>;
 
@@ -73,5 +89,41 @@ export function parseGuardedConfig(
     fenceMode: mode,
     leaseUrl,
     leaseTimeoutMs: read.duration("lease-timeout", 2_000),
+    leaseToken: parseLeaseToken(read.get("lease-token"), read.get("lease-token-file")),
   };
+}
+
+function parseLeaseToken(
+  text: string | undefined,
+  file: string | undefined,
+): GuardedConfig["leaseToken"] {
+  if (text !== undefined && file !== undefined) {
+    throw new ConfigError(
+      "set only one of LEASEHOLD_LEASE_TOKEN and --lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE)",
+    );
+  }
+  if (text !== undefined) {
+    if (text.trim() === "") throw new ConfigError("LEASEHOLD_LEASE_TOKEN must not be empty");
+    return { text: text.trim() };
+  }
+  if (file === undefined) return undefined;
+  // Read once now, so that a missing or empty file stops the start.
+  readLeaseTokenFile(file);
+  return { file };
+}
+
+/** The token in `file`, trimmed; a ConfigError naming the setting when unreadable or empty. */
+export function readLeaseTokenFile(file: string): string {
+  let token: string;
+  try {
+    token = readFileSync(file, "utf8").trim();
+  } catch (error) {
+    throw new ConfigError(
+      `--lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE): cannot read ${file}: ${(error as Error).message}`,
+    );
+  }
+  if (token === "") {
+    throw new ConfigError(`--lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE): ${file} is empty`);
+  }
+  return token;
 }

@@ -4,14 +4,38 @@
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type RunningServer, startHost } from "../server/host.js";
 import { createLogger, type Logger } from "../server/logger.js";
-import type { GuardedConfig } from "./config.js";
+import { type GuardedConfig, readLeaseTokenFile } from "./config.js";
 import { createDocumentStore } from "./document-store.js";
 import { defaultGuardedLimits, type GuardedLimits } from "./guarded-service.js";
 import { createLiveCheck, type LiveCheck } from "./live-check.js";
 import { guardedRoutes } from "./routes.js";
+
+// A token file is re-read at most every few seconds, so that a rotated
+// token is used without a restart and a write does not cost a file read.
+const tokenFileCheckMs = 5_000;
+
+/** The current lease-server token, for the bearer interceptor. */
+function leaseToken(source: GuardedConfig["leaseToken"]): (() => string) | undefined {
+  if (source === undefined) return undefined;
+  if ("text" in source) return () => source.text;
+  let token = readLeaseTokenFile(source.file);
+  let readAt = performance.now();
+  return () => {
+    if (performance.now() - readAt >= tokenFileCheckMs) {
+      readAt = performance.now();
+      try {
+        token = readLeaseTokenFile(source.file);
+      } catch {
+        // Keep the last good token: a file being replaced may be briefly absent.
+      }
+    }
+    return token;
+  };
+}
 
 export async function startGuardedServer(
   config: GuardedConfig,
@@ -27,9 +51,11 @@ export async function startGuardedServer(
         // Our own session manager, so shutdown can close the connection to
         // the lease server instead of waiting for it to idle out.
         session = new Http2SessionManager(config.leaseUrl);
+        const token = leaseToken(config.leaseToken);
         const transport = createGrpcTransport({
           baseUrl: config.leaseUrl,
           sessionManager: session,
+          interceptors: token ? [bearerTokenInterceptor(token)] : [],
         });
         live = createLiveCheck(createClient(LeaseService, transport), {
           timeoutMs: config.leaseTimeoutMs,

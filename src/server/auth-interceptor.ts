@@ -2,7 +2,10 @@
 // included, as one Connect interceptor: handlers stay free of it. Order:
 // the bearer token (UNAUTHENTICATED), the method's scope (Revoke needs the
 // admin scope), the account named in each request message (it must be the
-// caller's), then the session authorizer, before any lease logic runs.
+// caller's), then the session authorizer, before any lease logic runs. One
+// exception to the account rule: a guarded resource's token (the fence
+// scope) may call CheckFence on any account's sessions, since the resource
+// serves writers of every account; it reaches nothing else.
 // Denials say which rule failed and never anything about another account.
 
 import type { DescMessage } from "@bufbuild/protobuf";
@@ -49,11 +52,13 @@ export interface AuthInterceptorOptions {
   authenticator: Authenticator | undefined;
   authorizer: SessionAuthorizer;
   adminScope: string;
+  /** The scope that opens CheckFence on every account (and nothing else). */
+  fenceScope: string;
   limits: Limits;
 }
 
 export function authInterceptor(options: AuthInterceptorOptions): Interceptor {
-  const { authenticator, authorizer, adminScope, limits } = options;
+  const { authenticator, authorizer, adminScope, fenceScope, limits } = options;
 
   return (next) => async (req) => {
     if (!options.protectedServices.has(req.service.typeName)) return next(req);
@@ -79,6 +84,12 @@ export function authInterceptor(options: AuthInterceptorOptions): Interceptor {
         const target = targetOf(message, req.method.input);
         if (target === undefined || target.accountId === "") return caller;
         checkId(target.accountField, target.accountId, limits);
+        if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
+          // A resource checking a writer's token: not a user of the account,
+          // so neither the account rule nor the session authorizer applies.
+          if (target.sessionId !== "") checkId(target.sessionField, target.sessionId, limits);
+          return caller;
+        }
         if (caller && target.accountId !== caller.account) {
           throw new PermissionDeniedError(
             `${target.accountField} is not the account of the caller's token`,

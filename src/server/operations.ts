@@ -97,6 +97,7 @@ export async function startOperations(
       authorizer:
         auth.sessionAuthorizer === "acl-table" ? aclTableAuthorizer(sql) : ownAccountAuthorizer,
       adminScope: auth.adminScope,
+      fenceScope: auth.fenceScope,
       limits,
     }),
     watchLimitInterceptor(

@@ -26,6 +26,11 @@ export interface AuthConfig {
   accountClaim: string;
   /** The scope (in the space-separated `scope` claim) that Revoke needs. */
   adminScope: string;
+  /**
+   * The scope of a guarded resource's own token: CheckFence on the sessions
+   * of any account (and nothing more), for live-mode fencing.
+   */
+  fenceScope: string;
   sessionAuthorizer: SessionAuthorizerKind;
 }
 
@@ -77,6 +82,10 @@ export const opsSettings = {
   "admin-scope": {
     env: "LEASEHOLD_ADMIN_SCOPE",
     help: "scope that Revoke needs (default leasehold:admin)",
+  },
+  "fence-scope": {
+    env: "LEASEHOLD_FENCE_SCOPE",
+    help: "scope that lets a guarded resource call CheckFence for any account (default leasehold:fence)",
   },
   "session-authorizer": {
     env: "LEASEHOLD_SESSION_AUTHORIZER",
@@ -253,6 +262,10 @@ function parseAuth(read: OpsSettingsReader): AuthConfig {
   if (/\s/.test(adminScope) || adminScope === "") {
     throw new ConfigError("--admin-scope (LEASEHOLD_ADMIN_SCOPE) must be one scope without spaces");
   }
+  const fenceScope = read.get("fence-scope") ?? "leasehold:fence";
+  if (/\s/.test(fenceScope) || fenceScope === "") {
+    throw new ConfigError("--fence-scope (LEASEHOLD_FENCE_SCOPE) must be one scope without spaces");
+  }
   return {
     keys,
     issuer: read.get("jwt-issuer"),
@@ -262,6 +275,7 @@ function parseAuth(read: OpsSettingsReader): AuthConfig {
       .filter((a) => a !== ""),
     accountClaim,
     adminScope,
+    fenceScope,
     sessionAuthorizer: authorizer,
   };
 }

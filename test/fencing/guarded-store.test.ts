@@ -4,6 +4,9 @@
 // asks a real lease server.
 
 import { randomUUID } from "node:crypto";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import os from "node:os";
+import path from "node:path";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
@@ -21,6 +24,7 @@ import {
   startTestGuardedServer,
   startTestServer,
 } from "../support/server.js";
+import { bearer, createTestKeys, type TestKeys } from "../support/tokens.js";
 
 let db: TestDatabase;
 let store: RunningServer;
@@ -247,6 +251,76 @@ describe("guarded store, live mode", () => {
   });
 });
 
+describe("guarded store, live mode against a lease server with keys", () => {
+  let keys: TestKeys;
+  let leaseServer: RunningServer;
+  let tokenDir: string;
+
+  beforeAll(async () => {
+    keys = await createTestKeys();
+    leaseServer = await startTestServer(db.url, keys.args);
+    tokenDir = await mkdtemp(path.join(os.tmpdir(), "leasehold-lease-token-"));
+  });
+  afterAll(async () => {
+    await leaseServer?.close();
+    await rm(tokenDir, { recursive: true, force: true });
+  });
+
+  /** A live-mode store presenting `token` (from a file) to the lease server. */
+  async function liveStoreWith(token: string): Promise<RunningServer> {
+    const file = path.join(tokenDir, `${randomUUID()}.jwt`);
+    await writeFile(file, `${token}\n`, { mode: 0o600 });
+    return startTestGuardedServer(db.url, [
+      ...["--fence-mode", "live", "--lease-url", leaseServer.url],
+      ...["--lease-token-file", file],
+    ]);
+  }
+
+  async function grant(account: string) {
+    const key = { accountId: account, sessionId: `live-${randomUUID()}` };
+    const answer = await grpcClient(leaseServer.url).acquire(
+      { key, ttl: durationFromMillis(30_000), holder: "run-a" },
+      bearer(await keys.token(account)),
+    );
+    return { key, token: answer.lease?.fencingToken ?? 0n };
+  }
+
+  it("S7 live: with a fence-scope token the store confirms writers' tokens of any account", async () => {
+    const store = await liveStoreWith(
+      await keys.token("guarded-store", { scope: "leasehold:fence" }),
+    );
+    try {
+      const client = guardedGrpcClient(store.url);
+      for (const account of ["alice", "bob"]) {
+        const { key, token } = await grant(account);
+        const put = await client.put({ key, name: "n", value: text(account), fencingToken: token });
+        expect(put.highestToken).toBe(token);
+        const error = await refusal(
+          client.put({ key, name: "n", value: text("x"), fencingToken: token + 1n }),
+        );
+        expect(error.code).toBe(Code.FailedPrecondition);
+      }
+    } finally {
+      await store.close();
+    }
+  });
+
+  it("without the fence scope the lease server refuses the check: UNAVAILABLE naming why, nothing written", async () => {
+    const store = await liveStoreWith(await keys.token("guarded-store"));
+    try {
+      const { key, token } = await grant("alice");
+      const error = await refusal(
+        guardedGrpcClient(store.url).put({ key, name: "n", value: text("x"), fencingToken: token }),
+      );
+      expect(error.code).toBe(Code.Unavailable);
+      expect(error.rawMessage).toMatch(/could not confirm the fencing token.*permission_denied/);
+      expect((await grpc.list({ key })).highestToken).toBe(0n);
+    } finally {
+      await store.close();
+    }
+  });
+});
+
 describe("guarded store configuration", () => {
   it("defaults to monotonic mode on its own port and data folder", () => {
     const config = parseGuardedConfig([], {});
@@ -280,5 +354,30 @@ describe("guarded store configuration", () => {
       /--fence-mode \(LEASEHOLD_FENCE_MODE\) must be monotonic or live/,
     );
     expect(() => parseGuardedConfig(["--lease-url", "lease:7070"], {})).toThrow(/--lease-url/);
+  });
+
+  it("takes the lease-server token from the environment or a file, not both, never empty", async () => {
+    expect(parseGuardedConfig([], { LEASEHOLD_LEASE_TOKEN: " abc.def.ghi\n" }).leaseToken).toEqual({
+      text: "abc.def.ghi",
+    });
+    const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-lease-token-"));
+    try {
+      const file = path.join(dir, "token");
+      expect(() => parseGuardedConfig(["--lease-token-file", file], {})).toThrow(
+        /--lease-token-file \(LEASEHOLD_LEASE_TOKEN_FILE\): cannot read/,
+      );
+      await writeFile(file, "\n");
+      expect(() => parseGuardedConfig(["--lease-token-file", file], {})).toThrow(/is empty/);
+      await writeFile(file, "abc.def.ghi\n");
+      expect(parseGuardedConfig(["--lease-token-file", file], {}).leaseToken).toEqual({ file });
+      expect(() =>
+        parseGuardedConfig(["--lease-token-file", file], { LEASEHOLD_LEASE_TOKEN: "x" }),
+      ).toThrow(/set only one of LEASEHOLD_LEASE_TOKEN and --lease-token-file/);
+      expect(() => parseGuardedConfig([], { LEASEHOLD_LEASE_TOKEN: " " })).toThrow(
+        /LEASEHOLD_LEASE_TOKEN must not be empty/,
+      );
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
