@@ -9,6 +9,8 @@ import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createLeaseClient, UnauthenticatedError } from "../src/client/index.js";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { storedState } from "./support/leases.js";
@@ -105,6 +107,8 @@ type Case = {
   options: () => Promise<Options>;
   code: Code;
   message: RegExp;
+  /** The ErrorInfo `cause` of an UNAUTHENTICATED refusal. */
+  failure?: string;
 };
 
 const cases: Case[] = [
@@ -113,24 +117,28 @@ const cases: Case[] = [
     options: async () => ({}),
     code: Code.Unauthenticated,
     message: /missing bearer token/,
+    failure: "missing",
   },
   {
     name: "malformed token",
     options: async () => bearer("not-a.jwt"),
     code: Code.Unauthenticated,
     message: /malformed token/,
+    failure: "malformed",
   },
   {
     name: "bad signature",
     options: async () => bearer(await signToken(randomBytes(32), account, { scope: adminScope })),
     code: Code.Unauthenticated,
     message: /signature is not valid/,
+    failure: "bad_signature",
   },
   {
     name: "expired token",
     options: async () => bearer(await keys.token(account, { scope: adminScope, expiresIn: -3600 })),
     code: Code.Unauthenticated,
     message: /token expired/,
+    failure: "expired",
   },
   {
     name: "another account",
@@ -149,6 +157,12 @@ describe("authorization matrix: every RPC × every credential", () => {
           const error = await outcome(call(await c.options()));
           expect(error?.code).toBe(c.code);
           expect(error?.rawMessage).toMatch(c.message);
+          if (c.failure !== undefined) {
+            expect(error?.findDetails(ErrorInfoSchema)[0]).toMatchObject({
+              reason: "UNAUTHENTICATED",
+              metadata: { cause: c.failure },
+            });
+          }
           // Nothing about the account the call tried to reach.
           if (c.code === Code.PermissionDenied) expect(error?.rawMessage).not.toContain(account);
           expect(await storedState(db.sql)).toEqual(before);
@@ -189,6 +203,20 @@ describe("authorization matrix: every RPC × every credential", () => {
       });
     });
   }
+});
+
+describe("the client library's view of a refusal", () => {
+  it("an expired token is an UnauthenticatedError whose failure says expired", async () => {
+    const expired = await keys.token(account, { expiresIn: -3600 });
+    const leases = createLeaseClient({ baseUrl: server.url, token: expired });
+    try {
+      const error = await leases.get({ key: held.key }).catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(UnauthenticatedError);
+      expect((error as UnauthenticatedError).failure).toBe("expired");
+    } finally {
+      leases.close();
+    }
+  });
 });
 
 describe("streams are checked message by message", () => {

@@ -164,9 +164,40 @@ export class LeaseLostError extends LeaseholdError {
   }
 }
 
+/**
+ * Why the server refused credentials (ErrorInfo reason UNAUTHENTICATED,
+ * metadata `cause`): no token, not a JWT, expired (time to fetch a new one),
+ * a signature the server's keys do not verify, an algorithm it does not
+ * accept, a failed `iss`/`aud`/`nbf` check, or no valid account claim.
+ */
+export type AuthFailure =
+  | "missing"
+  | "malformed"
+  | "expired"
+  | "bad_signature"
+  | "algorithm"
+  | "claims"
+  | "account_claim";
+
+const authFailures = new Set<string>([
+  "missing",
+  "malformed",
+  "expired",
+  "bad_signature",
+  "algorithm",
+  "claims",
+  "account_claim",
+]);
+
 /** The server did not accept the credentials (UNAUTHENTICATED). */
 export class UnauthenticatedError extends LeaseholdError {
   override readonly name = "UnauthenticatedError";
+
+  /** Why, as the server named it; undefined when it did not say. */
+  get failure(): AuthFailure | undefined {
+    const cause = this.metadata.cause;
+    return cause !== undefined && authFailures.has(cause) ? (cause as AuthFailure) : undefined;
+  }
 }
 
 /** The caller may not touch this account, session or method (PERMISSION_DENIED). */

@@ -19,6 +19,7 @@ export {
 } from "./client.js";
 export { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
 export {
+  type AuthFailure,
   CanceledError,
   DeadlineExceededError,
   errorDomain,

@@ -50,15 +50,22 @@ export function createAuthenticator(
       if (authorization === null || authorization === "") {
         throw new UnauthenticatedError(
           "missing bearer token: send the header 'authorization: Bearer <JWT>'",
+          "missing",
         );
       }
       const m = /^Bearer +(\S+) *$/i.exec(authorization);
       if (!m?.[1]) {
-        throw new UnauthenticatedError("the authorization header must be 'Bearer <JWT>'");
+        throw new UnauthenticatedError(
+          "the authorization header must be 'Bearer <JWT>'",
+          "malformed",
+        );
       }
       const token = m[1];
       if (token.length > maxTokenLength) {
-        throw new UnauthenticatedError(`malformed token: longer than ${maxTokenLength} characters`);
+        throw new UnauthenticatedError(
+          `malformed token: longer than ${maxTokenLength} characters`,
+          "malformed",
+        );
       }
       let payload: JWTPayload;
       try {
@@ -68,7 +75,7 @@ export function createAuthenticator(
             ? (await jwtVerify(token, key, options)).payload
             : (await jwtVerify(token, key, options)).payload;
       } catch (error) {
-        throw new UnauthenticatedError(reasonOf(error));
+        throw refusalOf(error);
       }
       const account = payload[config.accountClaim];
       if (
@@ -79,6 +86,7 @@ export function createAuthenticator(
       ) {
         throw new UnauthenticatedError(
           `token claim "${config.accountClaim}" must name an account (letters, digits and . _ : @ + = -, at most ${maxIdLength} characters)`,
+          "account_claim",
         );
       }
       return {
@@ -91,23 +99,27 @@ export function createAuthenticator(
   };
 }
 
-/** The reason for a failed verification, in words a client can act on. */
-function reasonOf(error: unknown): string {
-  if (error instanceof errors.JWTExpired) return "token expired";
+/** The refusal of a failed verification, in words a client can act on. */
+function refusalOf(error: unknown): UnauthenticatedError {
+  if (error instanceof errors.JWTExpired)
+    return new UnauthenticatedError("token expired", "expired");
   if (error instanceof errors.JWTClaimValidationFailed) {
-    return `token not accepted: ${error.message}`;
+    return new UnauthenticatedError(`token not accepted: ${error.message}`, "claims");
   }
   if (
     error instanceof errors.JWSSignatureVerificationFailed ||
     error instanceof errors.JWKSNoMatchingKey ||
     error instanceof errors.JWKSMultipleMatchingKeys
   ) {
-    return "token signature is not valid for the configured keys";
+    return new UnauthenticatedError(
+      "token signature is not valid for the configured keys",
+      "bad_signature",
+    );
   }
   if (error instanceof errors.JOSEAlgNotAllowed || error instanceof errors.JOSENotSupported) {
-    return "token algorithm is not accepted";
+    return new UnauthenticatedError("token algorithm is not accepted", "algorithm");
   }
-  return "malformed token: not a signed JWT";
+  return new UnauthenticatedError("malformed token: not a signed JWT", "malformed");
 }
 
 function scopesOf(payload: JWTPayload): ReadonlySet<string> {

@@ -28,6 +28,7 @@ export const ErrorReason = {
   staleFencingToken: "STALE_FENCING_TOKEN",
   invalidArgument: "INVALID_ARGUMENT",
   databaseUnavailable: "DATABASE_UNAVAILABLE",
+  unauthenticated: "UNAUTHENTICATED",
 } as const;
 
 function errorInfo(reason: string, metadata: Record<string, string>) {
@@ -79,7 +80,9 @@ export function toConnectError(error: unknown): ConnectError {
     return new ConnectError(error.message, Code.PermissionDenied);
   }
   if (error instanceof UnauthenticatedError) {
-    return new ConnectError(error.message, Code.Unauthenticated);
+    return new ConnectError(error.message, Code.Unauthenticated, undefined, [
+      errorInfo(ErrorReason.unauthenticated, { cause: error.failure }),
+    ]);
   }
   if (error instanceof DatabaseUnavailableError) {
     return new ConnectError(error.message, Code.Unavailable, undefined, [

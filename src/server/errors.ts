@@ -49,9 +49,26 @@ export class PermissionDeniedError extends Error {
   override readonly name = "PermissionDeniedError";
 }
 
+/** Why credentials were refused: the `cause` of the UNAUTHENTICATED ErrorInfo. */
+export type AuthFailure =
+  | "missing"
+  | "malformed"
+  | "expired"
+  | "bad_signature"
+  | "algorithm"
+  | "claims"
+  | "account_claim";
+
 /** The caller did not present valid credentials. */
 export class UnauthenticatedError extends Error {
   override readonly name = "UnauthenticatedError";
+
+  constructor(
+    message: string,
+    readonly failure: AuthFailure,
+  ) {
+    super(message);
+  }
 }
 
 /**
