@@ -4,6 +4,7 @@
 
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { createLeaseClient, durationFromMs, type LeaseClient } from "../src/client/index.js";
+import { freePort } from "../src/server/embedded-postgres.js";
 import { createLeaseStore } from "../src/server/lease-store.js";
 import type { RunningServer } from "../src/server/server.js";
 import { runCli, startCli } from "./support/cli.js";
@@ -145,5 +146,34 @@ describe("leasehold watch", () => {
     }
     const result = await watch.exited;
     expect(result.code).toBe(0);
+  });
+
+  it("L1: when its server restarts, watch says so and watches again: a fresh snapshot, then changes", async () => {
+    const port = await freePort();
+    const listen = ["--listen", `127.0.0.1:${port}`];
+    let restarting = await startTestServer(db.url, listen);
+    const key = freshKey("rewatched");
+    const watch = startCli([
+      ...["watch", "--server", restarting.url],
+      ...["--account", key.accountId, "--session", key.sessionId],
+    ]);
+    try {
+      await watch.line(/SNAPSHOT/);
+      const before = watch.lines.length;
+      await restarting.close();
+      restarting = await startTestServer(db.url, listen);
+      await watch.line(/SNAPSHOT/, before);
+      const other = createLeaseClient({ baseUrl: restarting.url });
+      const grant = await other.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
+      other.close();
+      const acquired = await watch.line(new RegExp(`ACQUIRED .*${key.sessionId}`), before);
+      expect(acquired).toContain(`run ${grant.lease?.runId}`);
+    } finally {
+      watch.child.kill("SIGINT");
+      await restarting.close();
+    }
+    const result = await watch.exited;
+    expect(result.code).toBe(0);
+    expect(result.stderr).toMatch(/leasehold watch: stream lost \(.*\); watching again in \d/);
   });
 });

@@ -17,8 +17,11 @@ export interface CliProcess {
   child: ChildProcess;
   /** Every stdout line so far. */
   lines: string[];
-  /** Resolves with the first stdout line (already seen or future) that matches. */
-  line(match: RegExp): Promise<string>;
+  /**
+   * Resolves with the first stdout line (already seen or future) that
+   * matches, from line number `from` on (0: every line).
+   */
+  line(match: RegExp, from?: number): Promise<string>;
   /** Resolves when the process exits. */
   exited: Promise<CliResult>;
 }
@@ -61,8 +64,8 @@ export function startCli(args: string[], env: NodeJS.ProcessEnv = {}): CliProces
   return {
     child,
     lines,
-    line: (match) => {
-      const seen = lines.find((l) => match.test(l));
+    line: (match, from = 0) => {
+      const seen = lines.slice(from).find((l) => match.test(l));
       if (seen !== undefined) return Promise.resolve(seen);
       return new Promise((resolve, reject) => {
         waiters.push({ match, resolve });
