@@ -173,9 +173,11 @@ describe("fault injection under a checked history", () => {
     const order = [victim, (victim + 1) % 3, (victim + 2) % 3].map((i) => instance(i).proxy.url);
     const sentAt = performance.now();
     const failovers: string[] = [];
+    // What is checked is that the call fails over, not how fast: the
+    // deadline leaves room for a machine loaded by the rest of the suite.
     const client = createLeaseClient({
       baseUrls: order,
-      defaultTimeoutMs: 3_000,
+      defaultTimeoutMs: 10_000,
       onEvent: (e) => {
         if (e.type === "failover") {
           failovers.push(
@@ -219,7 +221,7 @@ describe("fault injection under a checked history", () => {
         Code.Unavailable,
       );
       const order = [victim, (victim + 1) % 3].map((i) => instance(i).proxy.url);
-      const failover = createLeaseClient({ baseUrls: order, defaultTimeoutMs: 3_000 });
+      const failover = createLeaseClient({ baseUrls: order, defaultTimeoutMs: 10_000 });
       const key = probeKey("drop");
       const granted = await failover.acquire({ key, ttl: durationFromMs(ttlMs) });
       expect(granted.acquired, "the next instance grants").toBe(true);
