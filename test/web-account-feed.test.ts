@@ -3,13 +3,15 @@
 // it talks to goes away and comes back.
 
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
 import type { RunningServer } from "../src/server/server.js";
-import { type FeedStatus, runAccountFeed } from "../web/src/account-feed.js";
+import { type FeedStatus, loadHistory, runAccountFeed } from "../web/src/account-feed.js";
 import { AccountView } from "../web/src/account-view.js";
 import { createLeaseClient } from "../web/src/api.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";
 import { connectClient, startTestServer } from "./support/server.js";
+import { ms } from "./support/streams.js";
 
 let db: TestDatabase;
 let other: RunningServer;
@@ -81,5 +83,24 @@ describe("the page's account feed", () => {
       await feed;
       await server.close();
     }
+  });
+
+  it("a page opened after a session's runs shows them, from History, newest first", async () => {
+    const key = freshKey("history");
+    const leases = connectClient(other.url);
+    const first = await leases.acquire({ key, ttl: ms(30_000), holder: "desktop" });
+    await leases.release({ key, runId: first.lease?.runId ?? "" });
+    const second = await leases.acquire({ key, ttl: ms(30_000), holder: "browser" });
+    const view = new AccountView();
+    await loadHistory(
+      createLeaseClient(other.url, () => ""),
+      key,
+      view,
+    );
+    expect(view.transitions.map((t) => [EventType[t.type], t.runId, t.holder])).toEqual([
+      ["ACQUIRED", second.lease?.runId, "browser"],
+      ["RELEASED", first.lease?.runId, "desktop"],
+      ["ACQUIRED", first.lease?.runId, "desktop"],
+    ]);
   });
 });

@@ -27,8 +27,9 @@ function lease(runId: string, token: bigint, remainingSeconds = 10): Lease {
 function event(
   type: EventType,
   l: Lease,
-  extra: { requesterHolder?: string; reason?: string } = {},
+  extra: { requesterHolder?: string; reason?: string; id?: bigint; atSeconds?: number } = {},
 ) {
+  const { atSeconds, ...rest } = extra;
   return create(EventSchema, {
     type,
     key,
@@ -36,7 +37,8 @@ function event(
     fencingToken: l.fencingToken,
     holder: l.holder,
     lease: type === EventType.ACQUIRED || type === EventType.RENEWED ? l : undefined,
-    ...extra,
+    at: atSeconds === undefined ? undefined : { seconds: BigInt(atSeconds) },
+    ...rest,
   });
 }
 
@@ -74,6 +76,49 @@ describe("the page's account view", () => {
     view.apply(event(EventType.RENEWED, lease("a", 1n, 12)), 10_000);
     expect(view.holder("s1", 21_999)?.lease.runId).toBe("a");
     expect(view.transitions).toEqual([]);
+  });
+
+  it("a session's audit trail fills the recent changes, newest first, without repeating what Watch showed", () => {
+    const view = new AccountView();
+    const a = lease("a", 1n);
+    const b = lease("b", 2n);
+    // Live, after the page opened: b's grant (audit id 3).
+    view.apply(event(EventType.ACQUIRED, b, { id: 3n, atSeconds: 30 }), 0);
+    // History answers later, newest first: b's grant again, a's release and grant.
+    const version = view.transitionsVersion;
+    view.addHistory([
+      event(EventType.ACQUIRED, b, { id: 3n, atSeconds: 30 }),
+      event(EventType.RENEWED, a, { id: 0n, atSeconds: 15 }),
+      event(EventType.RELEASED, a, { id: 2n, atSeconds: 20 }),
+      event(EventType.ACQUIRED, a, { id: 1n, atSeconds: 10 }),
+    ]);
+    expect(view.transitions.map((t) => [EventType[t.type], t.runId, t.id])).toEqual([
+      ["ACQUIRED", "b", 3n],
+      ["RELEASED", "a", 2n],
+      ["ACQUIRED", "a", 1n],
+    ]);
+    // The newest entry is unchanged, yet the list changed: the page must redraw it.
+    expect(view.transitionsVersion).toBeGreaterThan(version);
+    // A live event already loaded from History is not shown twice either.
+    view.apply(event(EventType.RELEASED, a, { id: 2n, atSeconds: 20 }), 0);
+    expect(view.transitions).toHaveLength(3);
+  });
+
+  it("keeps the newest 50 changes when History adds older ones", () => {
+    const view = new AccountView();
+    for (let i = 1; i <= 50; i++) {
+      view.apply(
+        event(EventType.ACQUIRED, lease(`r${i}`, BigInt(i)), {
+          id: BigInt(100 + i),
+          atSeconds: 100 + i,
+        }),
+        0,
+      );
+    }
+    view.addHistory([event(EventType.RELEASED, lease("old", 1n), { id: 7n, atSeconds: 7 })]);
+    expect(view.transitions).toHaveLength(50);
+    expect(view.transitions.some((t) => t.runId === "old")).toBe(false);
+    expect(view.transitions[0]?.runId).toBe("r50");
   });
 
   it("keeps a handoff request for the run it names until that run ends", () => {

@@ -223,9 +223,13 @@ describe("two devices, one session", () => {
       await page.locator('#auth-notice[data-kind="ok"]').waitFor();
       await expect(notice.textContent()).resolves.toBe("Calls carry your bearer token.");
       await page.click("#start");
-      await page.locator('#device-status[data-running="true"]').waitFor();
+      const running = page.locator('#device-status[data-running="true"]');
+      await running.waitFor();
+      const runId = await running.getAttribute("data-run");
       await page
-        .locator(`#transitions li[data-type="ACQUIRED"][data-session="${session}"]`)
+        .locator(
+          `#transitions li[data-type="ACQUIRED"][data-session="${session}"][data-run="${runId}"]`,
+        )
         .waitFor();
       expect(page.url()).not.toContain(good);
       await screenshot(page, "5-authenticated");

@@ -98,3 +98,20 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
     }
   });
 }
+
+/**
+ * Loads the recent audit trail of one session into the view (History, one
+ * page). A failure leaves the view as it was: the live feed does not depend
+ * on it, and its error is the caller's to show or ignore.
+ */
+export async function loadHistory(
+  client: LeaseClient,
+  key: { accountId: string; sessionId: string },
+  view: AccountView,
+  signal?: AbortSignal,
+): Promise<void> {
+  const answer = await client.history({ key, pageSize: historyPageSize }, { signal });
+  view.addHistory(answer.events);
+}
+
+const historyPageSize = 20;

@@ -24,6 +24,8 @@ export interface Transition {
   reason: string;
   /** Database time of the change. */
   at: Date | undefined;
+  /** Position in the audit trail; 0 for a change it does not record. */
+  id: bigint;
 }
 
 export interface HandoffRequest {
@@ -40,6 +42,8 @@ export class AccountView {
   readonly sessions = new Map<string, HeldSession>();
   /** Recent changes (renewals left out), newest first. */
   readonly transitions: Transition[] = [];
+  /** Goes up with every change of `transitions`, so a renderer can tell. */
+  transitionsVersion = 0;
   /** The latest handoff request addressed to each run, by run id. */
   readonly handoffs = new Map<string, HandoffRequest>();
 
@@ -92,19 +96,33 @@ export class AccountView {
       default:
         break;
     }
-    if (event.type !== EventType.RENEWED) {
-      this.transitions.unshift({
-        type: event.type,
-        sessionId,
-        runId: event.runId,
-        holder: event.holder,
-        fencingToken: event.fencingToken,
-        requesterHolder: event.requesterHolder,
-        reason: event.reason,
-        at: timestampDate(event.at),
-      });
+    if (event.type !== EventType.RENEWED && !this.recorded(event.id)) {
+      this.transitions.unshift(transitionOf(event));
       this.transitions.length = Math.min(this.transitions.length, keptTransitions);
+      this.transitionsVersion += 1;
     }
+  }
+
+  /**
+   * Adds a session's audit trail (History, newest first) to the recent
+   * changes, so a page that opens late still shows how the session got
+   * where it is. Events already shown (by their audit id) are skipped; the
+   * list stays newest first by database time and keeps the newest 50.
+   */
+  addHistory(events: readonly Event[]): void {
+    const added = events
+      .filter((e) => e.type !== EventType.RENEWED && !this.recorded(e.id))
+      .map(transitionOf);
+    if (added.length === 0) return;
+    const merged = [...this.transitions, ...added].sort(
+      (a, b) => (b.at?.getTime() ?? 0) - (a.at?.getTime() ?? 0) || Number(b.id - a.id),
+    );
+    this.transitions.splice(0, this.transitions.length, ...merged.slice(0, keptTransitions));
+    this.transitionsVersion += 1;
+  }
+
+  private recorded(id: bigint): boolean {
+    return id > 0n && this.transitions.some((t) => t.id === id);
   }
 
   /**
@@ -121,4 +139,18 @@ export class AccountView {
     for (const held of this.sessions.values()) if (held.lease.runId === runId) return true;
     return false;
   }
+}
+
+function transitionOf(event: Event): Transition {
+  return {
+    type: event.type,
+    sessionId: event.key?.sessionId ?? "",
+    runId: event.runId,
+    holder: event.holder,
+    fencingToken: event.fencingToken,
+    requesterHolder: event.requesterHolder,
+    reason: event.reason,
+    at: timestampDate(event.at),
+    id: event.id,
+  };
 }

@@ -5,7 +5,7 @@
 
 import "./style.css";
 import { Code } from "@connectrpc/connect";
-import { runAccountFeed } from "./account-feed.js";
+import { loadHistory, runAccountFeed } from "./account-feed.js";
 import { AccountView } from "./account-view.js";
 import { createLeaseClient, describeError } from "./api.js";
 import { Device } from "./device.js";
@@ -95,6 +95,22 @@ function watchAccount(): void {
       render();
     },
   });
+  showHistory();
+}
+
+/** Adds the chosen session's recent audit trail to the changes shown. */
+function showHistory(): void {
+  const sessionId = fields.session.value.trim();
+  const controller = feed;
+  if (state.accountId === "" || sessionId === "" || !controller) return;
+  const view = state.view;
+  loadHistory(client, { accountId: state.accountId, sessionId }, view, controller.signal).then(
+    () => {
+      if (state.view === view) render();
+    },
+    // Not fatal: the live changes still arrive; the feed status shows trouble.
+    () => {},
+  );
 }
 
 function saveSettings(): void {
@@ -118,6 +134,7 @@ fields.token.addEventListener("change", () => {
 for (const field of [fields.device, fields.session, fields.ttl]) {
   field.addEventListener("change", () => {
     saveSettings();
+    if (field === fields.session) showHistory();
     render();
   });
 }

@@ -42,7 +42,7 @@ export function renderPage(state: PageState, fields: DeviceFields): void {
   renderFeed(state, now);
   renderDevice(state, fields, now);
   renderSessions(state, now);
-  renderTransitions(state.view.transitions);
+  renderTransitions(state.view);
 }
 
 function renderFeed(state: PageState, now: number): void {
@@ -114,6 +114,7 @@ function renderDevice(state: PageState, fields: DeviceFields, now: number): void
 
   const status = byId("device-status");
   status.dataset.running = String(s.kind === "running");
+  status.dataset.run = s.kind === "running" ? s.runId : "";
   if (s.kind === "running") {
     const left = secondsLeft(s.deadline, now);
     status.textContent =
@@ -177,14 +178,15 @@ function cells(tr: HTMLTableRowElement, texts: string[]): void {
   }
 }
 
-let shownTransitions: readonly Transition[] = [];
-let shownFirst: Transition | undefined;
+let shownView: AccountView | undefined;
+let shownVersion = -1;
 
-function renderTransitions(transitions: readonly Transition[]): void {
-  // Only redraw when something new arrived: the list changes rarely.
-  if (transitions === shownTransitions && transitions[0] === shownFirst) return;
-  shownTransitions = transitions;
-  shownFirst = transitions[0];
+function renderTransitions(view: AccountView): void {
+  // Only redraw when the list changed: it changes rarely.
+  if (view === shownView && view.transitionsVersion === shownVersion) return;
+  shownView = view;
+  shownVersion = view.transitionsVersion;
+  const transitions = view.transitions;
   const list = byId("transitions");
   list.replaceChildren(
     ...transitions.map((t) => {
@@ -192,6 +194,7 @@ function renderTransitions(transitions: readonly Transition[]): void {
       const type = EventType[t.type] ?? String(t.type);
       li.dataset.type = type;
       li.dataset.session = t.sessionId;
+      li.dataset.run = t.runId;
       const time = document.createElement("time");
       time.textContent = t.at?.toLocaleTimeString() ?? "";
       if (t.at) time.dateTime = t.at.toISOString();
