@@ -164,22 +164,7 @@ export class LeaseLostError extends LeaseholdError {
   }
 }
 
-/**
- * Why the server refused credentials (ErrorInfo reason UNAUTHENTICATED,
- * metadata `cause`): no token, not a JWT, expired (time to fetch a new one),
- * a signature the server's keys do not verify, an algorithm it does not
- * accept, a failed `iss`/`aud`/`nbf` check, or no valid account claim.
- */
-export type AuthFailure =
-  | "missing"
-  | "malformed"
-  | "expired"
-  | "bad_signature"
-  | "algorithm"
-  | "claims"
-  | "account_claim";
-
-const authFailures = new Set<string>([
+const authFailures = [
   "missing",
   "malformed",
   "expired",
@@ -187,7 +172,14 @@ const authFailures = new Set<string>([
   "algorithm",
   "claims",
   "account_claim",
-]);
+] as const;
+/**
+ * Why the server refused credentials (ErrorInfo reason UNAUTHENTICATED,
+ * metadata `cause`): no token, not a JWT, expired (time to fetch a new one),
+ * a signature the server's keys do not verify, an algorithm it does not
+ * accept, a failed `iss`/`aud`/`nbf` check, or no valid account claim.
+ */
+export type AuthFailure = (typeof authFailures)[number];
 
 /** The server did not accept the credentials (UNAUTHENTICATED). */
 export class UnauthenticatedError extends LeaseholdError {
@@ -196,7 +188,7 @@ export class UnauthenticatedError extends LeaseholdError {
   /** Why, as the server named it; undefined when it did not say. */
   get failure(): AuthFailure | undefined {
     const cause = this.metadata.cause;
-    return cause !== undefined && authFailures.has(cause) ? (cause as AuthFailure) : undefined;
+    return authFailures.find((f) => f === cause);
   }
 }
 
