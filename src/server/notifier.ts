@@ -123,6 +123,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
   let pendingPing: { nonce: string; resolve: (ok: boolean) => void } | undefined;
   let pingTimer: NodeJS.Timeout | undefined;
   let establishing: Promise<void> | undefined;
+  let stopRetrying: (() => void) | undefined;
 
   function schedule(delayMs: number) {
     if (timer || flushing || closed) return;
@@ -234,7 +235,15 @@ export function createNotifier(options: NotifierOptions): Notifier {
         stats.listenFailures += 1;
         const delay = Math.min(5_000, 100 * 2 ** Math.min(attempt, 6));
         logger.warn({ err: classifyDatabaseError(error), delay }, "LISTEN failed; retrying");
-        await new Promise((resolve) => setTimeout(resolve, delay));
+        await new Promise<void>((resolve) => {
+          const timer = setTimeout(resolve, delay);
+          // close() ends the wait: shutting down need not sit out a backoff.
+          stopRetrying = () => {
+            clearTimeout(timer);
+            resolve();
+          };
+        });
+        stopRetrying = undefined;
       }
     }
   }
@@ -295,6 +304,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
     },
     async close() {
       closed = true;
+      stopRetrying?.();
       if (timer) {
         clearTimeout(timer);
         timer = undefined;
