@@ -233,6 +233,61 @@ describe("history checker", () => {
     expect(result.l2Excused).toBe(1);
   });
 
+  it("L2: an abort right after a pause that ended just before the deadline is excused", () => {
+    // The local deadline fell due during the pause; the abort fired first
+    // thing after it, and the database deadline fell in between.
+    const deadlineUs = t0 + ttlUs;
+    const pause: HistoryRecord = {
+      type: "pause",
+      client: 0,
+      fromUs: t0 + 100,
+      toUs: deadlineUs - 1_400,
+    };
+    const abort: HistoryRecord = {
+      type: "abort",
+      client: 0,
+      key,
+      runId: "A",
+      reason: "deadline",
+      deadlineUs,
+      dbUs: deadlineUs + 2_900,
+      dbRttUs: 2_700,
+      wallUs: deadlineUs + 400,
+    };
+    const result = checkHistory(
+      [grant("A", 10, t0), pause, abort],
+      [acquiredEvent(1, "A", 10, t0)],
+    );
+    expect(result.violations).toEqual([]);
+    expect(result.l2Excused).toBe(1);
+  });
+
+  it("L2: a pause that ended long before a late abort does not excuse it", () => {
+    const deadlineUs = t0 + ttlUs;
+    const pause: HistoryRecord = {
+      type: "pause",
+      client: 0,
+      fromUs: t0 + 100,
+      toUs: deadlineUs - 300_000,
+    };
+    const abort: HistoryRecord = {
+      type: "abort",
+      client: 0,
+      key,
+      runId: "A",
+      reason: "deadline",
+      deadlineUs,
+      dbUs: deadlineUs + 20_000,
+      dbRttUs: 2_000,
+      wallUs: deadlineUs + 18_000,
+    };
+    const result = checkHistory(
+      [grant("A", 10, t0), pause, abort],
+      [acquiredEvent(1, "A", 10, t0)],
+    );
+    expect(result.violations.map((v) => v.invariant)).toEqual(["L2"]);
+  });
+
   it("L2: flags a lease reported expired before its confirmed deadline", () => {
     const abort: HistoryRecord = {
       type: "abort",

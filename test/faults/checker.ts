@@ -148,6 +148,9 @@ interface RunView {
   releaseSent: boolean;
 }
 
+/** How soon after a pause ends a client's overdue timers are expected to have fired. */
+export const pauseCatchUpUs = 100_000;
+
 /** Checks a history against S1, S4–S7 and L2, and against the database's audit trail. */
 export function checkHistory(
   records: readonly HistoryRecord[],
@@ -357,8 +360,15 @@ export function checkHistory(
       if (latest > r.deadlineUs) l2WithinLatency += 1;
       continue;
     }
+    // A client that could not run can abort only once it runs again: a pause
+    // that began before the deadline excuses an abort that came right after
+    // it ended (the timers that fell due meanwhile fire first thing), even
+    // when the deadline itself fell in the moment between the two.
     const paused = pauses.some(
-      (p) => p.client === r.client && p.fromUs <= r.deadlineUs && p.toUs >= r.deadlineUs - 1,
+      (p) =>
+        p.client === r.client &&
+        p.fromUs <= r.deadlineUs &&
+        (p.toUs >= r.deadlineUs - 1 || earliest - p.toUs <= pauseCatchUpUs),
     );
     if (paused) {
       l2Excused += 1;
