@@ -38,6 +38,7 @@ import {
   GuardedStoreService,
   PutResponseSchema,
 } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
+import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import type { FenceClaim } from "../src/guarded/headers.js";
 import {
   fencedCallKey,
@@ -235,6 +236,41 @@ describe("several base URLs", () => {
     expect((error as Error).message).toMatch(/no instance answered/);
     expect((error as Error).message).toContain(`${a}: `);
     expect((error as Error).message).toContain(`${b}: `);
+  });
+
+  it("when every instance says UNAVAILABLE, the error keeps what the last one said", async () => {
+    // Two stand-ins for instances whose database is down: what is checked
+    // is how the client reports their answers, not the database.
+    const down = async () =>
+      listen({
+        host: "127.0.0.1",
+        port: 0,
+        handler: connectNodeAdapter({
+          routes: (router: ConnectRouter) =>
+            router.service(LeaseService, {
+              get: () => {
+                throw new ConnectError("the database is unavailable", Code.Unavailable, undefined, [
+                  {
+                    desc: ErrorInfoSchema,
+                    value: { reason: "DATABASE_UNAVAILABLE", domain: "leasehold.dev" },
+                  },
+                ]);
+              },
+            }),
+        }),
+      });
+    const [a, b] = [await down(), await down()];
+    try {
+      const urls = [a, b].map((l) => `http://127.0.0.1:${l.port}`);
+      const error = await client({ baseUrls: urls })
+        .get({ key: freshKey() })
+        .catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(UnavailableError);
+      expect((error as UnavailableError).reason).toBe("DATABASE_UNAVAILABLE");
+      for (const url of urls) expect((error as Error).message).toContain(`${url}: Unavailable`);
+    } finally {
+      await Promise.all([a.close(0), b.close(0)]);
+    }
   });
 
   it("S2: an Acquire sent twice (a failover retry) is idempotent: the client-chosen run_id keeps one token", async () => {

@@ -163,7 +163,16 @@ export function failoverTransport(
         endpoints.length === 1
           ? `the server closed the connection under the call (${last.rawMessage})`
           : `no instance answered: ${tried.join("; ")}`;
-      throw new ConnectError(message, Code.Unavailable, last.metadata, undefined, last);
+      const unavailable = new ConnectError(
+        message,
+        Code.Unavailable,
+        last.metadata,
+        undefined,
+        last,
+      );
+      // What the last server said (DATABASE_UNAVAILABLE, say) stays readable.
+      unavailable.details = last.details;
+      throw unavailable;
     },
     stream(method, signal, timeoutMs, header, input, contextValues) {
       return at(preferred).transport.stream(
