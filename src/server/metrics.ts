@@ -157,7 +157,7 @@ export function registerNotificationMetrics(metrics: LeaseMetrics, stats: Notifi
   };
   counted(
     "leasehold_notifications_published_total",
-    "lease changes this instance published to the others",
+    "lease changes this instance queued for the others (sent, unless later dropped)",
     () => stats.published,
   );
   counted(
@@ -167,7 +167,7 @@ export function registerNotificationMetrics(metrics: LeaseMetrics, stats: Notifi
   );
   counted(
     "leasehold_notifications_dropped_total",
-    "queued notifications dropped while publishing failed",
+    "notification payloads (each one or more changes) dropped while publishing failed",
     () => stats.dropped,
   );
   counted(

@@ -203,6 +203,9 @@ export function createNotifier(options: NotifierOptions): Notifier {
       let lost = false;
       const listenOptions = {
         max: 1,
+        // Never closed for idleness or age (whatever PGIDLE_TIMEOUT says):
+        // each close would resynchronise every watcher of the instance.
+        idle_timeout: 0,
         max_lifetime: null,
         fetch_types: false,
         connect_timeout: 5,
@@ -232,6 +235,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
         return;
       } catch (error) {
         await candidate.end({ timeout: 0 }).catch(() => {});
+        if (closed) return;
         stats.listenFailures += 1;
         const delay = Math.min(5_000, 100 * 2 ** Math.min(attempt, 6));
         logger.warn({ err: classifyDatabaseError(error), delay }, "LISTEN failed; retrying");
@@ -263,12 +267,15 @@ export function createNotifier(options: NotifierOptions): Notifier {
 
   async function ping() {
     const current = listenSql;
-    if (!current || closed) return;
+    // One ping at a time: a slow echo must not be mistaken for a lost one.
+    if (!current || closed || pendingPing) return;
     const nonce = `${Date.now()}-${Math.random()}`;
-    const echoed = new Promise<boolean>((resolve) => {
-      pendingPing = { nonce, resolve };
-      setTimeout(() => resolve(false), pingTimeoutMs).unref();
-    });
+    // The echo may arrive before the publishing statement returns.
+    let echoedEarly = false;
+    let onEcho = (_ok: boolean) => {
+      echoedEarly = true;
+    };
+    pendingPing = { nonce, resolve: (ok) => onEcho(ok) };
     try {
       await sql`SELECT pg_notify(${notificationChannel}, ${encodePing(instanceId, nonce)})`;
     } catch {
@@ -276,7 +283,14 @@ export function createNotifier(options: NotifierOptions): Notifier {
       pendingPing = undefined;
       return;
     }
-    const ok = await echoed;
+    // The wait for the echo starts once the ping is published, so a slow
+    // publishing connection does not count against the LISTEN connection.
+    const ok =
+      echoedEarly ||
+      (await new Promise<boolean>((resolve) => {
+        onEcho = resolve;
+        setTimeout(() => resolve(false), pingTimeoutMs).unref();
+      }));
     pendingPing = undefined;
     if (!ok) replace(current);
   }

@@ -75,9 +75,9 @@ export function parseStreamTuning(read: SettingsReader<keyof typeof streamSettin
   if (tuning.recheckIntervalMs < 100) {
     throw new ConfigError("--recheck-interval (LEASEHOLD_RECHECK_INTERVAL) must be at least 100ms");
   }
-  if (tuning.listenCheckIntervalMs < 100) {
+  if (tuning.listenCheckIntervalMs < 1_000) {
     throw new ConfigError(
-      "--listen-check-interval (LEASEHOLD_LISTEN_CHECK_INTERVAL) must be at least 100ms",
+      "--listen-check-interval (LEASEHOLD_LISTEN_CHECK_INTERVAL) must be at least 1s",
     );
   }
   return tuning;
