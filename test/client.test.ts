@@ -216,6 +216,16 @@ describe("several base URLs", () => {
     expect(failovers[0]).toMatchObject({ method: "Get", baseUrl: dead, nextBaseUrl: server.url });
   });
 
+  it("a failover event handler that throws does not stop the call from failing over", async () => {
+    const c = client({
+      baseUrls: [await deadUrl(), server.url],
+      onEvent: () => {
+        throw new Error("a broken logger");
+      },
+    });
+    expect((await c.get({ key: freshKey() })).held).toBe(false);
+  });
+
   it("an error after a failover keeps its code and field, and names the instances tried", async () => {
     const dead = await deadUrl();
     const c = client({ baseUrls: [dead, server.url] });

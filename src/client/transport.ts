@@ -10,7 +10,7 @@ import {
   createGrpcTransport,
   Http2SessionManager,
 } from "@connectrpc/connect-node";
-import { brokenConnection } from "./errors.js";
+import { brokenConnection, LeaseholdError } from "./errors.js";
 
 /** Wire protocol of a client: gRPC (HTTP/2) or Connect (HTTP/2, or HTTP/1.1 for unary calls). */
 export type Protocol = "grpc" | "connect";
@@ -139,18 +139,24 @@ export function failoverTransport(
         } catch (error) {
           const connectError = ConnectError.from(error);
           if (signal?.aborted || !failsOver(connectError)) {
-            throw tried.length === 0 ? error : withAttempts(connectError, tried, endpoint.baseUrl);
+            // A typed error of this client (from an interceptor) passes as it is.
+            if (tried.length === 0 || connectError.cause instanceof LeaseholdError) throw error;
+            throw withAttempts(connectError, tried, endpoint.baseUrl);
           }
           tried.push(`${endpoint.baseUrl}: ${describe(connectError)}`);
           lastError = connectError;
           if (attempt + 1 < endpoints.length) {
-            onFailover?.({
-              type: "failover",
-              method: method.name,
-              baseUrl: endpoint.baseUrl,
-              error: connectError,
-              nextBaseUrl: at(index + 1).baseUrl,
-            });
+            try {
+              onFailover?.({
+                type: "failover",
+                method: method.name,
+                baseUrl: endpoint.baseUrl,
+                error: connectError,
+                nextBaseUrl: at(index + 1).baseUrl,
+              });
+            } catch {
+              // A report that fails must not stop the call from going on.
+            }
           }
         }
       }
