@@ -104,6 +104,17 @@ describe("the page's account view", () => {
     expect(view.transitions).toHaveLength(3);
   });
 
+  it("an EXPIRED seen live (no audit id yet) is not listed again when History brings its row", () => {
+    const view = new AccountView();
+    const a = lease("a", 1n);
+    view.apply(event(EventType.EXPIRED, a, { id: 0n, atSeconds: 40 }), 0);
+    view.addHistory([
+      event(EventType.EXPIRED, a, { id: 9n, atSeconds: 40 }),
+      event(EventType.ACQUIRED, a, { id: 8n, atSeconds: 10 }),
+    ]);
+    expect(view.transitions.map((t) => EventType[t.type])).toEqual(["EXPIRED", "ACQUIRED"]);
+  });
+
   it("keeps the newest 50 changes when History adds older ones", () => {
     const view = new AccountView();
     for (let i = 1; i <= 50; i++) {

@@ -96,7 +96,7 @@ export class AccountView {
       default:
         break;
     }
-    if (event.type !== EventType.RENEWED && !this.recorded(event.id)) {
+    if (event.type !== EventType.RENEWED && !this.shown(event)) {
       this.transitions.unshift(transitionOf(event));
       this.transitions.length = Math.min(this.transitions.length, keptTransitions);
       this.transitionsVersion += 1;
@@ -111,7 +111,7 @@ export class AccountView {
    */
   addHistory(events: readonly Event[]): void {
     const added = events
-      .filter((e) => e.type !== EventType.RENEWED && !this.recorded(e.id))
+      .filter((e) => e.type !== EventType.RENEWED && !this.shown(e))
       .map(transitionOf);
     if (added.length === 0) return;
     const merged = [...this.transitions, ...added].sort(
@@ -121,8 +121,21 @@ export class AccountView {
     this.transitionsVersion += 1;
   }
 
-  private recorded(id: bigint): boolean {
-    return id > 0n && this.transitions.some((t) => t.id === id);
+  /**
+   * Whether the change is listed already. Changes in the audit trail have
+   * an id; an EXPIRED sent at the deadline has none yet (its row is written
+   * later, with the same time), so without ids the change itself is compared.
+   */
+  private shown(event: Event): boolean {
+    const at = timestampDate(event.at)?.getTime();
+    return this.transitions.some((t) =>
+      event.id > 0n && t.id > 0n
+        ? t.id === event.id
+        : t.type === event.type &&
+          t.runId === event.runId &&
+          t.fencingToken === event.fencingToken &&
+          t.at?.getTime() === at,
+    );
   }
 
   /**
