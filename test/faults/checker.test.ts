@@ -253,6 +253,7 @@ describe("history checker", () => {
       dbUs: deadlineUs + 2_900,
       dbRttUs: 2_700,
       wallUs: deadlineUs + 400,
+      marginUs: 300_000,
     };
     const result = checkHistory(
       [grant("A", 10, t0), pause, abort],
@@ -262,13 +263,13 @@ describe("history checker", () => {
     expect(result.l2Excused).toBe(1);
   });
 
-  it("L2: a pause that ended long before a late abort does not excuse it", () => {
+  it("L2: a pause that ended before the local deadline fell due does not excuse a late abort", () => {
     const deadlineUs = t0 + ttlUs;
     const pause: HistoryRecord = {
       type: "pause",
       client: 0,
       fromUs: t0 + 100,
-      toUs: deadlineUs - 300_000,
+      toUs: deadlineUs - 310_000,
     };
     const abort: HistoryRecord = {
       type: "abort",
@@ -280,6 +281,34 @@ describe("history checker", () => {
       dbUs: deadlineUs + 20_000,
       dbRttUs: 2_000,
       wallUs: deadlineUs + 18_000,
+      marginUs: 300_000,
+    };
+    const result = checkHistory(
+      [grant("A", 10, t0), pause, abort],
+      [acquiredEvent(1, "A", 10, t0)],
+    );
+    expect(result.violations.map((v) => v.invariant)).toEqual(["L2"]);
+  });
+
+  it("L2: an abort long after a pause that covered the local deadline is not excused", () => {
+    const deadlineUs = t0 + ttlUs;
+    const pause: HistoryRecord = {
+      type: "pause",
+      client: 0,
+      fromUs: t0 + 100,
+      toUs: deadlineUs - 100_000,
+    };
+    const abort: HistoryRecord = {
+      type: "abort",
+      client: 0,
+      key,
+      runId: "A",
+      reason: "deadline",
+      deadlineUs,
+      dbUs: deadlineUs + 5_000,
+      dbRttUs: 1_000,
+      wallUs: deadlineUs + 4_000,
+      marginUs: 300_000,
     };
     const result = checkHistory(
       [grant("A", 10, t0), pause, abort],

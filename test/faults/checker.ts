@@ -97,6 +97,8 @@ export interface AbortRecord {
   dbRttUs?: number;
   /** The host clock at the abort (the database runs on the same host). */
   wallUs: number;
+  /** The run's safety margin: its local deadline falls this long before `deadlineUs`, or earlier. */
+  marginUs?: number;
 }
 
 /** A client's event loop did not run between these instants (a busy loop or SIGSTOP). */
@@ -149,7 +151,7 @@ interface RunView {
 }
 
 /** How soon after a pause ends a client's overdue timers are expected to have fired. */
-export const pauseCatchUpUs = 100_000;
+export const pauseCatchUpUs = 50_000;
 
 /** Checks a history against S1, S4–S7 and L2, and against the database's audit trail. */
 export function checkHistory(
@@ -360,15 +362,20 @@ export function checkHistory(
       if (latest > r.deadlineUs) l2WithinLatency += 1;
       continue;
     }
-    // A client that could not run can abort only once it runs again: a pause
-    // that began before the deadline excuses an abort that came right after
-    // it ended (the timers that fell due meanwhile fire first thing), even
-    // when the deadline itself fell in the moment between the two.
+    // A client that could not run can abort only once it runs again. Its
+    // abort is excused when a pause covered the deadline, or covered the
+    // moment its local deadline fell due (the margin before the deadline)
+    // and the abort fired first thing after the pause — even when the
+    // deadline itself fell in the moment between the two.
+    const localDueUs = r.deadlineUs - (r.marginUs ?? 0);
     const paused = pauses.some(
       (p) =>
         p.client === r.client &&
-        p.fromUs <= r.deadlineUs &&
-        (p.toUs >= r.deadlineUs - 1 || earliest - p.toUs <= pauseCatchUpUs),
+        ((p.fromUs <= r.deadlineUs && p.toUs >= r.deadlineUs - 1) ||
+          (r.marginUs !== undefined &&
+            p.fromUs <= localDueUs &&
+            p.toUs >= localDueUs &&
+            earliest - p.toUs <= pauseCatchUpUs)),
     );
     if (paused) {
       l2Excused += 1;

@@ -73,6 +73,9 @@ const sql = postgres(config.databaseUrl, {
   connection: { statement_timeout: 10_000 },
 });
 
+/** Codes of a call that ended without the server's answer. */
+const unanswered = new Set(["Canceled", "DeadlineExceeded", "Unavailable"]);
+
 const codeName = (error: unknown) => {
   if (error instanceof LeaseholdError) return Code[error.code];
   if (error instanceof ConnectError) return Code[error.code];
@@ -149,6 +152,9 @@ async function databaseClock(): Promise<{ dbUs: number; dbRttUs: number } | unde
   }
 }
 
+/** runExclusive's safety margin: the local deadline comes this long before the lease's. */
+const safetyMarginMs = config.ttlMs / 4;
+
 async function exclusiveRun(sessionId: string) {
   const key = `${config.accountId}/${sessionId}`;
   const runId = randomUUID();
@@ -195,6 +201,7 @@ async function exclusiveRun(sessionId: string) {
             reason,
             deadlineUs: lastExpires,
             wallUs: at,
+            marginUs: Math.round(safetyMarginMs * 1000),
             ...clock,
           });
         }),
@@ -232,7 +239,7 @@ async function exclusiveRun(sessionId: string) {
         waitMs,
         runId,
         holder: `client-${config.client}`,
-        safetyMarginMs: config.ttlMs / 4,
+        safetyMarginMs,
       },
     );
     count("exclusive-ran");
@@ -285,7 +292,9 @@ async function rawRun(sessionId: string) {
     // A waiting Acquire whose call ended unanswered may have been granted
     // just then: the server releases such a grant on the run's behalf
     // (waiters.ts, releaseUnwanted). Abandoning the call asked for it.
-    if (wait > 0) emit({ type: "release", client: config.client, key, runId });
+    if (wait > 0 && unanswered.has(codeName(error))) {
+      emit({ type: "release", client: config.client, key, runId });
+    }
     return;
   }
   emit(grantRecord(key, lease, "acquire"));
