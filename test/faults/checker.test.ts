@@ -100,6 +100,32 @@ describe("history checker", () => {
     expect(invariants(records, events)).toContain("S4");
   });
 
+  it("S4: flags a renewal of a grant after that grant's release", () => {
+    const records = [
+      grant("A", 10, t0),
+      { type: "release", client: 0, key, runId: "A" } as const,
+      renewed("A", 10, t0 + 300_000),
+    ];
+    const events = [acquiredEvent(1, "A", 10, t0), releasedEvent(2, "A", 10, t0 + 100_000)];
+    expect(invariants(records, events)).toEqual(["S4"]);
+  });
+
+  it("S4: a run granted anew after the server released its earlier grant may renew the new one", () => {
+    // Token 10 was granted for a waiter whose call was gone and released
+    // on its behalf; the client's retry with the same run_id got token 11.
+    const records = [
+      grant("A", 11, t0 + 10_000),
+      renewed("A", 11, t0 + 300_000),
+      { type: "release", client: 0, key, runId: "A" } as const,
+    ];
+    const events = [
+      acquiredEvent(1, "A", 10, t0),
+      releasedEvent(2, "A", 10, t0 + 2_000),
+      acquiredEvent(3, "A", 11, t0 + 10_000),
+    ];
+    expect(invariants(records, events)).toEqual([]);
+  });
+
   it("S5: flags a release recorded for a run that never released", () => {
     const records = [
       grant("A", 10, t0),

@@ -163,8 +163,12 @@ export function checkHistory(
     violations.push({ invariant, key, message });
 
   const runs = new Map<string, RunView>();
-  const releasedEvents = new Map<string, LeaseEvent>();
-  for (const e of events) if (e.type === "released") releasedEvents.set(e.runId, e);
+  // A run can hold several grants in turn (the server releases a grant made
+  // for a waiter whose call was gone, and the client's retry with the same
+  // run_id is granted anew): a release ends the grant of its token only.
+  const releases = events.filter((e) => e.type === "released");
+  const releasedRuns = new Set(releases.map((e) => e.runId));
+  const grantRelease = new Map(releases.map((e) => [`${e.runId}:${e.token}`, e]));
 
   for (const r of records) {
     if (r.type === "grant") {
@@ -203,7 +207,7 @@ export function checkHistory(
           `run ${r.runId} was renewed at ${renewedAt}, after its deadline ${run.expiresAt}`,
         );
       }
-      const release = releasedEvents.get(r.runId);
+      const release = grantRelease.get(`${r.runId}:${r.token}`);
       if (release && renewedAt >= release.atUs) {
         flag(
           "S4",
@@ -224,7 +228,7 @@ export function checkHistory(
           expiresAt: 0,
           releaseSent: true,
         });
-      if (r.released === true && !releasedEvents.has(r.runId)) {
+      if (r.released === true && !releasedRuns.has(r.runId)) {
         flag(
           "audit",
           r.key,
@@ -233,9 +237,9 @@ export function checkHistory(
       }
     }
   }
-  for (const [runId, e] of releasedEvents) {
-    const run = runs.get(runId);
-    if (run) run.releasedAt = e.atUs;
+  for (const e of releases) {
+    const run = runs.get(e.runId);
+    if (run && run.token === e.token) run.releasedAt = e.atUs;
   }
 
   // Per key: the held intervals of every run, in grant order.
@@ -305,7 +309,7 @@ export function checkHistory(
       flag("S5", r.key, `run ${r.runId} never released, yet its stream reported it released`);
     }
   }
-  for (const e of releasedEvents.values()) {
+  for (const e of releases) {
     if (!runs.get(e.runId)?.releaseSent) {
       flag(
         "S5",

@@ -55,11 +55,18 @@ const us = (ts: Timestamp | undefined) =>
 const durationUs = (d: Lease["ttl"]) =>
   d ? Number(d.seconds) * 1_000_000 + Math.round(d.nanos / 1000) : 0;
 
+// This process makes its unary calls one after another (but for a release
+// runExclusive may still be sending), so a change of this count during a
+// call means that call failed over; at worst it excuses one more run.
+let failovers = 0;
 const client = createLeaseClient({
   baseUrls: config.baseUrls,
   // A stalled connection must not hold a call for long: fail over instead.
   defaultTimeoutMs: 2_000,
   reconnectBackoff: { initialMs: 50, maxMs: 500 },
+  onEvent: (event) => {
+    if (event.type === "failover") failovers += 1;
+  },
 });
 const guarded = createClient(
   GuardedStoreService,
@@ -273,6 +280,14 @@ async function rawRun(sessionId: string) {
   const plan = Array.from({ length: rng.int(0, 3) }, () => rng.next());
   const abandon = rng.chance(0.15);
   let lease: Lease;
+  // A waiting Acquire whose call ended unanswered on some instance (the
+  // call's error, or a failover on the way to its answer) may have been
+  // granted there just then: the server releases such a grant on the run's
+  // behalf (waiters.ts, releaseUnwanted). Abandoning the call asked for it.
+  const failoversBefore = failovers;
+  const abandonedWait = (error?: unknown) =>
+    wait > 0 &&
+    ((error !== undefined && unanswered.has(codeName(error))) || failovers !== failoversBefore);
   try {
     const answer = await client.acquire({
       key: sessionKey,
@@ -283,18 +298,14 @@ async function rawRun(sessionId: string) {
     });
     if (!answer.acquired || !answer.lease) {
       count("acquire-not-acquired");
+      if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
       return;
     }
     lease = answer.lease;
     count(wait > 0 ? "acquire-waited" : "acquire");
   } catch (error) {
     count(`acquire-${codeName(error)}`);
-    // A waiting Acquire whose call ended unanswered may have been granted
-    // just then: the server releases such a grant on the run's behalf
-    // (waiters.ts, releaseUnwanted). Abandoning the call asked for it.
-    if (wait > 0 && unanswered.has(codeName(error))) {
-      emit({ type: "release", client: config.client, key, runId });
-    }
+    if (abandonedWait(error)) emit({ type: "release", client: config.client, key, runId });
     return;
   }
   emit(grantRecord(key, lease, "acquire"));
