@@ -259,15 +259,16 @@ describe("history checker", () => {
     expect(result.l2Excused).toBe(1);
   });
 
-  it("L2: an abort right after a pause that ended just before the deadline is excused", () => {
-    // The local deadline fell due during the pause; the abort fired first
-    // thing after it, and the database deadline fell in between.
+  // Run A's deadline is t0 + ttl and its safety margin 300 ms; client 0 was
+  // paused from just after the grant until `pauseEndUs`, and its abort's
+  // clock query read `dbUs` (relative to the deadline) after `dbRttUs`.
+  function pausedAbort(pauseEndUs: number, dbUs: number, dbRttUs: number) {
     const deadlineUs = t0 + ttlUs;
     const pause: HistoryRecord = {
       type: "pause",
       client: 0,
       fromUs: t0 + 100,
-      toUs: deadlineUs - 1_400,
+      toUs: deadlineUs + pauseEndUs,
     };
     const abort: HistoryRecord = {
       type: "abort",
@@ -276,70 +277,29 @@ describe("history checker", () => {
       runId: "A",
       reason: "deadline",
       deadlineUs,
-      dbUs: deadlineUs + 2_900,
-      dbRttUs: 2_700,
-      wallUs: deadlineUs + 400,
+      dbUs: deadlineUs + dbUs,
+      dbRttUs,
+      wallUs: deadlineUs + dbUs - dbRttUs,
       marginUs: 300_000,
     };
-    const result = checkHistory(
-      [grant("A", 10, t0), pause, abort],
-      [acquiredEvent(1, "A", 10, t0)],
-    );
+    return checkHistory([grant("A", 10, t0), pause, abort], [acquiredEvent(1, "A", 10, t0)]);
+  }
+
+  it("L2: an abort right after a pause that ended just before the deadline is excused", () => {
+    // The local deadline fell due during the pause; the abort fired first
+    // thing after it, and the database deadline fell in between.
+    const result = pausedAbort(-1_400, 2_900, 2_700);
     expect(result.violations).toEqual([]);
     expect(result.l2Excused).toBe(1);
   });
 
   it("L2: a pause that ended before the local deadline fell due does not excuse a late abort", () => {
-    const deadlineUs = t0 + ttlUs;
-    const pause: HistoryRecord = {
-      type: "pause",
-      client: 0,
-      fromUs: t0 + 100,
-      toUs: deadlineUs - 310_000,
-    };
-    const abort: HistoryRecord = {
-      type: "abort",
-      client: 0,
-      key,
-      runId: "A",
-      reason: "deadline",
-      deadlineUs,
-      dbUs: deadlineUs + 20_000,
-      dbRttUs: 2_000,
-      wallUs: deadlineUs + 18_000,
-      marginUs: 300_000,
-    };
-    const result = checkHistory(
-      [grant("A", 10, t0), pause, abort],
-      [acquiredEvent(1, "A", 10, t0)],
-    );
+    const result = pausedAbort(-310_000, 20_000, 2_000);
     expect(result.violations.map((v) => v.invariant)).toEqual(["L2"]);
   });
 
   it("L2: an abort long after a pause that covered the local deadline is not excused", () => {
-    const deadlineUs = t0 + ttlUs;
-    const pause: HistoryRecord = {
-      type: "pause",
-      client: 0,
-      fromUs: t0 + 100,
-      toUs: deadlineUs - 100_000,
-    };
-    const abort: HistoryRecord = {
-      type: "abort",
-      client: 0,
-      key,
-      runId: "A",
-      reason: "deadline",
-      deadlineUs,
-      dbUs: deadlineUs + 5_000,
-      dbRttUs: 1_000,
-      wallUs: deadlineUs + 4_000,
-      marginUs: 300_000,
-    };
-    const result = checkHistory(
-      [grant("A", 10, t0), pause, abort],
-      [acquiredEvent(1, "A", 10, t0)],
-    );
+    const result = pausedAbort(-100_000, 5_000, 1_000);
     expect(result.violations.map((v) => v.invariant)).toEqual(["L2"]);
   });
 
