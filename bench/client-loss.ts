@@ -18,10 +18,10 @@ import os from "node:os";
 import path from "node:path";
 import { parseArgs } from "node:util";
 import { createLeaseClient } from "../src/client/index.js";
-import { parseServerConfig } from "../src/server/config.js";
-import { startEmbeddedPostgres } from "../src/server/embedded-postgres.js";
-import { parseDuration } from "../src/server/limits.js";
-import { createLogger } from "../src/server/logger.js";
+import { parseServerConfig } from "../src/server/config/server-config.js";
+import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import { parseDuration } from "../src/server/lease/limits.js";
+import { createLogger } from "../src/server/observability/logger.js";
 import { startServer } from "../src/server/server.js";
 import { startTcpProxy } from "../test/support/tcp-proxy.js";
 

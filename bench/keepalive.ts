@@ -23,7 +23,7 @@ import {
   type KeepAliveRequestSchema,
   LeaseService,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { parseDuration } from "../src/server/limits.js";
+import { parseDuration } from "../src/server/lease/limits.js";
 import {
   type BenchDatabase,
   cpuSeconds,

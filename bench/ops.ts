@@ -14,10 +14,10 @@ import { createGrpcTransport } from "@connectrpc/connect-node";
 import { SignJWT } from "jose";
 import postgres from "postgres";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { parseServerConfig } from "../src/server/config.js";
-import { durationFromMillis } from "../src/server/convert.js";
-import { type EmbeddedDatabase, startEmbeddedPostgres } from "../src/server/embedded-postgres.js";
-import { createLogger } from "../src/server/logger.js";
+import { parseServerConfig } from "../src/server/config/server-config.js";
+import { durationFromMillis } from "../src/server/rpc/convert.js";
+import { type EmbeddedDatabase, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import { createLogger } from "../src/server/observability/logger.js";
 import { startServer } from "../src/server/server.js";
 
 const seconds = Number(process.argv[2] ?? 3);

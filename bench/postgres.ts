@@ -7,9 +7,9 @@ import { mkdtemp, readFile, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
-import { defaultTimeouts, openDatabase, type Sql } from "../src/server/db.js";
-import { startEmbeddedPostgres } from "../src/server/embedded-postgres.js";
-import { migrate } from "../src/server/migrate.js";
+import { defaultTimeouts, openDatabase, type Sql } from "../src/server/db/pool.js";
+import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import { migrate } from "../src/server/db/migrate.js";
 import { processTree } from "./process-stats.js";
 
 export interface BenchPostgres {

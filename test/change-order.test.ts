@@ -5,9 +5,9 @@
 
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import type { ChangeType, LeaseChange } from "../src/server/lease-change.js";
-import { decodeMessage, encodeChanges } from "../src/server/notifier.js";
-import { OrderGuard } from "../src/server/watch-hub.js";
+import type { ChangeType, LeaseChange } from "../src/server/lease/lease-change.js";
+import { decodeMessage, encodeChanges } from "../src/server/streams/notifier.js";
+import { OrderGuard } from "../src/server/streams/watch-hub.js";
 
 function change(type: ChangeType, token: bigint, extra: Partial<LeaseChange> = {}): LeaseChange {
   return {

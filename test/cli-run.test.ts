@@ -4,8 +4,8 @@
 
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { createLeaseClient, durationFromMs, type LeaseClient } from "../src/client/index.js";
-import { freePort } from "../src/server/embedded-postgres.js";
-import { createLeaseStore } from "../src/server/lease-store.js";
+import { freePort } from "../src/server/db/embedded-postgres.js";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { RunningServer } from "../src/server/server.js";
 import { runCli, startCli } from "./support/cli.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";

@@ -44,7 +44,7 @@ import {
   fencedCallKey,
   fencingInterceptor as serverFencingInterceptor,
 } from "../src/guarded/interceptor.js";
-import { listen } from "../src/server/listener.js";
+import { listen } from "../src/server/http/listener.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";

@@ -10,7 +10,7 @@ import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import type { RunningServer } from "../src/server/server.js";
-import { createAccountSlots, createStreamLeases } from "../src/server/stream-limits.js";
+import { createAccountSlots, createStreamLeases } from "../src/server/streams/stream-limits.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { storedState, untilExpired } from "./support/leases.js";
 import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";

@@ -6,7 +6,7 @@ import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { loadMigrations, migrate, SchemaTooNewError } from "../src/server/migrate.js";
+import { loadMigrations, migrate, SchemaTooNewError } from "../src/server/db/migrate.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 
 let db: TestDatabase;

@@ -4,9 +4,9 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createLeaseStore, type LeaseStore } from "../src/server/lease-store.js";
-import { createLogger } from "../src/server/logger.js";
-import { createRetention, type Retention, startMaintenance } from "../src/server/retention.js";
+import { createLeaseStore, type LeaseStore } from "../src/server/db/lease-store.js";
+import { createLogger } from "../src/server/observability/logger.js";
+import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";
 

@@ -18,13 +18,13 @@ import {
   LeaseService,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { authInterceptor } from "../src/server/auth-interceptor.js";
-import { createAuthenticator } from "../src/server/authn.js";
-import { defaultLimits } from "../src/server/limits.js";
-import type { AuthConfig } from "../src/server/ops-config.js";
-import { ownAccountAuthorizer } from "../src/server/session-authorizer.js";
-import { createAccountSlots } from "../src/server/stream-limits.js";
-import { watchLimitInterceptor } from "../src/server/watch-limit.js";
+import { authInterceptor } from "../src/server/rpc/auth-interceptor.js";
+import { createAuthenticator } from "../src/server/auth/authn.js";
+import { defaultLimits } from "../src/server/lease/limits.js";
+import type { AuthConfig } from "../src/server/config/ops-config.js";
+import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
+import { createAccountSlots } from "../src/server/streams/stream-limits.js";
+import { watchLimitInterceptor } from "../src/server/rpc/watch-limit.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));

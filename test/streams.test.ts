@@ -12,7 +12,7 @@ import {
   WatchRequestSchema,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { defaultLimits } from "../src/server/limits.js";
+import { defaultLimits } from "../src/server/lease/limits.js";
 import type { LeaseServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey, storedState, untilExpired } from "./support/leases.js";

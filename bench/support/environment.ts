@@ -13,7 +13,7 @@ import postgres from "postgres";
 import {
   type EmbeddedDatabase,
   startEmbeddedPostgres,
-} from "../../src/server/embedded-postgres.js";
+} from "../../src/server/db/embedded-postgres.js";
 
 const cliPath = fileURLToPath(new URL("../../bin/leasehold.js", import.meta.url));
 const repoRoot = fileURLToPath(new URL("../../", import.meta.url));

@@ -2,8 +2,8 @@
 
 import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
 import { startGuardedServer } from "../guarded/server.js";
-import { ConfigError, settingsHelp } from "../server/config.js";
-import { createLogger } from "../server/logger.js";
+import { ConfigError, settingsHelp } from "../server/config/server-config.js";
+import { createLogger } from "../server/observability/logger.js";
 import { untilStopSignal } from "./signals.js";
 
 export const guardedHelp = `Usage: leasehold guarded serve [flags]

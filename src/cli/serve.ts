@@ -1,7 +1,7 @@
 // `leasehold serve`: the lease server, until SIGINT or SIGTERM.
 
-import { ConfigError, parseServerConfig, serverSettings, settingsHelp } from "../server/config.js";
-import { createLogger } from "../server/logger.js";
+import { ConfigError, parseServerConfig, serverSettings, settingsHelp } from "../server/config/server-config.js";
+import { createLogger } from "../server/observability/logger.js";
 import { startServer } from "../server/server.js";
 import { untilStopSignal } from "./signals.js";
 

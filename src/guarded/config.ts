@@ -11,7 +11,7 @@ import {
   parseHostConfig,
   readSettings,
   type Setting,
-} from "../server/config.js";
+} from "../server/config/server-config.js";
 
 export type FenceMode = "monotonic" | "live";
 

@@ -2,9 +2,9 @@
 // and the document upsert in one transaction (S7), so the token that passed
 // the check is the token recorded with the value.
 
-import type { Sql } from "../server/db.js";
-import { classifyDatabaseError, ResourceExhaustedError } from "../server/errors.js";
-import type { SessionKey } from "../server/lease-store.js";
+import type { Sql } from "../server/db/pool.js";
+import { classifyDatabaseError, ResourceExhaustedError } from "../server/lease/errors.js";
+import type { SessionKey } from "../server/db/lease-store.js";
 import { fence, highestToken } from "./fence.js";
 
 /** A document as stored, without its value; times in microseconds since the epoch. */

@@ -4,13 +4,13 @@
 // very same statement.
 
 import type postgres from "postgres";
-import type { Sql } from "../server/db.js";
+import type { Sql } from "../server/db/pool.js";
 import {
   classifyDatabaseError,
   InvalidArgumentError,
   StaleFencingTokenError,
-} from "../server/errors.js";
-import type { SessionKey } from "../server/lease-store.js";
+} from "../server/lease/errors.js";
+import type { SessionKey } from "../server/db/lease-store.js";
 
 /** A transaction of a pool opened by `openDatabase`. */
 export type Transaction = postgres.TransactionSql<{ bigint: bigint }>;

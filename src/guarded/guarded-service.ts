@@ -13,11 +13,11 @@ import {
   PutResponseSchema,
 } from "../gen/leasehold/guarded/v1/guarded_pb.js";
 import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
-import { timestampFromMicros } from "../server/convert.js";
-import { InvalidArgumentError, NotFoundError } from "../server/errors.js";
-import { mapErrors } from "../server/lease-service.js";
-import type { Limits } from "../server/limits.js";
-import { checkFencingToken, checkKey, checkText } from "../server/validation.js";
+import { timestampFromMicros } from "../server/rpc/convert.js";
+import { InvalidArgumentError, NotFoundError } from "../server/lease/errors.js";
+import { mapErrors } from "../server/rpc/lease-service.js";
+import type { Limits } from "../server/lease/limits.js";
+import { checkFencingToken, checkKey, checkText } from "../server/lease/validation.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
 import type { LiveCheck } from "./live-check.js";
 

@@ -2,10 +2,10 @@
 // (DESIGN §5). The client library sets them; the fencing interceptor reads
 // them. Header names are the field names of every error about them.
 
-import { InvalidArgumentError } from "../server/errors.js";
-import type { SessionKey } from "../server/lease-store.js";
-import type { Limits } from "../server/limits.js";
-import { checkId } from "../server/validation.js";
+import { InvalidArgumentError } from "../server/lease/errors.js";
+import type { SessionKey } from "../server/db/lease-store.js";
+import type { Limits } from "../server/lease/limits.js";
+import { checkId } from "../server/lease/validation.js";
 
 export const fencingHeaders = {
   token: "leasehold-fencing-token",

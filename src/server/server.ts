@@ -3,16 +3,16 @@
 // (streaming.ts) and the operational surface (operations.ts) around them.
 // `main` and the tests both use it.
 
-import type { ServerConfig } from "./config.js";
-import { type RunningServer, startHost } from "./host.js";
-import { createLeaseStore } from "./lease-store.js";
-import { createLogger, type Logger } from "./logger.js";
-import { registerNotificationMetrics } from "./metrics.js";
+import type { ServerConfig } from "./config/server-config.js";
+import { type RunningServer, startHost } from "./http/host.js";
+import { createLeaseStore } from "./db/lease-store.js";
+import { createLogger, type Logger } from "./observability/logger.js";
+import { registerNotificationMetrics } from "./observability/metrics.js";
 import { startOperations } from "./operations.js";
-import { checkExposure } from "./ops-config.js";
-import { leaseRoutes } from "./routes.js";
-import { createStaticHandler } from "./static.js";
-import { type Streaming, startStreaming } from "./streaming.js";
+import { checkExposure } from "./config/ops-config.js";
+import { leaseRoutes } from "./rpc/routes.js";
+import { createStaticHandler } from "./http/static.js";
+import { type Streaming, startStreaming } from "./streams/streaming.js";
 
 export type { RunningServer };
 

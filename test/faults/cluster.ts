@@ -11,8 +11,8 @@ import {
   type EmbeddedDatabase,
   freePort,
   startEmbeddedPostgres,
-} from "../../src/server/embedded-postgres.js";
-import { migrate } from "../../src/server/migrate.js";
+} from "../../src/server/db/embedded-postgres.js";
+import { migrate } from "../../src/server/db/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 

@@ -6,8 +6,8 @@ import { randomUUID } from "node:crypto";
 import fc from "fast-check";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { fence, highestToken, type Transaction } from "../../src/guarded/fence.js";
-import type { Sql } from "../../src/server/db.js";
-import { InvalidArgumentError, StaleFencingTokenError } from "../../src/server/errors.js";
+import type { Sql } from "../../src/server/db/pool.js";
+import { InvalidArgumentError, StaleFencingTokenError } from "../../src/server/lease/errors.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 
 let db: TestDatabase;

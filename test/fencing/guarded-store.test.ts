@@ -12,7 +12,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
 import { defaultGuardedLimits } from "../../src/guarded/guarded-service.js";
-import { durationFromMillis } from "../../src/server/convert.js";
+import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey, untilExpired } from "../support/leases.js";

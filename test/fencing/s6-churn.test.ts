@@ -7,12 +7,12 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import type { Sql } from "../../src/server/db.js";
+import type { Sql } from "../../src/server/db/pool.js";
 import {
   createLeaseStore,
   type LeaseStore,
   type SessionKey,
-} from "../../src/server/lease-store.js";
+} from "../../src/server/db/lease-store.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey } from "../support/leases.js";
 

@@ -5,7 +5,7 @@
 import { randomBytes } from "node:crypto";
 import postgres from "postgres";
 import { inject } from "vitest";
-import { openDatabase, type Sql } from "../../src/server/db.js";
+import { openDatabase, type Sql } from "../../src/server/db/pool.js";
 
 export interface TestDatabase {
   url: string;

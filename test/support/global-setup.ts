@@ -10,8 +10,8 @@ import type { TestProject } from "vitest/node";
 import {
   type EmbeddedDatabase,
   startEmbeddedPostgres,
-} from "../../src/server/embedded-postgres.js";
-import { migrate } from "../../src/server/migrate.js";
+} from "../../src/server/db/embedded-postgres.js";
+import { migrate } from "../../src/server/db/migrate.js";
 
 declare module "vitest" {
   export interface ProvidedContext {

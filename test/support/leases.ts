@@ -1,8 +1,8 @@
 // Small helpers shared by lease tests.
 
 import { randomUUID } from "node:crypto";
-import type { Sql } from "../../src/server/db.js";
-import type { SessionKey } from "../../src/server/lease-store.js";
+import type { Sql } from "../../src/server/db/pool.js";
+import type { SessionKey } from "../../src/server/db/lease-store.js";
 
 let counter = 0;
 

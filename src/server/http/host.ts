@@ -1,0 +1,162 @@
+// Hosts one Leasehold server process: database (given or embedded),
+// migrations, the pool, the Connect handler on the shared listener, and an
+// orderly shutdown. The lease server and the guarded store differ only in
+// the services they build on the pool.
+
+import { setMaxListeners } from "node:events";
+import type http from "node:http";
+import type http2 from "node:http2";
+import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
+import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
+import type { HostConfig } from "../config/server-config.js";
+import { openDatabase, type Sql } from "../db/pool.js";
+import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-postgres.js";
+import { type Listener, listen } from "./listener.js";
+import type { Logger } from "../observability/logger.js";
+import { migrate } from "../db/migrate.js";
+
+export interface RunningServer {
+  /** Base URL for clients, e.g. http://127.0.0.1:7070 */
+  readonly url: string;
+  readonly port: number;
+  /** The database in use (password removed). */
+  readonly databaseUrl: string;
+  readonly sql: Sql;
+  /** Ends streams, drains requests, closes the pool and any embedded database. */
+  close(): Promise<void>;
+}
+
+export type NodeHandler = (
+  req: http.IncomingMessage | http2.Http2ServerRequest,
+  res: http.ServerResponse | http2.Http2ServerResponse,
+) => void;
+
+/** What a server builds once its pool is open. */
+export interface HostedServices {
+  routes: (router: ConnectRouter) => void;
+  interceptors?: Interceptor[];
+  /** Wraps the Connect handler, e.g. to answer /metrics beside it. */
+  http?: (next: NodeHandler) => NodeHandler;
+  /** Largest request message in bytes (Connect's readMaxBytes). */
+  readMaxBytes?: number;
+  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS. */
+  maxStreamsPerConnection?: number;
+  /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
+  beginShutdown?: () => void;
+  /** Answers requests for paths that are not RPCs (the lease server's web page). */
+  fallback?: ConnectNodeAdapterOptions["fallback"];
+  /** Stops the services' own work; runs after requests drain, before the pool closes. */
+  close?: () => Promise<void>;
+}
+
+export interface HostOptions {
+  /** application_name of the pool's connections, as pg_stat_activity shows it. */
+  applicationName: string;
+  /** Aborted at shutdown, so long-lived handlers can end. */
+  build(
+    sql: Sql,
+    shutdownSignal: AbortSignal,
+    databaseUrl: string,
+  ): HostedServices | Promise<HostedServices>;
+}
+
+export async function startHost(
+  config: HostConfig,
+  logger: Logger,
+  options: HostOptions,
+): Promise<RunningServer> {
+  let embedded: EmbeddedDatabase | undefined;
+  let databaseUrl = config.databaseUrl;
+  if (databaseUrl === undefined) {
+    embedded = await startEmbeddedPostgres({
+      dataDir: config.dataDir,
+      onLog: (line) => logger.debug({ postgres: line.trim() }, "embedded postgres"),
+    });
+    databaseUrl = embedded.url;
+    logger.info({ dataDir: embedded.dataDir, port: embedded.port }, "started embedded PostgreSQL");
+  }
+  let sql: Sql | undefined;
+  let services: HostedServices | undefined;
+  let listener: Listener | undefined;
+  try {
+    const applied = await migrate(databaseUrl);
+    if (applied.length > 0) logger.info({ versions: applied }, "applied migrations");
+    sql = openDatabase({
+      url: databaseUrl,
+      maxConnections: config.poolSize,
+      statementTimeoutMs: config.statementTimeoutMs,
+      lockTimeoutMs: config.lockTimeoutMs,
+      idleInTransactionTimeoutMs: config.idleInTransactionTimeoutMs,
+      applicationName: options.applicationName,
+    });
+    const shutdown = new AbortController();
+    // Every in-flight call links its own signal to this one; a busy server
+    // has far more than Node's default of 10 listeners, and that is no leak.
+    setMaxListeners(0, shutdown.signal);
+    services = await options.build(sql, shutdown.signal, databaseUrl);
+    const handler = connectNodeAdapter({
+      routes: services.routes,
+      interceptors: services.interceptors,
+      shutdownSignal: shutdown.signal,
+      readMaxBytes: services.readMaxBytes,
+      fallback: services.fallback,
+    });
+    listener = await listen({
+      host: config.listenHost,
+      port: config.listenPort,
+      handler: services.http ? services.http(handler) : handler,
+      maxConcurrentStreams: services.maxStreamsPerConnection,
+      tls: config.tls,
+    });
+    const host = listener.host.includes(":") ? `[${listener.host}]` : listener.host;
+    const url = `${config.tls ? "https" : "http"}://${host}:${listener.port}`;
+    const shown = redact(databaseUrl);
+    logger.info({ url, database: shown, embedded: embedded !== undefined }, "serving");
+    const openSql = sql;
+    const openListener = listener;
+    const openServices = services;
+    let closing: Promise<void> | undefined;
+    return {
+      url,
+      port: listener.port,
+      databaseUrl: shown,
+      sql,
+      close: () => {
+        closing ??= (async () => {
+          // Health first, so balancers stop sending; then streams end with
+          // UNAVAILABLE (clients move to another instance; leases stay), the
+          // listener stops accepting and drains, and the pool closes last.
+          openServices.beginShutdown?.();
+          shutdown.abort(
+            new ConnectError(
+              "the server is shutting down: reconnect to another instance",
+              Code.Unavailable,
+            ),
+          );
+          await openListener.close(config.shutdownGraceMs);
+          await openServices.close?.();
+          await openSql.end({ timeout: 5 });
+          await embedded?.stop();
+          logger.info("stopped");
+        })();
+        return closing;
+      },
+    };
+  } catch (error) {
+    await listener?.close(0);
+    await services?.close?.();
+    await sql?.end({ timeout: 1 });
+    await embedded?.stop();
+    throw error;
+  }
+}
+
+function redact(url: string): string {
+  try {
+    const u = new URL(url);
+    if (u.password) u.password = "***";
+    return u.toString();
+  } catch {
+    return "(unparseable DATABASE_URL)";
+  }
+}

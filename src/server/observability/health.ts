@@ -1,0 +1,162 @@
+// gRPC health (grpc.health.v1): SERVING while a periodic cheap query reaches
+// the database, NOT_SERVING while it does not and from the start of a
+// shutdown. Load balancers and orchestrators poll Check or hold a Watch.
+
+import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError, type ServiceImpl } from "@connectrpc/connect";
+import {
+  type Health,
+  HealthCheckResponseSchema,
+  HealthListResponseSchema,
+  HealthCheckResponse_ServingStatus as ServingStatus,
+} from "../../gen/grpc/health/v1/health_pb.js";
+import type { Logger } from "./logger.js";
+
+export { ServingStatus };
+
+export interface HealthMonitor {
+  status(): ServingStatus;
+  /** Calls `listener` on every change of status until the returned function is called. */
+  onChange(listener: (status: ServingStatus) => void): () => void;
+  /** NOT_SERVING for good: the server is going away. */
+  shutdown(): void;
+  close(): Promise<void>;
+}
+
+export interface HealthMonitorOptions {
+  /** Resolves when the database answers; rejects or hangs past the interval when not. */
+  probe: () => Promise<void>;
+  intervalMs: number;
+  logger: Logger;
+  onStatus?: (serving: boolean) => void;
+}
+
+/** Probes once before returning, so the first answer is already a real one. */
+export async function startHealthMonitor(options: HealthMonitorOptions): Promise<HealthMonitor> {
+  const listeners = new Set<(status: ServingStatus) => void>();
+  let status = ServingStatus.UNKNOWN;
+  let stopped = false;
+  const set = (next: ServingStatus) => {
+    if (next === status) return;
+    const previous = status;
+    status = next;
+    options.onStatus?.(next === ServingStatus.SERVING);
+    if (previous !== ServingStatus.UNKNOWN || next !== ServingStatus.SERVING) {
+      const log = next === ServingStatus.SERVING ? options.logger.info : options.logger.warn;
+      log.call(options.logger, { status: ServingStatus[next] }, "health changed");
+    }
+    for (const listener of listeners) listener(next);
+  };
+
+  const probeOnce = async () => {
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new Error("probe timed out")), options.intervalMs * 2);
+    });
+    try {
+      await Promise.race([options.probe(), timeout]);
+      if (!stopped) set(ServingStatus.SERVING);
+    } catch (error) {
+      if (!stopped) {
+        if (status !== ServingStatus.NOT_SERVING) {
+          options.logger.warn({ err: error }, "database probe failed");
+        }
+        set(ServingStatus.NOT_SERVING);
+      }
+    } finally {
+      clearTimeout(timer);
+    }
+  };
+
+  await probeOnce();
+  // Sequential probes: a slow database never piles them up.
+  let running: Promise<void> = Promise.resolve();
+  const timer = setInterval(() => {
+    running = running.then(probeOnce);
+  }, options.intervalMs);
+  timer.unref();
+
+  return {
+    status: () => status,
+    onChange: (listener) => {
+      listeners.add(listener);
+      return () => listeners.delete(listener);
+    },
+    shutdown: () => {
+      set(ServingStatus.NOT_SERVING);
+      stopped = true;
+    },
+    close: async () => {
+      stopped = true;
+      clearInterval(timer);
+      await running;
+      listeners.clear();
+    },
+  };
+}
+
+/**
+ * The Health service over the monitor. `services` are the names a client
+ * may ask about besides "" (the server as a whole); they share its status.
+ */
+export function createHealthService(
+  monitor: HealthMonitor,
+  services: () => readonly string[],
+): ServiceImpl<typeof Health> {
+  const known = (name: string) => name === "" || services().includes(name);
+  const response = (status: ServingStatus) => create(HealthCheckResponseSchema, { status });
+  return {
+    check: (req) => {
+      if (!known(req.service)) {
+        throw new ConnectError(`unknown service ${JSON.stringify(req.service)}`, Code.NotFound);
+      }
+      return response(monitor.status());
+    },
+    list: () =>
+      create(HealthListResponseSchema, {
+        statuses: Object.fromEntries(
+          ["", ...services()].map((name) => [name, response(monitor.status())]),
+        ),
+      }),
+    async *watch(req, context) {
+      if (!known(req.service)) {
+        // The protocol keeps the call open for a service that may appear;
+        // this server's services are fixed, so the answer is final.
+        yield response(ServingStatus.SERVICE_UNKNOWN);
+        await new Promise<void>((resolve) => {
+          if (context.signal.aborted) resolve();
+          context.signal.addEventListener("abort", () => resolve(), { once: true });
+        });
+        throw ConnectError.from(context.signal.reason, Code.Unavailable);
+      }
+      const pending: ServingStatus[] = [monitor.status()];
+      let wake: (() => void) | undefined;
+      const stop = monitor.onChange((status) => {
+        pending.push(status);
+        wake?.();
+      });
+      const onAbort = () => wake?.();
+      context.signal.addEventListener("abort", onAbort);
+      try {
+        while (true) {
+          const status = pending.shift();
+          if (status !== undefined) {
+            yield response(status);
+            continue;
+          }
+          // Shutdown (or the client leaving): end with the reason, which
+          // the server gives as UNAVAILABLE so clients move elsewhere.
+          if (context.signal.aborted)
+            throw ConnectError.from(context.signal.reason, Code.Unavailable);
+          await new Promise<void>((resolve) => {
+            wake = resolve;
+          });
+          wake = undefined;
+        }
+      } finally {
+        stop();
+        context.signal.removeEventListener("abort", onAbort);
+      }
+    },
+  };
+}

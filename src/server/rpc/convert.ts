@@ -1,0 +1,96 @@
+// Stored records to wire messages. Database times arrive as microseconds
+// since the epoch, so Timestamps keep the database's full precision.
+
+import { create } from "@bufbuild/protobuf";
+import {
+  type Duration,
+  DurationSchema,
+  type Timestamp,
+  TimestampSchema,
+} from "@bufbuild/protobuf/wkt";
+import {
+  type Event,
+  EventSchema,
+  EventType,
+  type Lease,
+  LeaseSchema,
+  LossReason,
+  SessionKeySchema,
+} from "../../gen/leasehold/v1/lease_pb.js";
+import type { LossCause } from "../lease/errors.js";
+import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
+import type { LeaseRecord } from "../db/lease-store.js";
+
+export function timestampFromMicros(us: bigint): Timestamp {
+  const seconds = us / 1_000_000n;
+  let rest = us % 1_000_000n;
+  let s = seconds;
+  if (rest < 0n) {
+    rest += 1_000_000n;
+    s -= 1n;
+  }
+  return create(TimestampSchema, { seconds: s, nanos: Number(rest) * 1000 });
+}
+
+export function durationFromMicros(us: bigint): Duration {
+  return create(DurationSchema, {
+    seconds: us / 1_000_000n,
+    nanos: Number(us % 1_000_000n) * 1000,
+  });
+}
+
+export function durationFromMillis(ms: number | bigint): Duration {
+  return durationFromMicros(BigInt(ms) * 1000n);
+}
+
+export function leaseToProto(r: LeaseRecord): Lease {
+  return create(LeaseSchema, {
+    key: create(SessionKeySchema, { accountId: r.accountId, sessionId: r.sessionId }),
+    runId: r.runId,
+    fencingToken: r.fencingToken,
+    holder: r.holder,
+    ttl: durationFromMillis(r.ttlMs),
+    acquiredAt: timestampFromMicros(r.acquiredAtUs),
+    expiresAt: timestampFromMicros(r.expiresAtUs),
+    remaining: durationFromMicros(r.remainingUs),
+  });
+}
+
+const eventTypes: Record<ChangeType, EventType> = {
+  acquired: EventType.ACQUIRED,
+  released: EventType.RELEASED,
+  expired: EventType.EXPIRED,
+  revoked: EventType.REVOKED,
+  handoff_requested: EventType.HANDOFF_REQUESTED,
+  renewed: EventType.RENEWED,
+};
+
+export function changeToEvent(c: LeaseChange): Event {
+  return create(EventSchema, {
+    type: eventTypes[c.type],
+    key: create(SessionKeySchema, { accountId: c.accountId, sessionId: c.sessionId }),
+    runId: c.runId,
+    fencingToken: c.fencingToken,
+    holder: c.holder,
+    reason: c.reason,
+    at: timestampFromMicros(c.atUs),
+    lease: c.lease ? leaseToProto(c.lease) : undefined,
+    requesterHolder: c.requesterHolder,
+    id: c.eventId,
+  });
+}
+
+export function lossReasonToProto(cause: LossCause): LossReason {
+  switch (cause) {
+    case "expired":
+      return LossReason.EXPIRED;
+    case "released":
+      return LossReason.RELEASED;
+    case "taken_over":
+      return LossReason.TAKEN_OVER;
+    case "revoked":
+      return LossReason.REVOKED;
+    case "not_found":
+      return LossReason.NOT_FOUND;
+  }
+}

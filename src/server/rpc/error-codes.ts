@@ -1,0 +1,96 @@
+// The one table from domain errors to Connect codes, messages and details.
+// There are no user-defined codes: every answer uses the fixed gRPC set.
+
+import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError } from "@connectrpc/connect";
+import {
+  BadRequest_FieldViolationSchema,
+  BadRequestSchema,
+  ErrorInfoSchema,
+} from "../../gen/google/rpc/error_details_pb.js";
+import {
+  DatabaseTimeoutError,
+  DatabaseUnavailableError,
+  InvalidArgumentError,
+  LeaseNotHeldError,
+  NotFoundError,
+  PermissionDeniedError,
+  ResourceExhaustedError,
+  StaleFencingTokenError,
+  UnauthenticatedError,
+} from "../lease/errors.js";
+
+/** The ErrorInfo domain of every error detail Leasehold sends. */
+export const errorDomain = "leasehold.dev";
+
+export const ErrorReason = {
+  leaseNotHeld: "LEASE_NOT_HELD",
+  staleFencingToken: "STALE_FENCING_TOKEN",
+  invalidArgument: "INVALID_ARGUMENT",
+  databaseUnavailable: "DATABASE_UNAVAILABLE",
+  unauthenticated: "UNAUTHENTICATED",
+} as const;
+
+function errorInfo(reason: string, metadata: Record<string, string>) {
+  return { desc: ErrorInfoSchema, value: { reason, domain: errorDomain, metadata } };
+}
+
+/**
+ * Maps any error thrown by a handler to a ConnectError. Unknown errors become
+ * INTERNAL with a generic message: they are bugs, never caused by input.
+ */
+export function toConnectError(error: unknown): ConnectError {
+  if (error instanceof ConnectError) return error;
+  if (error instanceof InvalidArgumentError) {
+    return new ConnectError(error.message, Code.InvalidArgument, undefined, [
+      {
+        desc: BadRequestSchema,
+        value: create(BadRequestSchema, {
+          fieldViolations: [
+            create(BadRequest_FieldViolationSchema, {
+              field: error.field,
+              description: error.rule,
+            }),
+          ],
+        }),
+      },
+      errorInfo(ErrorReason.invalidArgument, { field: error.field }),
+    ]);
+  }
+  if (error instanceof LeaseNotHeldError) {
+    return new ConnectError(error.message, Code.FailedPrecondition, undefined, [
+      errorInfo(ErrorReason.leaseNotHeld, { cause: error.reason }),
+    ]);
+  }
+  if (error instanceof StaleFencingTokenError) {
+    return new ConnectError(error.message, Code.Aborted, undefined, [
+      errorInfo(ErrorReason.staleFencingToken, {
+        presented_token: error.presented.toString(),
+        highest_token: error.highest.toString(),
+      }),
+    ]);
+  }
+  if (error instanceof NotFoundError) {
+    return new ConnectError(error.message, Code.NotFound);
+  }
+  if (error instanceof ResourceExhaustedError) {
+    return new ConnectError(error.message, Code.ResourceExhausted);
+  }
+  if (error instanceof PermissionDeniedError) {
+    return new ConnectError(error.message, Code.PermissionDenied);
+  }
+  if (error instanceof UnauthenticatedError) {
+    return new ConnectError(error.message, Code.Unauthenticated, undefined, [
+      errorInfo(ErrorReason.unauthenticated, { cause: error.failure }),
+    ]);
+  }
+  if (error instanceof DatabaseUnavailableError) {
+    return new ConnectError(error.message, Code.Unavailable, undefined, [
+      errorInfo(ErrorReason.databaseUnavailable, { sql_state: error.sqlState ?? "" }),
+    ]);
+  }
+  if (error instanceof DatabaseTimeoutError) {
+    return new ConnectError(error.message, Code.DeadlineExceeded);
+  }
+  return new ConnectError("internal error", Code.Internal, undefined, undefined, error);
+}

@@ -1,0 +1,167 @@
+// The bridge between Connect and the streaming parts of the lease domain:
+// KeepAlive, Watch and RequestHandoff. Validates, converts, and maps domain
+// errors to codes; the behaviour lives in keepalive.ts, watch-hub.ts and the
+// publishing store.
+
+import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
+import {
+  HandoffRequestedSchema,
+  type KeepAliveResponse,
+  KeepAliveResponseSchema,
+  type LeaseService,
+  LostSchema,
+  RequestHandoffResponseSchema,
+  SessionKeySchema,
+  SnapshotSchema,
+  type WatchResponse,
+  WatchResponseSchema,
+} from "../../gen/leasehold/v1/lease_pb.js";
+import { changeToEvent, leaseToProto, lossReasonToProto, timestampFromMicros } from "./convert.js";
+import { toConnectError } from "./error-codes.js";
+import { InvalidArgumentError } from "../lease/errors.js";
+import type { KeepAliveAnswer, KeepAliveHub } from "../streams/keepalive.js";
+import { mapErrors } from "./lease-service.js";
+import type { LeaseStore, Scope } from "../db/lease-store.js";
+import type { Limits } from "../lease/limits.js";
+import { checkId, checkKey, checkOptionalTtl, checkRunId, checkText } from "../lease/validation.js";
+import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
+
+export interface StreamServiceDeps {
+  /** The publishing store (publishing-store.ts). */
+  store: LeaseStore;
+  limits: Limits;
+  keepAlive: KeepAliveHub;
+  watch: WatchHub;
+}
+
+type Impl = ServiceImpl<typeof LeaseService>;
+
+/**
+ * Ends a stream the way its context ended: with the reason the server gave
+ * (UNAVAILABLE at shutdown, DEADLINE_EXCEEDED), or quietly when the client
+ * went away.
+ */
+function throwIfAborted(ctx: HandlerContext) {
+  if (!ctx.signal.aborted) return;
+  const reason: unknown = ctx.signal.reason;
+  throw reason instanceof ConnectError
+    ? reason
+    : new ConnectError("the call was cancelled", Code.Canceled);
+}
+
+export function createStreamService(
+  deps: StreamServiceDeps,
+): Pick<Impl, "keepAlive" | "watch" | "requestHandoff"> {
+  const { store, limits } = deps;
+
+  return {
+    async *keepAlive(requests, ctx) {
+      const session = deps.keepAlive.open();
+      const reading = (async () => {
+        for await (const req of requests) {
+          const key = checkKey("key", req.key, limits);
+          const runId = checkRunId("run_id", req.runId);
+          const ttlMs = checkOptionalTtl("ttl", req.ttl, limits);
+          session.submit({ key, runId, ttlMs });
+        }
+        session.endRequests();
+      })().catch((error: unknown) => session.fail(error));
+      try {
+        for await (const answer of session.answers(ctx.signal)) yield keepAliveAnswer(answer);
+        throwIfAborted(ctx);
+      } catch (error) {
+        throw toConnectError(error);
+      } finally {
+        // Releases nothing: the stream's leases run to their deadlines.
+        session.close();
+        void reading;
+      }
+    },
+
+    async *watch(req, ctx) {
+      if (!req.key) throw toConnectError(new InvalidArgumentError("key", "is required"));
+      let scope: Scope;
+      try {
+        scope = {
+          accountId: checkId("key.account_id", req.key.accountId, limits),
+          sessionId:
+            req.key.sessionId === "" ? "" : checkId("key.session_id", req.key.sessionId, limits),
+        };
+      } catch (error) {
+        throw toConnectError(error);
+      }
+      const watcher = deps.watch.open(scope, { includeRenewals: req.includeRenewals });
+      try {
+        for await (const message of watcher.messages(ctx.signal)) yield watchMessage(message);
+        throwIfAborted(ctx);
+      } catch (error) {
+        throw toConnectError(error);
+      } finally {
+        watcher.close();
+      }
+    },
+
+    requestHandoff: mapErrors(async (req) => {
+      const key = checkKey("key", req.key, limits);
+      const requester = checkText("requester_holder", req.requesterHolder, limits.maxHolderLength);
+      const reason = checkText("reason", req.reason, limits.maxReasonLength);
+      const result = await store.requestHandoff(key, requester, reason);
+      return create(RequestHandoffResponseSchema, {
+        delivered: result.lease !== undefined,
+        current: result.lease ? leaseToProto(result.lease) : undefined,
+      });
+    }),
+  };
+}
+
+function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
+  if (answer.kind === "lease") {
+    const lease = leaseToProto(answer.lease);
+    return create(KeepAliveResponseSchema, {
+      key: lease.key,
+      runId: lease.runId,
+      result: { case: "lease", value: lease },
+    });
+  }
+  const key = create(SessionKeySchema, answer.key);
+  if (answer.kind === "lost") {
+    return create(KeepAliveResponseSchema, {
+      key,
+      runId: answer.runId,
+      result: {
+        case: "lost",
+        value: create(LostSchema, { reason: lossReasonToProto(answer.cause) }),
+      },
+    });
+  }
+  return create(KeepAliveResponseSchema, {
+    key,
+    runId: answer.runId,
+    result: {
+      case: "handoffRequested",
+      value: create(HandoffRequestedSchema, {
+        requesterHolder: answer.requesterHolder,
+        reason: answer.reason,
+        requestedAt: timestampFromMicros(answer.atUs),
+      }),
+    },
+  });
+}
+
+function watchMessage(message: WatchMessage): WatchResponse {
+  if (message.kind === "snapshot") {
+    return create(WatchResponseSchema, {
+      kind: {
+        case: "snapshot",
+        value: create(SnapshotSchema, {
+          leases: message.leases.map(leaseToProto),
+          at: timestampFromMicros(message.atUs),
+        }),
+      },
+    });
+  }
+  return create(WatchResponseSchema, {
+    kind: { case: "event", value: changeToEvent(message.change) },
+  });
+}

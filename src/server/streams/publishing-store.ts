@@ -1,0 +1,73 @@
+// The lease store as the services use it: each write, once its statement has
+// committed and answered, is handed to the change feed. Publishing therefore
+// never runs inside the writing transaction (DESIGN §3), and no service can
+// forget it.
+
+import type { ChangeFeed } from "./change-feed.js";
+import { changeFromLease } from "../lease/lease-change.js";
+import type { LeaseStore } from "../db/lease-store.js";
+
+export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore {
+  return {
+    ...store,
+    async acquire(input) {
+      const result = await store.acquire(input);
+      if (!result.acquired) return result;
+      if (result.retried) {
+        // The same run again: no new grant, only a later deadline.
+        if (feed.renewalsWanted(result.lease)) feed.emit(changeFromLease("renewed", result.lease));
+        return result;
+      }
+      const { lease, expired } = result;
+      if (expired) {
+        feed.emit({
+          ...changeFromLease("expired", { ...lease, ...expired, remainingUs: 0n }),
+          atUs: expired.expiresAtUs,
+          eventId: expired.eventId,
+        });
+      }
+      feed.emit(changeFromLease("acquired", lease, { eventId: result.eventId }));
+      return result;
+    },
+    async renew(key, runId, ttlMs) {
+      const result = await store.renew(key, runId, ttlMs);
+      if (result.held && feed.renewalsWanted(result.lease)) {
+        feed.emit(changeFromLease("renewed", result.lease));
+      }
+      return result;
+    },
+    async renewMany(items, options) {
+      const results = await store.renewMany(items, options);
+      for (const r of results) {
+        if (r.outcome === "renewed" && feed.renewalsWanted(r.lease)) {
+          feed.emit(changeFromLease("renewed", r.lease));
+        }
+      }
+      return results;
+    },
+    async release(key, runId) {
+      const ended = await store.release(key, runId);
+      if (ended) feed.emit(changeFromLease("released", ended, { eventId: ended.eventId }));
+      return ended;
+    },
+    async revoke(key, reason) {
+      const ended = await store.revoke(key, reason);
+      if (ended) feed.emit(changeFromLease("revoked", ended, { eventId: ended.eventId, reason }));
+      return ended;
+    },
+    async requestHandoff(key, requesterHolder, reason) {
+      const result = await store.requestHandoff(key, requesterHolder, reason);
+      if (result.lease) {
+        feed.emit(
+          changeFromLease("handoff_requested", result.lease, {
+            atUs: result.atUs,
+            eventId: result.eventId,
+            reason,
+            requesterHolder,
+          }),
+        );
+      }
+      return result;
+    },
+  };
+}

@@ -1,0 +1,169 @@
+// Renewals from every KeepAlive stream of this instance, gathered for a short
+// tick and sent as one multi-row statement (DESIGN §3). A commit per renewal
+// would cap throughput at the commit rate (a few thousand per second on a
+// small machine); one UPDATE over a few hundred rows costs about as much as
+// one single-row UPDATE.
+//
+// The batch never waits on a row lock (SKIP LOCKED): a row held by another
+// transaction is retried alone with an ordinary lock wait, so a stuck
+// transaction on one key delays that key only (S8) and fails it fast with
+// lock_timeout rather than the whole batch.
+
+import type { LossCause } from "../lease/errors.js";
+import { DatabaseUnavailableError } from "../lease/errors.js";
+import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../db/lease-store.js";
+
+export type RenewalOutcome =
+  | { renewed: true; lease: LeaseRecord; handoff: HandoffRecord | undefined }
+  | { renewed: false; cause: LossCause };
+
+export interface RenewalBatcher {
+  /** Renews one lease in the next batch. Rejects only when the database cannot decide. */
+  renew(item: RenewItem): Promise<RenewalOutcome>;
+  readonly stats: { statements: number; renewals: number; pending: number };
+  close(): void;
+}
+
+export interface RenewalBatcherOptions {
+  store: LeaseStore;
+  /** Longest time a renewal waits for its batch. */
+  tickMs: number;
+  /** Rows per statement; a fuller batch goes at once. */
+  maxBatch?: number;
+  /** Statements in flight at once. */
+  maxInFlight?: number;
+}
+
+interface Pending {
+  item: RenewItem;
+  waiters: { resolve(o: RenewalOutcome): void; reject(e: unknown): void }[];
+}
+
+// A row that stays locked through this many waiting retries is reported as
+// the database being unable to decide.
+const maxLockedRetries = 3;
+
+export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBatcher {
+  const { store, tickMs } = options;
+  const maxBatch = options.maxBatch ?? 2_000;
+  const maxInFlight = options.maxInFlight ?? 4;
+  // Keyed by key and run: two requests for one lease in one tick share a row
+  // (an UPDATE … FROM must not meet the same target row twice).
+  let pending = new Map<string, Pending>();
+  let timer: NodeJS.Timeout | undefined;
+  let inFlight = 0;
+  let closed = false;
+  const stats = { statements: 0, renewals: 0, pending: 0 };
+
+  function schedule() {
+    if (closed || pending.size === 0 || inFlight >= maxInFlight) return;
+    if (pending.size >= maxBatch) {
+      if (timer) clearTimeout(timer);
+      timer = undefined;
+      void flush();
+      return;
+    }
+    timer ??= setTimeout(() => {
+      timer = undefined;
+      void flush();
+    }, tickMs);
+  }
+
+  async function flush(): Promise<void> {
+    if (pending.size === 0 || inFlight >= maxInFlight) return;
+    let batch: Pending[];
+    if (pending.size <= maxBatch) {
+      batch = [...pending.values()];
+      pending = new Map();
+    } else {
+      batch = [];
+      for (const [k, p] of pending) {
+        if (batch.length === maxBatch) break;
+        batch.push(p);
+        pending.delete(k);
+      }
+    }
+    stats.pending = pending.size;
+    inFlight += 1;
+    try {
+      stats.statements += 1;
+      const results = await store.renewMany(
+        batch.map((p) => p.item),
+        { wait: false },
+      );
+      stats.renewals += batch.length;
+      const locked: Pending[] = [];
+      results.forEach((r, i) => {
+        const p = batch[i];
+        if (!p) return;
+        if (r.outcome === "busy") locked.push(p);
+        else if (r.outcome === "renewed")
+          settle(p, { renewed: true, lease: r.lease, handoff: r.handoff });
+        else settle(p, { renewed: false, cause: r.cause });
+      });
+      for (const p of locked) void renewLocked(p);
+    } catch (error) {
+      for (const p of batch) for (const w of p.waiters) w.reject(error);
+    } finally {
+      inFlight -= 1;
+      schedule();
+    }
+  }
+
+  async function renewLocked(p: Pending): Promise<void> {
+    try {
+      for (let attempt = 0; attempt < maxLockedRetries; attempt++) {
+        stats.statements += 1;
+        const [r] = await store.renewMany([p.item], { wait: true });
+        if (r?.outcome === "renewed") {
+          settle(p, { renewed: true, lease: r.lease, handoff: r.handoff });
+          return;
+        }
+        if (r?.outcome === "lost") {
+          settle(p, { renewed: false, cause: r.cause });
+          return;
+        }
+      }
+      throw new DatabaseUnavailableError(
+        "the session's lease row stayed locked by other transactions; retry",
+      );
+    } catch (error) {
+      for (const w of p.waiters) w.reject(error);
+    }
+  }
+
+  function settle(p: Pending, outcome: RenewalOutcome) {
+    for (const w of p.waiters) w.resolve(outcome);
+  }
+
+  return {
+    stats,
+    renew(item) {
+      if (closed)
+        return Promise.reject(new DatabaseUnavailableError("the server is shutting down"));
+      return new Promise((resolve, reject) => {
+        const k = `${item.accountId} ${item.sessionId} ${item.runId}`;
+        const existing = pending.get(k);
+        if (existing) {
+          // The later request's TTL wins; a handoff lookup asked by either is made.
+          existing.item = {
+            ...item,
+            lookupHandoff: existing.item.lookupHandoff || item.lookupHandoff,
+          };
+          existing.waiters.push({ resolve, reject });
+        } else {
+          pending.set(k, { item, waiters: [{ resolve, reject }] });
+        }
+        stats.pending = pending.size;
+        schedule();
+      });
+    },
+    close() {
+      closed = true;
+      if (timer) clearTimeout(timer);
+      const error = new DatabaseUnavailableError("the server is shutting down");
+      for (const p of pending.values()) for (const w of p.waiters) w.reject(error);
+      pending.clear();
+    },
+  };
+}

@@ -1,0 +1,67 @@
+// Limits of long-lived streams (DESIGN §7): open Watch streams per account
+// on this instance, and distinct leases per KeepAlive stream. Both answer
+// RESOURCE_EXHAUSTED with the limit's name, so a client knows which flag an
+// operator would raise. Counting is per instance: N instances allow N times
+// the number of watchers, which bounds each instance's memory, the point.
+
+import { ResourceExhaustedError } from "../lease/errors.js";
+
+export interface AccountSlots {
+  /** Takes a slot for `account`, or throws; call the returned function once to give it back. */
+  enter(account: string): () => void;
+  /** Slots in use by `account`. */
+  used(account: string): number;
+}
+
+export function createAccountSlots(max: number, what: string, flag: string): AccountSlots {
+  const counts = new Map<string, number>();
+  return {
+    enter: (account) => {
+      const n = counts.get(account) ?? 0;
+      if (n >= max) {
+        throw new ResourceExhaustedError(
+          `the account already has ${n} ${what} open on this server, the limit (${flag}) is ${max}`,
+        );
+      }
+      counts.set(account, n + 1);
+      let left = false;
+      return () => {
+        if (left) return;
+        left = true;
+        const now = (counts.get(account) ?? 1) - 1;
+        if (now === 0) counts.delete(account);
+        else counts.set(account, now);
+      };
+    },
+    used: (account) => counts.get(account) ?? 0,
+  };
+}
+
+/** The leases one KeepAlive stream carries, bounded. Keys are opaque strings. */
+export interface StreamLeases {
+  /** Adds `key` (no-op when present), or throws when the stream is full. */
+  add(key: string): void;
+  delete(key: string): void;
+  readonly size: number;
+}
+
+export function createStreamLeases(max: number): StreamLeases {
+  const keys = new Set<string>();
+  return {
+    add: (key) => {
+      if (keys.has(key)) return;
+      if (keys.size >= max) {
+        throw new ResourceExhaustedError(
+          `this KeepAlive stream already carries ${keys.size} leases, the limit (--max-leases-per-stream) is ${max}: open another stream`,
+        );
+      }
+      keys.add(key);
+    },
+    delete: (key) => {
+      keys.delete(key);
+    },
+    get size() {
+      return keys.size;
+    },
+  };
+}

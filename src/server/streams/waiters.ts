@@ -1,0 +1,225 @@
+// Acquire with `wait`: a caller that finds the session held waits here until
+// the lease ends, then tries again. Nothing polls the database: an attempt is
+// made when a release or revoke arrives from any instance, when the expiry
+// tracker confirms the blocking lease's deadline passed, after a missed-change
+// resync, and once more when the wait runs out (so the answer names the
+// current holder as of then). A slow periodic re-check bounds the delay when
+// a release notification was lost.
+//
+// Within this instance the waiters of one key queue in arrival order and
+// only the first attempts; across instances the first waiters race and the
+// conditional UPSERT picks exactly one winner per release (S2). Losers keep
+// their place and wait for the next end of the lease.
+
+import type { ChangeFeed } from "./change-feed.js";
+import type { ExpiryTracker } from "./expiry-tracker.js";
+import { endsLease, keyString } from "../lease/lease-change.js";
+import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../db/lease-store.js";
+import type { Logger } from "../observability/logger.js";
+
+export interface Waiters {
+  /**
+   * Acquires, waiting up to `waitMs` while another run holds the session.
+   * Rejects with `signal.reason` when the signal aborts first.
+   */
+  acquire(input: AcquireInput, waitMs: number, signal: AbortSignal): Promise<AcquireResult>;
+  readonly stats: { waiting: number; attempts: number; granted: number };
+  start(): void;
+  close(): void;
+}
+
+export interface WaitersOptions {
+  store: LeaseStore;
+  feed: ChangeFeed;
+  tracker: ExpiryTracker;
+  logger: Logger;
+  recheckIntervalMs: number;
+}
+
+interface Waiter {
+  input: AcquireInput;
+  resolve(result: AcquireResult): void;
+  reject(error: unknown): void;
+  /** The lease that blocked the last attempt. */
+  current: LeaseRecord | undefined;
+  done: boolean;
+}
+
+interface KeyQueue {
+  waiters: Waiter[];
+  attempting: boolean;
+  /** A trigger arrived during an attempt: try again when it ends. */
+  again: boolean;
+  releaseHold: () => void;
+}
+
+export function createWaiters(options: WaitersOptions): Waiters {
+  const { store, feed, tracker, logger } = options;
+  const queues = new Map<string, KeyQueue>();
+  const stats = { waiting: 0, attempts: 0, granted: 0 };
+  const stops: (() => void)[] = [];
+  let recheckTimer: NodeJS.Timeout | undefined;
+
+  async function releaseUnwanted(result: AcquireResult & { acquired: true }) {
+    if (result.retried) return; // the caller's own earlier grant: theirs to release
+    try {
+      await store.release(result.lease, result.lease.runId);
+    } catch (error) {
+      logger.warn({ err: error }, "could not release a grant nobody waited for; it will expire");
+    }
+  }
+
+  function finish(k: string, w: Waiter) {
+    if (w.done) return;
+    w.done = true;
+    stats.waiting -= 1;
+    const q = queues.get(k);
+    if (!q) return;
+    q.waiters = q.waiters.filter((x) => x !== w);
+    if (q.waiters.length === 0 && !q.attempting) {
+      q.releaseHold();
+      queues.delete(k);
+    }
+  }
+
+  function trigger(k: string) {
+    const q = queues.get(k);
+    if (!q) return;
+    if (q.attempting) {
+      q.again = true;
+      return;
+    }
+    void attempt(k, q);
+  }
+
+  async function attempt(k: string, q: KeyQueue): Promise<void> {
+    q.attempting = true;
+    try {
+      do {
+        q.again = false;
+        const head = q.waiters[0];
+        if (!head) break;
+        stats.attempts += 1;
+        let result: AcquireResult;
+        try {
+          result = await store.acquire(head.input);
+        } catch (error) {
+          // The database could not decide; the next trigger (a change, the
+          // deadline timer, the re-check or the end of the wait) tries again.
+          logger.warn({ err: error }, "a waiting acquire attempt failed");
+          break;
+        }
+        if (result.acquired && head.done) {
+          // The caller gave up while the grant was being made: nobody will
+          // use or release this lease, so end it now and let the next go.
+          await releaseUnwanted(result);
+          q.again = true;
+          continue;
+        }
+        if (result.acquired) {
+          stats.granted += 1;
+          head.resolve(result);
+          finish(k, head);
+          // The winner's lease now blocks the rest; its deadline is tracked.
+          tracker.learn(result.lease);
+          break;
+        }
+        head.current = result.current;
+        if (result.current) tracker.learn(result.current);
+        else q.again = true; // ended between the UPSERT and the read: go again
+      } while (q.again);
+    } finally {
+      q.attempting = false;
+      if (q.waiters.length === 0) {
+        q.releaseHold();
+        queues.delete(k);
+      }
+    }
+  }
+
+  return {
+    stats,
+    async acquire(input, waitMs, signal) {
+      const first = await store.acquire(input);
+      if (first.acquired || waitMs <= 0) return first;
+      signal.throwIfAborted();
+      const k = keyString(input);
+      return new Promise<AcquireResult>((resolve, reject) => {
+        const w: Waiter = {
+          input,
+          current: first.current,
+          done: false,
+          resolve,
+          reject,
+        };
+        let q = queues.get(k);
+        if (!q) {
+          q = { waiters: [], attempting: false, again: false, releaseHold: tracker.hold(input) };
+          queues.set(k, q);
+        }
+        q.waiters.push(w);
+        stats.waiting += 1;
+        logger.debug(
+          { accountId: input.accountId, sessionId: input.sessionId, waitMs },
+          "acquire waiting",
+        );
+        if (first.current) tracker.learn(first.current);
+        else trigger(k);
+
+        const onAbort = () => {
+          clearTimeout(timer);
+          if (w.done) return;
+          finish(k, w);
+          reject(signal.reason);
+        };
+        signal.addEventListener("abort", onAbort, { once: true });
+        const settle = (result: AcquireResult) => {
+          signal.removeEventListener("abort", onAbort);
+          clearTimeout(timer);
+          resolve(result);
+        };
+        w.resolve = settle;
+        w.reject = (error) => {
+          signal.removeEventListener("abort", onAbort);
+          clearTimeout(timer);
+          reject(error);
+        };
+        // The wait ran out: one last attempt gives the authoritative answer.
+        const timer = setTimeout(() => {
+          if (w.done) return;
+          finish(k, w);
+          store.acquire(input).then(
+            (result) => {
+              if (result.acquired && signal.aborted) {
+                void releaseUnwanted(result);
+                return;
+              }
+              if (result.acquired) stats.granted += 1;
+              w.resolve(result);
+            },
+            (error) => w.reject(error),
+          );
+        }, waitMs);
+      });
+    },
+    start() {
+      stops.push(
+        feed.subscribe((change) => {
+          if (endsLease(change.type)) trigger(keyString(change));
+        }),
+        feed.onResync(() => {
+          for (const k of queues.keys()) trigger(k);
+        }),
+        tracker.onStale((key) => trigger(keyString(key))),
+      );
+      recheckTimer = setInterval(() => {
+        for (const k of queues.keys()) trigger(k);
+      }, options.recheckIntervalMs);
+      recheckTimer.unref();
+    },
+    close() {
+      if (recheckTimer) clearInterval(recheckTimer);
+      for (const stop of stops) stop();
+    },
+  };
+}
