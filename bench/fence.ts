@@ -15,11 +15,14 @@ import { parseGuardedConfig } from "../src/guarded/config.js";
 import { fence } from "../src/guarded/fence.js";
 import { startGuardedServer } from "../src/guarded/server.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
-import { durationFromMillis } from "../src/server/rpc/convert.js";
-import { openDatabase } from "../src/server/db/pool.js";
-import { type EmbeddedDatabase, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
-import { createLogger } from "../src/server/observability/logger.js";
+import {
+  type EmbeddedDatabase,
+  startEmbeddedPostgres,
+} from "../src/server/db/embedded-postgres.js";
 import { migrate } from "../src/server/db/migrate.js";
+import { openDatabase } from "../src/server/db/pool.js";
+import { createLogger } from "../src/server/observability/logger.js";
+import { durationFromMillis } from "../src/server/rpc/convert.js";
 import { startServer } from "../src/server/server.js";
 
 const seconds = Number(process.argv[2] ?? 3);

@@ -15,9 +15,12 @@ import { SignJWT } from "jose";
 import postgres from "postgres";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
-import { durationFromMillis } from "../src/server/rpc/convert.js";
-import { type EmbeddedDatabase, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import {
+  type EmbeddedDatabase,
+  startEmbeddedPostgres,
+} from "../src/server/db/embedded-postgres.js";
 import { createLogger } from "../src/server/observability/logger.js";
+import { durationFromMillis } from "../src/server/rpc/convert.js";
 import { startServer } from "../src/server/server.js";
 
 const seconds = Number(process.argv[2] ?? 3);

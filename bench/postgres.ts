@@ -7,9 +7,10 @@ import { mkdtemp, readFile, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
-import { defaultTimeouts, openDatabase, type Sql } from "../src/server/db/pool.js";
+import { defaultTimeouts } from "../src/server/config/host-config.js";
 import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
 import { migrate } from "../src/server/db/migrate.js";
+import { openDatabase, type Sql } from "../src/server/db/pool.js";
 import { processTree } from "./process-stats.js";
 
 export interface BenchPostgres {

@@ -12,7 +12,10 @@ import {
   Health,
   HealthCheckResponse_ServingStatus as Status,
 } from "../src/gen/grpc/health/v1/health_pb.js";
-import { type EmbeddedDatabase, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import {
+  type EmbeddedDatabase,
+  startEmbeddedPostgres,
+} from "../src/server/db/embedded-postgres.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { startTestServer } from "./support/server.js";

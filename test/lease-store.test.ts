@@ -3,9 +3,10 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { Sql } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
-import { createLeaseStore, type LeaseStore } from "../src/server/db/lease-store.js";
+import type { LeaseStore } from "../src/server/lease/types.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey, untilExpired } from "./support/leases.js";
 

@@ -4,7 +4,8 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createLeaseStore, type LeaseStore } from "../src/server/db/lease-store.js";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
+import type { LeaseStore } from "../src/server/lease/types.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 
 let db: TestDatabase;

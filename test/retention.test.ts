@@ -4,9 +4,10 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createLeaseStore, type LeaseStore } from "../src/server/db/lease-store.js";
-import { createLogger } from "../src/server/observability/logger.js";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
+import type { LeaseStore } from "../src/server/lease/types.js";
+import { createLogger } from "../src/server/observability/logger.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";
 

@@ -21,7 +21,8 @@ import {
 } from "../src/client/index.js";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
-import { createLeaseStore, type SessionKey } from "../src/server/db/lease-store.js";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
+import type { SessionKey } from "../src/server/lease/types.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";

@@ -15,9 +15,10 @@ import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect
 import { exportJWK, generateKeyPair, SignJWT } from "jose";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { ConfigError, parseServerConfig } from "../src/server/config/server-config.js";
-import { createLogger } from "../src/server/observability/logger.js";
 import { isLoopback } from "../src/server/config/ops-config.js";
+import { parseServerConfig } from "../src/server/config/server-config.js";
+import { ConfigError } from "../src/server/config/settings.js";
+import { createLogger } from "../src/server/observability/logger.js";
 import { type RunningServer, startServer } from "../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 import { freshKey } from "./support/leases.js";

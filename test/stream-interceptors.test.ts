@@ -1,7 +1,9 @@
 // The interceptors around streaming calls, on stand-in KeepAlive and Watch
 // handlers (the real ones live in their own modules and have their own
 // tests): every KeepAlive message is checked as it arrives, Watch is checked
-// before its handler runs, and Watch streams per account are bounded.
+// before its handler runs, and Watch streams per account are bounded. The
+// error interceptor is outermost, as in the server, since the others throw
+// domain errors.
 
 import { randomBytes, randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
@@ -18,13 +20,14 @@ import {
   LeaseService,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { authInterceptor } from "../src/server/rpc/auth-interceptor.js";
 import { createAuthenticator } from "../src/server/auth/authn.js";
-import { defaultLimits } from "../src/server/lease/limits.js";
-import type { AuthConfig } from "../src/server/config/ops-config.js";
 import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
-import { createAccountSlots } from "../src/server/streams/stream-limits.js";
+import type { AuthConfig } from "../src/server/config/ops-config.js";
+import { defaultLimits } from "../src/server/lease/limits.js";
+import { authInterceptor } from "../src/server/rpc/auth-interceptor.js";
+import { errorCodeInterceptor } from "../src/server/rpc/error-codes.js";
 import { watchLimitInterceptor } from "../src/server/rpc/watch-limit.js";
+import { createAccountSlots } from "../src/server/streams/stream-limits.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));
@@ -59,6 +62,7 @@ function setup(maxWatchers = 10) {
   const transport = createRouterTransport(({ service }) => service(LeaseService, impl), {
     router: {
       interceptors: [
+        errorCodeInterceptor(),
         authInterceptor({
           protectedServices: new Set([LeaseService.typeName]),
           authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),

@@ -2,7 +2,7 @@
 
 import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
 import { startGuardedServer } from "../guarded/server.js";
-import { ConfigError, settingsHelp } from "../server/config/server-config.js";
+import { ConfigError, settingsHelp } from "../server/config/settings.js";
 import { createLogger } from "../server/observability/logger.js";
 import { untilStopSignal } from "./signals.js";
 

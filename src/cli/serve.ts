@@ -1,6 +1,7 @@
 // `leasehold serve`: the lease server, until SIGINT or SIGTERM.
 
-import { ConfigError, parseServerConfig, serverSettings, settingsHelp } from "../server/config/server-config.js";
+import { parseServerConfig, serverSettings } from "../server/config/server-config.js";
+import { ConfigError, settingsHelp } from "../server/config/settings.js";
 import { createLogger } from "../server/observability/logger.js";
 import { startServer } from "../server/server.js";
 import { untilStopSignal } from "./signals.js";

@@ -6,12 +6,17 @@
 import { Code, ConnectError } from "@connectrpc/connect";
 import { BadRequestSchema, ErrorInfoSchema } from "../gen/google/rpc/error_details_pb.js";
 import type { Lease } from "../gen/leasehold/v1/lease_pb.js";
+import {
+  type AuthFailure,
+  asAuthFailure,
+  asLossCause,
+  ErrorMetadata,
+  ErrorReason,
+  errorDomain,
+  type LossCause,
+} from "../protocol/errors.js";
 
-/** The ErrorInfo domain of the details Leasehold servers send. */
-export const errorDomain = "leasehold.dev";
-
-/** Why a run no longer holds its lease, as the server names it. */
-export type LossCause = "expired" | "released" | "taken_over" | "revoked" | "not_found";
+export { type AuthFailure, errorDomain, type LossCause } from "../protocol/errors.js";
 
 /**
  * Why `runExclusive` aborted its work's signal: a cause the server reported,
@@ -54,7 +59,7 @@ export class InvalidArgumentError extends LeaseholdError {
   readonly rule: string;
 
   constructor(message: string, field: string, rule: string, options: { cause?: unknown } = {}) {
-    super(message, Code.InvalidArgument, { ...options, reason: "INVALID_ARGUMENT" });
+    super(message, Code.InvalidArgument, { ...options, reason: ErrorReason.invalidArgument });
     this.field = field;
     this.rule = rule;
   }
@@ -76,8 +81,8 @@ export class LeaseNotHeldError extends LeaseholdError {
   ) {
     super(message, Code.FailedPrecondition, {
       ...options,
-      reason: "LEASE_NOT_HELD",
-      metadata: lossCause ? { cause: lossCause } : {},
+      reason: ErrorReason.leaseNotHeld,
+      metadata: lossCause ? { [ErrorMetadata.cause]: lossCause } : {},
     });
     this.lossCause = lossCause;
   }
@@ -101,7 +106,7 @@ export class StaleFencingTokenError extends LeaseholdError {
     highestToken: bigint | undefined,
     options: { cause?: unknown } = {},
   ) {
-    super(message, Code.Aborted, { ...options, reason: "STALE_FENCING_TOKEN" });
+    super(message, Code.Aborted, { ...options, reason: ErrorReason.staleFencingToken });
     this.presentedToken = presentedToken;
     this.highestToken = highestToken;
   }
@@ -164,31 +169,13 @@ export class LeaseLostError extends LeaseholdError {
   }
 }
 
-const authFailures = [
-  "missing",
-  "malformed",
-  "expired",
-  "bad_signature",
-  "algorithm",
-  "claims",
-  "account_claim",
-] as const;
-/**
- * Why the server refused credentials (ErrorInfo reason UNAUTHENTICATED,
- * metadata `cause`): no token, not a JWT, expired (time to fetch a new one),
- * a signature the server's keys do not verify, an algorithm it does not
- * accept, a failed `iss`/`aud`/`nbf` check, or no valid account claim.
- */
-export type AuthFailure = (typeof authFailures)[number];
-
 /** The server did not accept the credentials (UNAUTHENTICATED). */
 export class UnauthenticatedError extends LeaseholdError {
   override readonly name = "UnauthenticatedError";
 
   /** Why, as the server named it; undefined when it did not say. */
   get failure(): AuthFailure | undefined {
-    const cause = this.metadata.cause;
-    return authFailures.find((f) => f === cause);
+    return asAuthFailure(this.metadata[ErrorMetadata.cause]);
   }
 }
 
@@ -219,8 +206,6 @@ export class DeadlineExceededError extends LeaseholdError {
 export class CanceledError extends LeaseholdError {
   override readonly name = "CanceledError";
 }
-
-const lossCauses = new Set<string>(["expired", "released", "taken_over", "revoked", "not_found"]);
 
 function parseBigInt(text: string | undefined): bigint | undefined {
   if (text === undefined || !/^-?\d+$/.test(text)) return undefined;
@@ -256,27 +241,24 @@ export function toLeaseholdError(error: unknown): LeaseholdError {
   const metadata = info?.metadata ?? {};
   const message = ce.rawMessage || ce.message;
   const options = { cause: error, reason, metadata };
-  if (reason === "LEASE_NOT_HELD" || (ce.code === Code.FailedPrecondition && !reason)) {
-    const cause = metadata.cause;
-    return new LeaseNotHeldError(
-      message,
-      cause !== undefined && lossCauses.has(cause) ? (cause as LossCause) : undefined,
-      { cause: error },
-    );
+  if (reason === ErrorReason.leaseNotHeld || (ce.code === Code.FailedPrecondition && !reason)) {
+    return new LeaseNotHeldError(message, asLossCause(metadata[ErrorMetadata.cause]), {
+      cause: error,
+    });
   }
   if (brokenConnection(ce)) return new UnavailableError(message, Code.Unavailable, options);
-  if (reason === "STALE_FENCING_TOKEN" || ce.code === Code.Aborted) {
+  if (reason === ErrorReason.staleFencingToken || ce.code === Code.Aborted) {
     return new StaleFencingTokenError(
       message,
-      parseBigInt(metadata.presented_token),
-      parseBigInt(metadata.highest_token),
+      parseBigInt(metadata[ErrorMetadata.presentedToken]),
+      parseBigInt(metadata[ErrorMetadata.highestToken]),
       { cause: error },
     );
   }
   switch (ce.code) {
     case Code.InvalidArgument: {
       const violation = ce.findDetails(BadRequestSchema)[0]?.fieldViolations[0];
-      const field = violation?.field ?? metadata.field ?? "";
+      const field = violation?.field ?? metadata[ErrorMetadata.field] ?? "";
       return new InvalidArgumentError(message, field, violation?.description ?? message, {
         cause: error,
       });

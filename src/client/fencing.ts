@@ -4,14 +4,10 @@
 // presenting itself as the holder (L2): its calls fail before being sent.
 
 import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
+import { fencingHeaderNames } from "../protocol/headers.js";
 import { CanceledError, LeaseLostError } from "./errors.js";
 
-/** Header names a guarded service reads (DESIGN §5). */
-export const fencingHeaderNames = {
-  fencingToken: "leasehold-fencing-token",
-  accountId: "leasehold-account-id",
-  sessionId: "leasehold-session-id",
-} as const;
+export { fencingHeaderNames } from "../protocol/headers.js";
 
 /** What a call made on behalf of a lease presents. */
 export interface FencingSource {

@@ -18,8 +18,8 @@ import {
   type KeepAliveResponse,
   type Lease,
   LeaseService,
-  LossReason,
 } from "../gen/leasehold/v1/lease_pb.js";
+import { lossCauseFromReason } from "../protocol/loss-reason.js";
 import {
   type LeaseholdError,
   type LossCause,
@@ -102,15 +102,6 @@ const definitiveCodes = new Set<Code>([
   Code.Unimplemented,
   Code.FailedPrecondition,
 ]);
-
-const lossCauses: Record<LossReason, LossCause | undefined> = {
-  [LossReason.UNSPECIFIED]: undefined,
-  [LossReason.EXPIRED]: "expired",
-  [LossReason.RELEASED]: "released",
-  [LossReason.TAKEN_OVER]: "taken_over",
-  [LossReason.REVOKED]: "revoked",
-  [LossReason.NOT_FOUND]: "not_found",
-};
 
 function entryId(key: { accountId: string; sessionId: string }, runId: string): string {
   return JSON.stringify([key.accountId, key.sessionId, runId]);
@@ -240,7 +231,7 @@ export class KeepAliveChannel {
       }
       case "lost":
         this.entries.delete(id);
-        entry.target.onLost(lossCauses[result.value.reason]);
+        entry.target.onLost(lossCauseFromReason(result.value.reason));
         if (this.entries.size === 0) this.shutdown();
         break;
       case "handoffRequested":

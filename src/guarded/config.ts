@@ -4,14 +4,12 @@
 
 import { readFileSync } from "node:fs";
 import {
-  ConfigError,
   type HostConfig,
   type HostDefaults,
   hostSettings,
   parseHostConfig,
-  readSettings,
-  type Setting,
-} from "../server/config/server-config.js";
+} from "../server/config/host-config.js";
+import { ConfigError, readSettings, type Setting } from "../server/config/settings.js";
 
 export type FenceMode = "monotonic" | "live";
 

@@ -4,13 +4,10 @@
 // very same statement.
 
 import type postgres from "postgres";
+import { classifyDatabaseError } from "../server/db/database-errors.js";
 import type { Sql } from "../server/db/pool.js";
-import {
-  classifyDatabaseError,
-  InvalidArgumentError,
-  StaleFencingTokenError,
-} from "../server/lease/errors.js";
-import type { SessionKey } from "../server/db/lease-store.js";
+import { InvalidArgumentError, StaleFencingTokenError } from "../server/lease/errors.js";
+import type { SessionKey } from "../server/lease/types.js";
 
 /** A transaction of a pool opened by `openDatabase`. */
 export type Transaction = postgres.TransactionSql<{ bigint: bigint }>;

@@ -13,11 +13,10 @@ import {
   PutResponseSchema,
 } from "../gen/leasehold/guarded/v1/guarded_pb.js";
 import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
-import { timestampFromMicros } from "../server/rpc/convert.js";
 import { InvalidArgumentError, NotFoundError } from "../server/lease/errors.js";
-import { mapErrors } from "../server/rpc/lease-service.js";
 import type { Limits } from "../server/lease/limits.js";
 import { checkFencingToken, checkKey, checkText } from "../server/lease/validation.js";
+import { timestampFromMicros } from "../server/rpc/convert.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
 import type { LiveCheck } from "./live-check.js";
 
@@ -49,7 +48,7 @@ export function createGuardedService(
     return checkText("name", name, limits.maxNameLength);
   };
   return {
-    put: mapErrors(async (req) => {
+    async put(req) {
       const key = checkKey("key", req.key, limits);
       const name = checkName(req.name);
       const token = checkFencingToken("fencing_token", req.fencingToken);
@@ -68,9 +67,9 @@ export function createGuardedService(
         document: documentInfo(written.document),
         highestToken: written.highestToken,
       });
-    }),
+    },
 
-    get: mapErrors(async (req) => {
+    async get(req) {
       const key = checkKey("key", req.key, limits);
       const name = checkName(req.name);
       const found = await store.get(key, name);
@@ -81,16 +80,16 @@ export function createGuardedService(
         updatedAt: timestampFromMicros(found.updatedAtUs),
         document: documentInfo(found),
       });
-    }),
+    },
 
-    list: mapErrors(async (req) => {
+    async list(req) {
       const key = checkKey("key", req.key, limits);
       const listed = await store.list(key);
       return create(ListResponseSchema, {
         documents: listed.documents.map(documentInfo),
         highestToken: listed.highestToken,
       });
-    }),
+    },
   };
 }
 

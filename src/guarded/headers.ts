@@ -2,16 +2,11 @@
 // (DESIGN §5). The client library sets them; the fencing interceptor reads
 // them. Header names are the field names of every error about them.
 
+import { fencingHeaderNames } from "../protocol/headers.js";
 import { InvalidArgumentError } from "../server/lease/errors.js";
-import type { SessionKey } from "../server/db/lease-store.js";
 import type { Limits } from "../server/lease/limits.js";
+import type { SessionKey } from "../server/lease/types.js";
 import { checkId } from "../server/lease/validation.js";
-
-export const fencingHeaders = {
-  token: "leasehold-fencing-token",
-  accountId: "leasehold-account-id",
-  sessionId: "leasehold-session-id",
-} as const;
 
 /** The session and token a request claims to write with. */
 export interface FenceClaim {
@@ -23,32 +18,32 @@ const maxToken = 9_223_372_036_854_775_807n;
 
 /** Reads and validates the three headers; throws InvalidArgumentError naming the header. */
 export function readFenceClaim(headers: Headers, limits: Pick<Limits, "maxIdLength">): FenceClaim {
-  const text = required(headers, fencingHeaders.token);
+  const text = required(headers, fencingHeaderNames.fencingToken);
   // Only plain decimal digits: no sign, spaces, exponent or hex that a
   // lenient parser would turn into some other number.
   if (!/^\d{1,19}$/.test(text) || BigInt(text) > maxToken) {
     throw new InvalidArgumentError(
-      fencingHeaders.token,
+      fencingHeaderNames.fencingToken,
       `must be a decimal int64 fencing token, got ${JSON.stringify(clip(text))}`,
     );
   }
   const token = BigInt(text);
   if (token <= 0n) {
     throw new InvalidArgumentError(
-      fencingHeaders.token,
+      fencingHeaderNames.fencingToken,
       `must be a positive fencing token, got ${token}`,
     );
   }
   return {
     key: {
       accountId: checkId(
-        fencingHeaders.accountId,
-        required(headers, fencingHeaders.accountId),
+        fencingHeaderNames.accountId,
+        required(headers, fencingHeaderNames.accountId),
         limits,
       ),
       sessionId: checkId(
-        fencingHeaders.sessionId,
-        required(headers, fencingHeaders.sessionId),
+        fencingHeaderNames.sessionId,
+        required(headers, fencingHeaderNames.sessionId),
         limits,
       ),
     },
@@ -59,9 +54,9 @@ export function readFenceClaim(headers: Headers, limits: Pick<Limits, "maxIdLeng
 /** The headers a client sends to write with `claim`. */
 export function fenceClaimHeaders(claim: FenceClaim): Record<string, string> {
   return {
-    [fencingHeaders.token]: claim.token.toString(),
-    [fencingHeaders.accountId]: claim.key.accountId,
-    [fencingHeaders.sessionId]: claim.key.sessionId,
+    [fencingHeaderNames.fencingToken]: claim.token.toString(),
+    [fencingHeaderNames.accountId]: claim.key.accountId,
+    [fencingHeaderNames.sessionId]: claim.key.sessionId,
   };
 }
 

@@ -6,10 +6,10 @@
 
 import type { DescMethod } from "@bufbuild/protobuf";
 import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
+import { classifyDatabaseError } from "../server/db/database-errors.js";
 import type { Sql } from "../server/db/pool.js";
-import { toConnectError } from "../server/rpc/error-codes.js";
-import { classifyDatabaseError } from "../server/lease/errors.js";
 import { defaultLimits, type Limits } from "../server/lease/limits.js";
+import { toConnectError } from "../server/rpc/error-codes.js";
 import { fence, type Transaction } from "./fence.js";
 import { type FenceClaim, readFenceClaim } from "./headers.js";
 import type { LiveCheck } from "./live-check.js";

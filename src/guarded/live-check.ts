@@ -5,7 +5,7 @@
 import { type Client, Code, ConnectError } from "@connectrpc/connect";
 import type { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { LeaseNotHeldError, StaleFencingTokenError } from "../server/lease/errors.js";
-import type { SessionKey } from "../server/db/lease-store.js";
+import type { SessionKey } from "../server/lease/types.js";
 
 /** Resolves when `token` is the valid lease's; throws a domain error otherwise. */
 export type LiveCheck = (key: SessionKey, token: bigint) => Promise<void>;

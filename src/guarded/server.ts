@@ -8,6 +8,7 @@ import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type RunningServer, startHost } from "../server/http/host.js";
 import { createLogger, type Logger } from "../server/observability/logger.js";
+import { errorCodeInterceptor } from "../server/rpc/error-codes.js";
 import { type GuardedConfig, readLeaseTokenFile } from "./config.js";
 import { createDocumentStore } from "./document-store.js";
 import { defaultGuardedLimits, type GuardedLimits } from "./guarded-service.js";
@@ -64,6 +65,7 @@ export async function startGuardedServer(
       logger.info({ fenceMode: config.fenceMode, leaseUrl: config.leaseUrl }, "fencing");
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, live }),
+        interceptors: [errorCodeInterceptor()],
         close: async () => session?.abort(),
       };
     },

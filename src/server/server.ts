@@ -1,23 +1,73 @@
-// Wires the lease server: the lease store and its services on a host
-// (database, migrations, pool, listener), with the streaming side
-// (streaming.ts) and the operational surface (operations.ts) around them.
-// `main` and the tests both use it.
+// The composition root of the lease server: every part is built here, in
+// the order it depends on, and nowhere else. `main` (cli/serve.ts), the tests
+// and the benchmarks all start a server through startServer.
+//
+// The host (http/host.ts) supplies the database (given or embedded), runs
+// the migrations and opens the pool; `buildLeaseServer` then assembles, in
+// this order: metrics and health; the change feed (with the notification
+// channel to other instances); the lease store and its decorators; the
+// streaming side (expiry tracker, renewal batcher, KeepAlive, Watch and
+// waiting Acquire); authentication; the interceptors; the routes.
 
-import type { ServerConfig } from "./config/server-config.js";
-import { type RunningServer, startHost } from "./http/host.js";
-import { createLeaseStore } from "./db/lease-store.js";
-import { createLogger, type Logger } from "./observability/logger.js";
-import { registerNotificationMetrics } from "./observability/metrics.js";
-import { startOperations } from "./operations.js";
+import { randomUUID } from "node:crypto";
+import { Health } from "../gen/grpc/health/v1/health_pb.js";
+import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { createAuthenticator } from "./auth/authn.js";
+import { aclTableAuthorizer, ownAccountAuthorizer } from "./auth/session-authorizer.js";
 import { checkExposure } from "./config/ops-config.js";
-import { leaseRoutes } from "./rpc/routes.js";
+import type { ServerConfig } from "./config/server-config.js";
+import { createEventStore } from "./db/event-store.js";
+import { createLeaseCounts } from "./db/lease-counts.js";
+import { createLeaseStore } from "./db/lease-store.js";
+import { openDatabase, type Sql } from "./db/pool.js";
+import { createRetention, startMaintenance } from "./db/retention.js";
+import { createSessionAclTable } from "./db/session-acl.js";
+import { type HostedServices, type RunningServer, startHost } from "./http/host.js";
 import { createStaticHandler } from "./http/static.js";
-import { type Streaming, startStreaming } from "./streams/streaming.js";
+import { withLeaseQuota } from "./lease/quota.js";
+import type { LeaseStore } from "./lease/types.js";
+import { startHealthMonitor } from "./observability/health.js";
+import { createLogger, type Logger } from "./observability/logger.js";
+import { withMetrics } from "./observability/metered-store.js";
+import {
+  createMetrics,
+  registerNotificationMetrics,
+  serveMetrics,
+} from "./observability/metrics.js";
+import { authInterceptor } from "./rpc/auth-interceptor.js";
+import { errorCodeInterceptor } from "./rpc/error-codes.js";
+import { createHealthService } from "./rpc/health-service.js";
+import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
+import { reflectionRoutes } from "./rpc/reflection.js";
+import { leaseRoutes } from "./rpc/routes.js";
+import { rpcObserver } from "./rpc/rpc-observer.js";
+import { watchLimitInterceptor } from "./rpc/watch-limit.js";
+import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
+import { createExpiryTracker, type ExpiryTracker } from "./streams/expiry-tracker.js";
+import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
+import { createNotifier, type Notifier } from "./streams/notifier.js";
+import { withPublishing } from "./streams/publishing-store.js";
+import { createRenewalBatcher, type RenewalBatcher } from "./streams/renewal-batcher.js";
+import { createAccountSlots } from "./streams/stream-limits.js";
+import { createWaiters, type Waiters } from "./streams/waiters.js";
+import { createWatchHub, type WatchHub } from "./streams/watch-hub.js";
 
 export type { RunningServer };
 
+/** The parts of an instance that tests and benchmarks read (their stats) or drive. */
+export interface Streaming {
+  /** The store the services use, decorators included. */
+  readonly store: LeaseStore;
+  readonly feed: ChangeFeed;
+  readonly notifier: Notifier | undefined;
+  readonly tracker: ExpiryTracker;
+  readonly batcher: RenewalBatcher;
+  readonly keepAlive: KeepAliveHub;
+  readonly watch: WatchHub;
+  readonly waiters: Waiters;
+}
+
 export interface LeaseServer extends RunningServer {
-  /** Feed, hubs and batcher of this instance (tests and benchmarks read their stats). */
   readonly streaming: Streaming;
 }
 
@@ -31,57 +81,212 @@ export async function startServer(
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
     build: async (sql, _shutdownSignal, databaseUrl) => {
-      const ops = await startOperations(config, databaseUrl, sql, logger);
-      try {
-        streaming = await startStreaming({
-          sql,
-          databaseUrl,
-          // Published after commit, then quota and metrics around it, so
-          // that waiting acquires and batched renewals pass through both.
-          store: createLeaseStore(sql),
-          wrap: ops.wrapStore,
-          tuning: config.streams,
-          limits: config.limits,
-          logger,
-          statementTimeoutMs: config.statementTimeoutMs,
-          onRemoteChangeLag: (seconds) => ops.metrics.notificationLag.observe(seconds),
-        });
-      } catch (error) {
-        await ops.close();
-        throw error;
-      }
-      const live = streaming;
-      if (live.notifier) registerNotificationMetrics(ops.metrics, live.notifier.stats);
-      return {
-        routes: (router) => {
-          leaseRoutes({
-            store: live.store,
-            events: ops.events,
-            limits: config.limits,
-            waiters: live.waiters,
-            keepAlive: live.keepAlive,
-            watch: live.watch,
-          })(router);
-          ops.routes(router);
-        },
-        interceptors: ops.interceptors,
-        http: ops.http,
-        readMaxBytes: config.limits.maxMessageBytes,
-        maxStreamsPerConnection: config.limits.maxStreamsPerConnection,
-        beginShutdown: ops.beginShutdown,
-        fallback: createStaticHandler({
-          root: config.webDir,
-          onError: (error) => logger.error({ err: error }, "serving the web page failed"),
-        }),
-        // Streams have ended by now; queued changes are published before
-        // the pool closes.
-        close: async () => {
-          await live.close();
-          await ops.close();
-        },
-      };
+      const built = await buildLeaseServer(config, logger, sql, databaseUrl);
+      streaming = built.streaming;
+      return built.services;
     },
   });
   if (!streaming) throw new Error("the lease server started without its streaming side");
   return Object.assign(running, { streaming });
+}
+
+async function buildLeaseServer(
+  config: ServerConfig,
+  logger: Logger,
+  sql: Sql,
+  databaseUrl: string,
+): Promise<{ services: HostedServices; streaming: Streaming }> {
+  const { limits, ops, streams: tuning } = config;
+  const counts = createLeaseCounts(sql);
+  const metrics = createMetrics({ poolSize: config.poolSize, countHeld: counts.heldTotal, logger });
+
+  // The probe has its own connection: a pool busy with lease work is not
+  // an unreachable database.
+  const probeSql = openDatabase({
+    url: databaseUrl,
+    maxConnections: 1,
+    statementTimeoutMs: ops.healthIntervalMs,
+    lockTimeoutMs: config.lockTimeoutMs,
+    idleInTransactionTimeoutMs: config.idleInTransactionTimeoutMs,
+    applicationName: "leasehold-health",
+    connectTimeoutSeconds: Math.max(1, Math.ceil(ops.healthIntervalMs / 1000)),
+  });
+  const health = await startHealthMonitor({
+    probe: async () => {
+      await probeSql`SELECT 1`;
+    },
+    intervalMs: ops.healthIntervalMs,
+    logger,
+    onStatus: (up) => metrics.databaseUp.set(up ? 1 : 0),
+  });
+  const stopHealth = async () => {
+    await health.close();
+    await probeSql.end({ timeout: 1 });
+  };
+
+  const notifier = tuning.notifications
+    ? createNotifier({
+        url: databaseUrl,
+        statementTimeoutMs: config.statementTimeoutMs,
+        instanceId: randomUUID(),
+        tickMs: tuning.notifyTickMs,
+        pingIntervalMs: tuning.listenCheckIntervalMs,
+        logger,
+      })
+    : undefined;
+  if (notifier) registerNotificationMetrics(metrics, notifier.stats);
+  const feed = createChangeFeed({
+    notifier,
+    logger,
+    onRemoteChange: (change) => {
+      // An expiry carries its deadline, not a commit time.
+      if (change.type === "expired") return;
+      const lagUs = tracker.databaseNowUs() - change.atUs;
+      metrics.notificationLag.observe(Math.max(0, Number(lagUs) / 1e6));
+    },
+  });
+
+  // The store every service uses. From the inside out: the SQL; each write
+  // published to the change feed once its statement has committed (never
+  // inside it, DESIGN §3); the per-account quota checked before a grant is
+  // tried; outcomes counted for /metrics. Waiting acquires and batched
+  // renewals go through all of it.
+  const store = withMetrics(
+    withLeaseQuota(
+      withPublishing(createLeaseStore(sql), feed),
+      counts,
+      limits.maxLeasesPerAccount,
+      () => metrics.quotaRejections.inc(),
+    ),
+    metrics,
+  );
+
+  const tracker = createExpiryTracker({ store, feed, logger });
+  const batcher = createRenewalBatcher({ store, tickMs: tuning.renewTickMs });
+  const keepAlive = createKeepAliveHub({
+    batcher,
+    feed,
+    maxLeasesPerStream: limits.maxLeasesPerStream,
+    maxPendingAnswers: limits.maxStreamBacklog,
+  });
+  const watch = createWatchHub({
+    store,
+    feed,
+    tracker,
+    logger,
+    bufferLength: limits.watchBufferLength,
+    recheckIntervalMs: tuning.recheckIntervalMs,
+  });
+  const waiters = createWaiters({
+    store,
+    feed,
+    tracker,
+    logger,
+    recheckIntervalMs: tuning.recheckIntervalMs,
+  });
+  const stopStreaming = async () => {
+    keepAlive.close();
+    watch.close();
+    waiters.close();
+    batcher.close();
+    tracker.close();
+    // Publishes what is queued, then stops listening.
+    await feed.close();
+  };
+  // Receivers subscribe before changes start to flow.
+  try {
+    await tracker.start();
+    keepAlive.start();
+    watch.start();
+    waiters.start();
+    await feed.start();
+  } catch (error) {
+    await stopStreaming();
+    await stopHealth();
+    throw error;
+  }
+
+  const auth = ops.auth;
+  if (auth.keys === undefined) {
+    logger.warn(
+      { listen: config.listenHost },
+      "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
+    );
+  }
+  // Outermost first: the observer logs and times every call with the code
+  // the error interceptor gave it; authentication and authorization run
+  // before any handler; the watcher quota after them, on the caller's account.
+  const interceptors = [
+    rpcObserver(logger, metrics),
+    errorCodeInterceptor(),
+    authInterceptor({
+      protectedServices: new Set([LeaseService.typeName]),
+      authenticator: auth.keys
+        ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
+        : undefined,
+      authorizer:
+        auth.sessionAuthorizer === "acl-table"
+          ? aclTableAuthorizer(createSessionAclTable(sql))
+          : ownAccountAuthorizer,
+      adminScope: auth.adminScope,
+      fenceScope: auth.fenceScope,
+      limits,
+    }),
+    watchLimitInterceptor(
+      LeaseService.typeName,
+      createAccountSlots(
+        limits.maxWatchersPerAccount,
+        "Watch streams",
+        "--max-watchers-per-account",
+      ),
+    ),
+  ];
+
+  const maintenance = startMaintenance(
+    createRetention(sql, ops.retention),
+    ops.retention.intervalMs,
+    logger,
+  );
+
+  return {
+    streaming: { store, feed, notifier, tracker, batcher, keepAlive, watch, waiters },
+    services: {
+      routes: (router) => {
+        leaseRoutes({
+          store,
+          events: createEventStore(sql),
+          limits,
+          waiters,
+          keepAlive,
+          watch,
+        })(router);
+        const routed = () => [...new Set(router.handlers.map((h) => h.service))];
+        router.service(
+          Health,
+          createHealthService(health, () => routed().map((s) => s.typeName)),
+        );
+        reflectionRoutes(router, routed);
+        unaryParseErrorsAsInvalidArgument(router);
+      },
+      interceptors,
+      http: (next) => (req, res) => {
+        if (!serveMetrics(metrics, req, res)) next(req, res);
+      },
+      readMaxBytes: limits.maxMessageBytes,
+      maxStreamsPerConnection: limits.maxStreamsPerConnection,
+      // Health turns NOT_SERVING first, so balancers stop sending.
+      beginShutdown: () => health.shutdown(),
+      fallback: createStaticHandler({
+        root: config.webDir,
+        onError: (error) => logger.error({ err: error }, "serving the web page failed"),
+      }),
+      // Streams have ended by now; queued changes are published before the
+      // pool closes.
+      close: async () => {
+        await stopStreaming();
+        await maintenance.stop();
+        await stopHealth();
+      },
+    },
+  };
 }

@@ -3,8 +3,8 @@
 
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { SessionKey } from "../../src/server/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
-import type { SessionKey } from "../../src/server/db/lease-store.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey, untilExpired } from "../support/leases.js";

@@ -26,12 +26,13 @@ import {
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { BadRequestSchema, ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { highestToken } from "../../src/guarded/fence.js";
-import { fenceClaimHeaders, fencingHeaders } from "../../src/guarded/headers.js";
+import { fenceClaimHeaders } from "../../src/guarded/headers.js";
 import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor.js";
 import { createLiveCheck } from "../../src/guarded/live-check.js";
-import { durationFromMillis } from "../../src/server/rpc/convert.js";
+import { fencingHeaderNames as fencingHeaders } from "../../src/protocol/headers.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import { type Listener, listen } from "../../src/server/http/listener.js";
+import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey, untilExpired } from "../support/leases.js";
@@ -271,10 +272,15 @@ describe.each(transports)("fencing interceptor, %s", (_name, transport) => {
       "9223372036854775808",
       "1.5",
     ]) {
-      const headers = { ...fenceClaimHeaders({ key, token: 1n }), [fencingHeaders.token]: token };
+      const headers = {
+        ...fenceClaimHeaders({ key, token: 1n }),
+        [fencingHeaders.fencingToken]: token,
+      };
       const error = await refusal(append(client(), "x", headers));
       expect(error.code, token).toBe(Code.InvalidArgument);
-      expect(error.rawMessage.startsWith(`${fencingHeaders.token} must be`), token).toBe(true);
+      expect(error.rawMessage.startsWith(`${fencingHeaders.fencingToken} must be`), token).toBe(
+        true,
+      );
     }
     expect(await lines(key.sessionId)).toEqual([]);
     expect(await highestToken(db.sql, key)).toBe(0n);

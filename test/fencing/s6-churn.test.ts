@@ -7,12 +7,9 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createLeaseStore } from "../../src/server/db/lease-store.js";
 import type { Sql } from "../../src/server/db/pool.js";
-import {
-  createLeaseStore,
-  type LeaseStore,
-  type SessionKey,
-} from "../../src/server/db/lease-store.js";
+import type { LeaseStore, SessionKey } from "../../src/server/lease/types.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey } from "../support/leases.js";
 

@@ -2,7 +2,7 @@
 
 import { randomUUID } from "node:crypto";
 import type { Sql } from "../../src/server/db/pool.js";
-import type { SessionKey } from "../../src/server/db/lease-store.js";
+import type { SessionKey } from "../../src/server/lease/types.js";
 
 let counter = 0;
 

@@ -11,6 +11,7 @@ import {
 import { createConnectTransport } from "@connectrpc/connect-web";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../../src/gen/leasehold/v1/lease_pb.js";
+import { ErrorReason } from "../../src/protocol/errors.js";
 
 export type LeaseClient = Client<typeof LeaseService>;
 
@@ -41,7 +42,7 @@ export function errorInfo(error: unknown): { reason: string; metadata: Record<st
 /** True for the answer that says a run no longer holds its lease (a definite loss). */
 export function isLeaseNotHeld(error: unknown): boolean {
   const ce = ConnectError.from(error);
-  return ce.code === Code.FailedPrecondition && errorInfo(ce).reason === "LEASE_NOT_HELD";
+  return ce.code === Code.FailedPrecondition && errorInfo(ce).reason === ErrorReason.leaseNotHeld;
 }
 
 /** A short human text for an error: its code name and the server's message. */

@@ -4,8 +4,8 @@
 // and never repeats the token.
 
 import { createLocalJWKSet, errors, type JWTPayload, type JWTVerifyGetKey, jwtVerify } from "jose";
-import { UnauthenticatedError } from "../lease/errors.js";
 import type { AuthConfig, VerificationKeys } from "../config/ops-config.js";
+import { UnauthenticatedError } from "../lease/errors.js";
 
 /** Who is calling: the account it may act for, and what it may do there. */
 export interface Principal {

@@ -5,8 +5,6 @@
 // table. The account itself is always checked before, by the interceptor.
 
 import type { Principal } from "./authn.js";
-import type { Sql } from "../db/pool.js";
-import { classifyDatabaseError } from "../lease/errors.js";
 
 /** What a call does to a session; each RPC maps to one action. */
 export type SessionAction =
@@ -31,27 +29,28 @@ export const ownAccountAuthorizer: SessionAuthorizer = {
   allows: async () => true,
 };
 
+/** The rows of the session_acl table, read by primary key (db/session-acl.ts). */
+export interface SessionAclTable {
+  /**
+   * True when a row for the subject (or '*'), the session (or '*') and the
+   * action (or '*') exists in the account.
+   */
+  allows(accountId: string, subject: string, sessionId: string, action: string): Promise<boolean>;
+}
+
 /**
- * The session_acl table (migrations/0004): a row for the subject (or '*'),
- * the session (or '*') and the action (or '*') allows; no row denies.
- * One primary-key lookup per check.
+ * The session_acl table (migrations): a row for the subject (or '*'), the
+ * session (or '*') and the action (or '*') allows; no row denies. An
+ * anonymous principal (development mode) matches only '*' rows.
  */
-export function aclTableAuthorizer(sql: Sql): SessionAuthorizer {
+export function aclTableAuthorizer(table: SessionAclTable): SessionAuthorizer {
   return {
-    allows: async (principal, sessionId, action) => {
-      try {
-        const rows = await sql<{ allowed: boolean }[]>`
-          SELECT EXISTS (
-            SELECT 1 FROM session_acl
-            WHERE account_id = ${principal.account}
-              AND session_id IN (${sessionId === "" ? "*" : sessionId}, '*')
-              AND subject IN (${principal.subject === "" ? "*" : principal.subject}, '*')
-              AND actions && ARRAY[${action}, '*']
-          ) AS allowed`;
-        return rows[0]?.allowed === true;
-      } catch (error) {
-        throw classifyDatabaseError(error);
-      }
-    },
+    allows: (principal, sessionId, action) =>
+      table.allows(
+        principal.account,
+        principal.subject === "" ? "*" : principal.subject,
+        sessionId === "" ? "*" : sessionId,
+        action,
+      ),
   };
 }

@@ -6,8 +6,8 @@
 import { readFileSync } from "node:fs";
 import net from "node:net";
 import { createLocalJWKSet, type JSONWebKeySet } from "jose";
-import { ConfigError } from "./server-config.js";
 import { defaultLimits, type Limits } from "../lease/limits.js";
+import { ConfigError } from "./settings.js";
 
 /** Where verification keys come from; undefined keys mean development mode. */
 export type VerificationKeys =
@@ -32,13 +32,6 @@ export interface AuthConfig {
    */
   fenceScope: string;
   sessionAuthorizer: SessionAuthorizerKind;
-}
-
-export interface TlsConfig {
-  certFile: string;
-  keyFile: string;
-  cert: Buffer;
-  key: Buffer;
 }
 
 export interface RetentionConfig {
@@ -130,14 +123,6 @@ export const opsSettings = {
 } as const;
 
 export type OpsSettingName = keyof typeof opsSettings;
-
-/** TLS is a hosting setting: every Leasehold server can serve it. */
-export const tlsSettings = {
-  "tls-cert": { env: "LEASEHOLD_TLS_CERT", help: "PEM certificate chain file; enables TLS" },
-  "tls-key": { env: "LEASEHOLD_TLS_KEY", help: "PEM private key file of --tls-cert" },
-} as const;
-
-type TlsSettingName = keyof typeof tlsSettings;
 
 export interface OpsSettingsReader {
   get(name: OpsSettingName): string | undefined;
@@ -280,37 +265,6 @@ function parseAuth(read: OpsSettingsReader): AuthConfig {
   };
 }
 
-export function parseTls(read: {
-  get(name: TlsSettingName): string | undefined;
-}): TlsConfig | undefined {
-  const certFile = read.get("tls-cert");
-  const keyFile = read.get("tls-key");
-  if (certFile === undefined && keyFile === undefined) return undefined;
-  if (certFile === undefined || keyFile === undefined) {
-    throw new ConfigError(
-      "TLS needs both --tls-cert (LEASEHOLD_TLS_CERT) and --tls-key (LEASEHOLD_TLS_KEY)",
-    );
-  }
-  return {
-    certFile,
-    keyFile,
-    cert: Buffer.from(readSettingFile("tls-cert", certFile)),
-    key: Buffer.from(readSettingFile("tls-key", keyFile)),
-  };
-}
-
-function readSettingFile(name: OpsSettingName | TlsSettingName, file: string): string {
-  const env =
-    name in tlsSettings
-      ? tlsSettings[name as TlsSettingName].env
-      : opsSettings[name as OpsSettingName].env;
-  try {
-    return readFileSync(file, "utf8");
-  } catch (error) {
-    throw new ConfigError(`--${name} (${env}): cannot read ${file}: ${(error as Error).message}`);
-  }
-}
-
 /** True for 127.0.0.0/8, ::1 and the name localhost. */
 export function isLoopback(host: string): boolean {
   if (host === "localhost") return true;
@@ -332,4 +286,14 @@ export function checkExposure(listenHost: string, auth: AuthConfig): void {
       "Set LEASEHOLD_JWT_SECRET or --jwt-secret-file (HS256) or --jwks-file (RS256/ES256), " +
       "or listen on a loopback address such as 127.0.0.1 for development",
   );
+}
+
+function readSettingFile(name: OpsSettingName, file: string): string {
+  try {
+    return readFileSync(file, "utf8");
+  } catch (error) {
+    throw new ConfigError(
+      `--${name} (${opsSettings[name].env}): cannot read ${file}: ${(error as Error).message}`,
+    );
+  }
 }

@@ -2,36 +2,9 @@
 // session's events, newest first, paged by event id on the
 // (account_id, session_id, id) index.
 
+import type { EventRecord, EventStore } from "../lease/types.js";
+import { classifyDatabaseError } from "./database-errors.js";
 import type { Sql } from "./pool.js";
-import { classifyDatabaseError } from "../lease/errors.js";
-import type { SessionKey } from "./lease-store.js";
-
-export type EventType = "acquired" | "released" | "expired" | "revoked" | "handoff_requested";
-
-export interface EventRecord {
-  id: bigint;
-  accountId: string;
-  sessionId: string;
-  type: EventType;
-  runId: string | null;
-  fencingToken: bigint | null;
-  /** The run's holder label; for handoff_requested, the requester's. */
-  holder: string | null;
-  reason: string | null;
-  /** Database time of the event, in microseconds since the epoch. */
-  atUs: bigint;
-}
-
-export interface EventPage {
-  events: EventRecord[];
-  /** The id to continue before, when there may be more. */
-  nextBefore: bigint | undefined;
-}
-
-export interface EventStore {
-  /** Events of `key` with id below `before` (all when undefined), newest first. */
-  history(key: SessionKey, limit: number, before: bigint | undefined): Promise<EventPage>;
-}
 
 export function createEventStore(sql: Sql): EventStore {
   return {

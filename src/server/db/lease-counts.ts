@@ -1,19 +1,9 @@
 // Counting valid leases: per account for the quota, in total for the
 // `leases held` gauge. Counting decides no grant by itself (see quota.ts).
 
+import type { LeaseCounts } from "../lease/types.js";
+import { classifyDatabaseError } from "./database-errors.js";
 import type { Sql } from "./pool.js";
-import { classifyDatabaseError } from "../lease/errors.js";
-
-export interface LeaseCounts {
-  /**
-   * Valid leases of `accountId` on sessions other than `exceptSessionId`,
-   * counted up to `upTo`: a range scan of the primary key's account prefix
-   * that stops once `upTo` are found (tombstones in the range are read too).
-   */
-  heldByAccount(accountId: string, exceptSessionId: string, upTo: number): Promise<number>;
-  /** Valid leases of every account (a scan of the table). */
-  heldTotal(): Promise<number>;
-}
 
 export function createLeaseCounts(sql: Sql): LeaseCounts {
   const run = async (statement: () => Promise<{ n: number }[]>) => {

@@ -20,12 +20,6 @@ export interface DatabaseOptions {
   connectTimeoutSeconds?: number;
 }
 
-export const defaultTimeouts = {
-  statementTimeoutMs: 5_000,
-  lockTimeoutMs: 1_000,
-  idleInTransactionTimeoutMs: 10_000,
-} as const;
-
 /** Opens a postgres.js pool that returns int8 as bigint (fencing tokens). */
 export function openDatabase(options: DatabaseOptions): Sql {
   return postgres(options.url, {

@@ -8,12 +8,12 @@ import type http from "node:http";
 import type http2 from "node:http2";
 import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
 import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
-import type { HostConfig } from "../config/server-config.js";
-import { openDatabase, type Sql } from "../db/pool.js";
+import type { HostConfig } from "../config/host-config.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-postgres.js";
-import { type Listener, listen } from "./listener.js";
-import type { Logger } from "../observability/logger.js";
 import { migrate } from "../db/migrate.js";
+import { openDatabase, type Sql } from "../db/pool.js";
+import type { Logger } from "../observability/logger.js";
+import { type Listener, listen } from "./listener.js";
 
 export interface RunningServer {
   /** Base URL for clients, e.g. http://127.0.0.1:7070 */

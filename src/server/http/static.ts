@@ -5,7 +5,6 @@
 import { readFile, stat } from "node:fs/promises";
 import type http from "node:http";
 import path from "node:path";
-import { fileURLToPath } from "node:url";
 
 // The parts of Node's HTTP/1.1 and HTTP/2 compatibility objects used here.
 interface Request {
@@ -21,7 +20,6 @@ interface Response {
 }
 
 /** Where `npm run build:web` puts the page, relative to this package. */
-export const defaultWebDir = fileURLToPath(new URL("../../../web/dist/", import.meta.url));
 
 const contentTypes: Record<string, string> = {
   ".html": "text/html; charset=utf-8",
@@ -57,15 +55,15 @@ const notBuilt =
   "The web page is not built. Run `npm run build:web` (npm start and npm test build it first).\n";
 
 export interface StaticHandlerOptions {
-  /** Folder of the built page; the default is this package's web/dist. */
-  root?: string;
+  /** Folder of the built page (config's defaultWebDir unless configured). */
+  root: string;
   /** Called with unexpected file system errors (answered 500). */
   onError?: (error: unknown) => void;
 }
 
 /** A request handler for the built page, suitable as connectNodeAdapter's fallback. */
-export function createStaticHandler(options: StaticHandlerOptions = {}) {
-  const root = path.resolve(options.root ?? defaultWebDir);
+export function createStaticHandler(options: StaticHandlerOptions) {
+  const root = path.resolve(options.root);
   return (req: Request, res: Response): void => {
     serve(root, req, res).catch((error: unknown) => {
       options.onError?.(error);

@@ -3,7 +3,7 @@
 // statement that has committed (or, for `expired`, from a database reading
 // that confirmed the deadline passed): a change is never a guess.
 
-import type { LeaseRecord, SessionKey } from "../db/lease-store.js";
+import type { LeaseRecord, SessionKey } from "./types.js";
 
 export type ChangeType =
   | "acquired"

@@ -16,8 +16,7 @@
 // the quota can be turned off (0) for accounts that cycle through many.
 
 import { ResourceExhaustedError } from "./errors.js";
-import type { LeaseCounts } from "../db/lease-counts.js";
-import type { LeaseStore } from "../db/lease-store.js";
+import type { LeaseCounts, LeaseStore } from "./types.js";
 
 export function withLeaseQuota(
   store: LeaseStore,

@@ -2,8 +2,8 @@
 // `ttl must be between 1s and 1h, got 0s`, never a database error.
 
 import { InvalidArgumentError } from "./errors.js";
-import type { SessionKey } from "../db/lease-store.js";
 import { formatDuration, type Limits } from "./limits.js";
+import type { SessionKey } from "./types.js";
 
 /** A protobuf Duration as generated code holds it. */
 export interface DurationLike {

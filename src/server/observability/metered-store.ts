@@ -1,7 +1,7 @@
 // The lease store with its outcomes counted for /metrics: a decorator, so
 // the store itself stays free of instrumentation.
 
-import type { LeaseStore } from "../db/lease-store.js";
+import type { LeaseStore } from "../lease/types.js";
 import type { LeaseMetrics } from "./metrics.js";
 
 export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStore {

@@ -1,5 +1,6 @@
 // Authentication and authorization of every LeaseService call, streams
-// included, as one Connect interceptor: handlers stay free of it. Order:
+// included, as one Connect interceptor: handlers stay free of it. It throws
+// domain errors; the error interceptor outside it gives them their codes. Order:
 // the bearer token (UNAUTHENTICATED), the method's scope (Revoke needs the
 // admin scope), the account named in each request message (it must be the
 // caller's), then the session authorizer, before any lease logic runs. One
@@ -12,10 +13,9 @@ import type { DescMessage } from "@bufbuild/protobuf";
 import { createContextKey, type Interceptor, type StreamRequest } from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
 import type { Authenticator, Principal } from "../auth/authn.js";
-import { toConnectError } from "./error-codes.js";
+import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
 import { PermissionDeniedError } from "../lease/errors.js";
 import type { Limits } from "../lease/limits.js";
-import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
 import { checkId } from "../lease/validation.js";
 
 /** The authenticated caller of the current call; undefined outside protected services. */
@@ -62,95 +62,87 @@ export function authInterceptor(options: AuthInterceptorOptions): Interceptor {
 
   return (next) => async (req) => {
     if (!options.protectedServices.has(req.service.typeName)) return next(req);
-    try {
-      const methodName = req.method.name;
-      const action = actions[methodName];
-      if (action === undefined) {
-        throw new PermissionDeniedError(`${methodName} is not open to callers`);
-      }
-      const caller: Principal | undefined = authenticator
-        ? await authenticator.authenticate(req.header.get("authorization"))
-        : undefined;
-      if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
-        throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
-      }
-      req.contextValues.set(principalKey, caller);
-
-      // Checks one request message; returns the principal it acts as.
-      const check = async (
-        message: object,
-        decided?: Map<string, number>,
-      ): Promise<Principal | undefined> => {
-        const target = targetOf(message, req.method.input);
-        if (target === undefined || target.accountId === "") return caller;
-        checkId(target.accountField, target.accountId, limits);
-        if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
-          // A resource checking a writer's token: not a user of the account,
-          // so neither the account rule nor the session authorizer applies.
-          if (target.sessionId !== "") checkId(target.sessionField, target.sessionId, limits);
-          return caller;
-        }
-        if (caller && target.accountId !== caller.account) {
-          throw new PermissionDeniedError(
-            `${target.accountField} is not the account of the caller's token`,
-          );
-        }
-        const principal = caller ?? anonymous(target.accountId);
-        const sessionId = target.sessionId;
-        // An empty session is "every session" only where the method allows
-        // it; elsewhere the handler rejects it as INVALID_ARGUMENT.
-        if (sessionId === "" && !accountWide.has(methodName)) return principal;
-        if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
-        const until = decided?.get(sessionId);
-        if (until !== undefined && until > performance.now()) return principal;
-        if (!(await authorizer.allows(principal, sessionId, action))) {
-          throw new PermissionDeniedError(
-            sessionId === ""
-              ? `not allowed to ${action} every session of the account`
-              : `not allowed to ${action} this session`,
-          );
-        }
-        decided?.set(sessionId, performance.now() + streamDecisionMs);
-        return principal;
-      };
-
-      if (!req.stream) {
-        const principal = await check(req.message);
-        if (!caller) req.contextValues.set(principalKey, principal);
-        return await next(req);
-      }
-      if (req.method.methodKind === "server_streaming") {
-        // One request message: check it before the handler starts.
-        const messages: object[] = [];
-        for await (const m of req.message) messages.push(m);
-        for (const m of messages) {
-          const principal = await check(m);
-          if (!caller) req.contextValues.set(principalKey, principal);
-        }
-        return await next({
-          ...req,
-          message: createAsyncIterable(messages),
-        } as StreamRequest);
-      }
-      // Client and bidi streams: every message is checked as it arrives; a
-      // denied one ends the stream with its code.
-      const decided = new Map<string, number>();
-      const source = req.message;
-      async function* checked() {
-        for await (const m of source) {
-          try {
-            const principal = await check(m, decided);
-            if (!caller) req.contextValues.set(principalKey, principal);
-          } catch (error) {
-            throw toConnectError(error);
-          }
-          yield m;
-        }
-      }
-      return await next({ ...req, message: checked() } as StreamRequest);
-    } catch (error) {
-      throw toConnectError(error);
+    const methodName = req.method.name;
+    const action = actions[methodName];
+    if (action === undefined) {
+      throw new PermissionDeniedError(`${methodName} is not open to callers`);
     }
+    const caller: Principal | undefined = authenticator
+      ? await authenticator.authenticate(req.header.get("authorization"))
+      : undefined;
+    if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
+      throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
+    }
+    req.contextValues.set(principalKey, caller);
+
+    // Checks one request message; returns the principal it acts as.
+    const check = async (
+      message: object,
+      decided?: Map<string, number>,
+    ): Promise<Principal | undefined> => {
+      const target = targetOf(message, req.method.input);
+      if (target === undefined || target.accountId === "") return caller;
+      checkId(target.accountField, target.accountId, limits);
+      if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
+        // A resource checking a writer's token: not a user of the account,
+        // so neither the account rule nor the session authorizer applies.
+        if (target.sessionId !== "") checkId(target.sessionField, target.sessionId, limits);
+        return caller;
+      }
+      if (caller && target.accountId !== caller.account) {
+        throw new PermissionDeniedError(
+          `${target.accountField} is not the account of the caller's token`,
+        );
+      }
+      const principal = caller ?? anonymous(target.accountId);
+      const sessionId = target.sessionId;
+      // An empty session is "every session" only where the method allows
+      // it; elsewhere the handler rejects it as INVALID_ARGUMENT.
+      if (sessionId === "" && !accountWide.has(methodName)) return principal;
+      if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
+      const until = decided?.get(sessionId);
+      if (until !== undefined && until > performance.now()) return principal;
+      if (!(await authorizer.allows(principal, sessionId, action))) {
+        throw new PermissionDeniedError(
+          sessionId === ""
+            ? `not allowed to ${action} every session of the account`
+            : `not allowed to ${action} this session`,
+        );
+      }
+      decided?.set(sessionId, performance.now() + streamDecisionMs);
+      return principal;
+    };
+
+    if (!req.stream) {
+      const principal = await check(req.message);
+      if (!caller) req.contextValues.set(principalKey, principal);
+      return await next(req);
+    }
+    if (req.method.methodKind === "server_streaming") {
+      // One request message: check it before the handler starts.
+      const messages: object[] = [];
+      for await (const m of req.message) messages.push(m);
+      for (const m of messages) {
+        const principal = await check(m);
+        if (!caller) req.contextValues.set(principalKey, principal);
+      }
+      return await next({
+        ...req,
+        message: createAsyncIterable(messages),
+      } as StreamRequest);
+    }
+    // Client and bidi streams: every message is checked as it arrives; a
+    // denied one ends the stream with its code.
+    const decided = new Map<string, number>();
+    const source = req.message;
+    async function* checked() {
+      for await (const m of source) {
+        const principal = await check(m, decided);
+        if (!caller) req.contextValues.set(principalKey, principal);
+        yield m;
+      }
+    }
+    return await next({ ...req, message: checked() } as StreamRequest);
   };
 }
 

@@ -14,12 +14,10 @@ import {
   EventType,
   type Lease,
   LeaseSchema,
-  LossReason,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import type { LossCause } from "../lease/errors.js";
 import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord } from "../db/lease-store.js";
+import type { LeaseRecord } from "../lease/types.js";
 
 export function timestampFromMicros(us: bigint): Timestamp {
   const seconds = us / 1_000_000n;
@@ -78,19 +76,4 @@ export function changeToEvent(c: LeaseChange): Event {
     requesterHolder: c.requesterHolder,
     id: c.eventId,
   });
-}
-
-export function lossReasonToProto(cause: LossCause): LossReason {
-  switch (cause) {
-    case "expired":
-      return LossReason.EXPIRED;
-    case "released":
-      return LossReason.RELEASED;
-    case "taken_over":
-      return LossReason.TAKEN_OVER;
-    case "revoked":
-      return LossReason.REVOKED;
-    case "not_found":
-      return LossReason.NOT_FOUND;
-  }
 }

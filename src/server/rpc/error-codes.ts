@@ -1,13 +1,16 @@
-// The one table from domain errors to Connect codes, messages and details.
+// The one home of error codes: the table from domain errors to Connect codes,
+// messages and details, and the interceptor that applies it to every call,
+// once. Handlers and inner interceptors throw domain errors as they are.
 // There are no user-defined codes: every answer uses the fixed gRPC set.
 
 import { create } from "@bufbuild/protobuf";
-import { Code, ConnectError } from "@connectrpc/connect";
+import { Code, ConnectError, type Interceptor } from "@connectrpc/connect";
 import {
   BadRequest_FieldViolationSchema,
   BadRequestSchema,
   ErrorInfoSchema,
 } from "../../gen/google/rpc/error_details_pb.js";
+import { ErrorMetadata, ErrorReason, errorDomain } from "../../protocol/errors.js";
 import {
   DatabaseTimeoutError,
   DatabaseUnavailableError,
@@ -19,17 +22,7 @@ import {
   StaleFencingTokenError,
   UnauthenticatedError,
 } from "../lease/errors.js";
-
-/** The ErrorInfo domain of every error detail Leasehold sends. */
-export const errorDomain = "leasehold.dev";
-
-export const ErrorReason = {
-  leaseNotHeld: "LEASE_NOT_HELD",
-  staleFencingToken: "STALE_FENCING_TOKEN",
-  invalidArgument: "INVALID_ARGUMENT",
-  databaseUnavailable: "DATABASE_UNAVAILABLE",
-  unauthenticated: "UNAUTHENTICATED",
-} as const;
+import { requestParseErrorAsInvalidArgument } from "./parse-errors.js";
 
 function errorInfo(reason: string, metadata: Record<string, string>) {
   return { desc: ErrorInfoSchema, value: { reason, domain: errorDomain, metadata } };
@@ -40,7 +33,7 @@ function errorInfo(reason: string, metadata: Record<string, string>) {
  * INTERNAL with a generic message: they are bugs, never caused by input.
  */
 export function toConnectError(error: unknown): ConnectError {
-  if (error instanceof ConnectError) return error;
+  if (error instanceof ConnectError) return requestParseErrorAsInvalidArgument(error);
   if (error instanceof InvalidArgumentError) {
     return new ConnectError(error.message, Code.InvalidArgument, undefined, [
       {
@@ -54,19 +47,19 @@ export function toConnectError(error: unknown): ConnectError {
           ],
         }),
       },
-      errorInfo(ErrorReason.invalidArgument, { field: error.field }),
+      errorInfo(ErrorReason.invalidArgument, { [ErrorMetadata.field]: error.field }),
     ]);
   }
   if (error instanceof LeaseNotHeldError) {
     return new ConnectError(error.message, Code.FailedPrecondition, undefined, [
-      errorInfo(ErrorReason.leaseNotHeld, { cause: error.reason }),
+      errorInfo(ErrorReason.leaseNotHeld, { [ErrorMetadata.cause]: error.reason }),
     ]);
   }
   if (error instanceof StaleFencingTokenError) {
     return new ConnectError(error.message, Code.Aborted, undefined, [
       errorInfo(ErrorReason.staleFencingToken, {
-        presented_token: error.presented.toString(),
-        highest_token: error.highest.toString(),
+        [ErrorMetadata.presentedToken]: error.presented.toString(),
+        [ErrorMetadata.highestToken]: error.highest.toString(),
       }),
     ]);
   }
@@ -81,16 +74,45 @@ export function toConnectError(error: unknown): ConnectError {
   }
   if (error instanceof UnauthenticatedError) {
     return new ConnectError(error.message, Code.Unauthenticated, undefined, [
-      errorInfo(ErrorReason.unauthenticated, { cause: error.failure }),
+      errorInfo(ErrorReason.unauthenticated, { [ErrorMetadata.cause]: error.failure }),
     ]);
   }
   if (error instanceof DatabaseUnavailableError) {
     return new ConnectError(error.message, Code.Unavailable, undefined, [
-      errorInfo(ErrorReason.databaseUnavailable, { sql_state: error.sqlState ?? "" }),
+      errorInfo(ErrorReason.databaseUnavailable, {
+        [ErrorMetadata.sqlState]: error.sqlState ?? "",
+      }),
     ]);
   }
   if (error instanceof DatabaseTimeoutError) {
     return new ConnectError(error.message, Code.DeadlineExceeded);
   }
   return new ConnectError("internal error", Code.Internal, undefined, undefined, error);
+}
+
+/**
+ * Maps whatever a call throws to its code: a unary handler's error, and an
+ * error raised while a stream's messages are read (validation, a request
+ * that is not protobuf) or produced. Runs inside the request observer, so the
+ * log and metrics see the code the client gets.
+ */
+export function errorCodeInterceptor(): Interceptor {
+  return (next) => async (req) => {
+    let res: Awaited<ReturnType<typeof next>>;
+    try {
+      res = await next(req);
+    } catch (error) {
+      throw toConnectError(error);
+    }
+    if (!res.stream) return res;
+    const source = res.message;
+    async function* mapped() {
+      try {
+        yield* source;
+      } catch (error) {
+        throw toConnectError(error);
+      }
+    }
+    return { ...res, message: mapped() };
+  };
 }

@@ -4,9 +4,8 @@
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
 import { CheckFenceResponseSchema, type LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
-import { mapErrors } from "./lease-service.js";
-import type { LeaseStore } from "../db/lease-store.js";
 import type { Limits } from "../lease/limits.js";
+import type { LeaseStore } from "../lease/types.js";
 import { checkFencingToken, checkKey } from "../lease/validation.js";
 
 export interface FenceServiceDeps {
@@ -19,11 +18,11 @@ export function createFenceService(
 ): Pick<ServiceImpl<typeof LeaseService>, "checkFence"> {
   const { store, limits } = deps;
   return {
-    checkFence: mapErrors(async (req) => {
+    async checkFence(req) {
       const key = checkKey("key", req.key, limits);
       const token = checkFencingToken("fencing_token", req.fencingToken);
       const state = await store.checkFence(key, token);
       return create(CheckFenceResponseSchema, state);
-    }),
+    },
   };
 }

@@ -1,5 +1,6 @@
 // The bridge between Connect and the lease domain: validates requests, calls
-// the store, maps results to messages and domain errors to codes. No SQL.
+// the store, maps results to messages. No SQL; domain errors are thrown as
+// they are and mapped to codes once, by the error interceptor (error-codes.ts).
 
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
@@ -12,11 +13,10 @@ import {
   ReleaseResponseSchema,
   RenewResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { leaseToProto } from "./convert.js";
-import { toConnectError } from "./error-codes.js";
-import { InvalidArgumentError, LeaseNotHeldError } from "../lease/errors.js";
-import type { LeaseStore } from "../db/lease-store.js";
+import { LeaseNotHeldError } from "../lease/errors.js";
 import type { Limits } from "../lease/limits.js";
+import { sessionPageToken } from "../lease/page-token.js";
+import type { LeaseStore } from "../lease/types.js";
 import {
   checkId,
   checkKey,
@@ -28,6 +28,7 @@ import {
   checkWait,
 } from "../lease/validation.js";
 import type { Waiters } from "../streams/waiters.js";
+import { leaseToProto } from "./convert.js";
 
 export interface LeaseServiceDeps {
   store: LeaseStore;
@@ -42,26 +43,13 @@ const deadlineMarginMs = 100;
 
 type Impl = ServiceImpl<typeof LeaseService>;
 
-/** Runs a unary handler body and maps any domain error to its code. */
-export function mapErrors<A extends unknown[], R>(
-  fn: (...args: A) => Promise<R>,
-): (...args: A) => Promise<R> {
-  return async (...args) => {
-    try {
-      return await fn(...args);
-    } catch (error) {
-      throw toConnectError(error);
-    }
-  };
-}
-
 /** The unary core of LeaseService: Acquire, Renew, Release, Get, List. */
 export function createLeaseService(
   deps: LeaseServiceDeps,
 ): Pick<Impl, "acquire" | "renew" | "release" | "get" | "list"> {
   const { store, limits } = deps;
   return {
-    acquire: mapErrors(async (req, ctx) => {
+    async acquire(req, ctx) {
       const key = checkKey("key", req.key, limits);
       const ttlMs = checkTtl("ttl", req.ttl, limits);
       const waitMs = checkWait("wait", req.wait, limits);
@@ -82,58 +70,42 @@ export function createLeaseService(
         lease: result.acquired ? leaseToProto(result.lease) : undefined,
         current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
       });
-    }),
+    },
 
-    renew: mapErrors(async (req) => {
+    async renew(req) {
       const key = checkKey("key", req.key, limits);
       const runId = checkRunId("run_id", req.runId);
       const ttlMs = checkOptionalTtl("ttl", req.ttl, limits);
       const result = await store.renew(key, runId, ttlMs);
       if (!result.held) throw new LeaseNotHeldError(result.cause);
       return create(RenewResponseSchema, { lease: leaseToProto(result.lease) });
-    }),
+    },
 
-    release: mapErrors(async (req) => {
+    async release(req) {
       const key = checkKey("key", req.key, limits);
       const runId = checkRunId("run_id", req.runId);
       const ended = await store.release(key, runId);
       return create(ReleaseResponseSchema, { released: ended !== undefined });
-    }),
+    },
 
-    get: mapErrors(async (req) => {
+    async get(req) {
       const key = checkKey("key", req.key, limits);
       const lease = await store.get(key);
       return create(GetResponseSchema, {
         held: lease !== undefined,
         lease: lease ? leaseToProto(lease) : undefined,
       });
-    }),
+    },
 
-    list: mapErrors(async (req) => {
+    async list(req) {
       const accountId = checkId("account_id", req.accountId, limits);
       const pageSize = checkPageSize("page_size", req.pageSize, limits);
-      const after = decodePageToken(req.pageToken);
+      const after = sessionPageToken.decode(req.pageToken);
       const page = await store.list(accountId, pageSize, after);
       return create(ListResponseSchema, {
         leases: page.leases.map(leaseToProto),
-        nextPageToken: page.nextAfter === undefined ? "" : encodePageToken(page.nextAfter),
+        nextPageToken: page.nextAfter === undefined ? "" : sessionPageToken.encode(page.nextAfter),
       });
-    }),
+    },
   };
-}
-
-/** Page tokens are opaque to clients: base64url of the last session_id. */
-export function encodePageToken(after: string): string {
-  return Buffer.from(`v1:${after}`, "utf8").toString("base64url");
-}
-
-export function decodePageToken(token: string): string | undefined {
-  if (token === "") return undefined;
-  const text = /^[A-Za-z0-9_-]+$/.test(token)
-    ? Buffer.from(token, "base64url").toString("utf8")
-    : "";
-  if (!text.startsWith("v1:")) {
-    throw new InvalidArgumentError("page_token", "is not a token returned by this service");
-  }
-  return text.slice(3);
 }

@@ -2,12 +2,15 @@
 // gets INVALID_ARGUMENT (never INTERNAL for anything a client sent). connect-es
 // answers it with INTERNAL ("parse binary: …") because clients and servers
 // share that parser, and for a client a bad response is the server's fault.
+// connect-node offers no hook into request parsing (its serialization is
+// internal), so the error is recognized by that message prefix, here only.
 //
-// Streaming calls parse their input inside the interceptors, where
-// `asInvalidArgument` maps the error. A unary call parses it before any
-// interceptor runs, so the router's handlers are wrapped and that one error
-// is rewritten in each protocol's encoding: the gRPC trailer, the gRPC-Web
-// trailer frame, the Connect unary JSON body. Nothing else is touched.
+// Streaming calls parse their input inside the interceptors, where the error
+// interceptor maps it (requestParseErrorAsInvalidArgument). A unary call
+// parses it before any interceptor runs, so the router's handlers are wrapped
+// and that one error is rewritten in each protocol's encoding: the gRPC
+// trailer, the gRPC-Web trailer frame, the Connect unary JSON body. Nothing
+// else is touched.
 
 import { Code, ConnectError, type ConnectRouter } from "@connectrpc/connect";
 import type {
@@ -18,13 +21,9 @@ import type {
 
 const marker = "parse binary:";
 
-/** The error to answer for `error`: a request parse failure becomes INVALID_ARGUMENT. */
-export function asInvalidArgument(error: unknown): unknown {
-  if (
-    error instanceof ConnectError &&
-    error.code === Code.Internal &&
-    error.rawMessage.startsWith(marker)
-  ) {
+/** A request parse failure becomes INVALID_ARGUMENT; any other error is returned as it is. */
+export function requestParseErrorAsInvalidArgument(error: ConnectError): ConnectError {
+  if (error.code === Code.Internal && error.rawMessage.startsWith(marker)) {
     return new ConnectError(`request message: ${error.rawMessage}`, Code.InvalidArgument);
   }
   return error;

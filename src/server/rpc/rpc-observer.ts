@@ -6,15 +6,14 @@
 import { randomUUID } from "node:crypto";
 import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
 import { codeToString } from "@connectrpc/connect/protocol-connect";
-import { principalKey } from "./auth-interceptor.js";
+import { requestIdHeader } from "../../protocol/headers.js";
 import type { Logger } from "../observability/logger.js";
 import type { LeaseMetrics } from "../observability/metrics.js";
-import { asInvalidArgument } from "./parse-errors.js";
+import { principalKey } from "./auth-interceptor.js";
 
 /** The request id of the current call (from x-request-id, else generated). */
 export const requestIdKey = createContextKey("", { description: "leasehold request id" });
 
-export const requestIdHeader = "x-request-id";
 const requestIdPattern = /^[A-Za-z0-9._:-]{1,128}$/;
 
 // Probes arrive every few seconds from every load balancer: logged at debug.
@@ -52,9 +51,7 @@ export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor 
       else logger.info(fields, "rpc");
     };
     const fail = (error: unknown): ConnectError => {
-      // A streaming call parses its requests in here: a body that is not
-      // protobuf is the client's mistake.
-      const ce = ConnectError.from(asInvalidArgument(error));
+      const ce = ConnectError.from(error);
       ce.metadata.set(requestIdHeader, requestId);
       record(ce.code, ce);
       return ce;

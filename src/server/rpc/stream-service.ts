@@ -1,7 +1,7 @@
 // The bridge between Connect and the streaming parts of the lease domain:
-// KeepAlive, Watch and RequestHandoff. Validates, converts, and maps domain
-// errors to codes; the behaviour lives in keepalive.ts, watch-hub.ts and the
-// publishing store.
+// KeepAlive, Watch and RequestHandoff. Validates and converts; the behaviour
+// lives in streams/ (keepalive.ts, watch-hub.ts, the publishing store), and
+// domain errors are mapped to codes once, by the error interceptor.
 
 import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
@@ -17,15 +17,14 @@ import {
   type WatchResponse,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { changeToEvent, leaseToProto, lossReasonToProto, timestampFromMicros } from "./convert.js";
-import { toConnectError } from "./error-codes.js";
+import { lossReasonFromCause } from "../../protocol/loss-reason.js";
 import { InvalidArgumentError } from "../lease/errors.js";
-import type { KeepAliveAnswer, KeepAliveHub } from "../streams/keepalive.js";
-import { mapErrors } from "./lease-service.js";
-import type { LeaseStore, Scope } from "../db/lease-store.js";
 import type { Limits } from "../lease/limits.js";
+import type { LeaseStore, Scope } from "../lease/types.js";
 import { checkId, checkKey, checkOptionalTtl, checkRunId, checkText } from "../lease/validation.js";
+import type { KeepAliveAnswer, KeepAliveHub } from "../streams/keepalive.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
+import { changeToEvent, leaseToProto, timestampFromMicros } from "./convert.js";
 
 export interface StreamServiceDeps {
   /** The publishing store (publishing-store.ts). */
@@ -70,8 +69,6 @@ export function createStreamService(
       try {
         for await (const answer of session.answers(ctx.signal)) yield keepAliveAnswer(answer);
         throwIfAborted(ctx);
-      } catch (error) {
-        throw toConnectError(error);
       } finally {
         // Releases nothing: the stream's leases run to their deadlines.
         session.close();
@@ -80,29 +77,22 @@ export function createStreamService(
     },
 
     async *watch(req, ctx) {
-      if (!req.key) throw toConnectError(new InvalidArgumentError("key", "is required"));
-      let scope: Scope;
-      try {
-        scope = {
-          accountId: checkId("key.account_id", req.key.accountId, limits),
-          sessionId:
-            req.key.sessionId === "" ? "" : checkId("key.session_id", req.key.sessionId, limits),
-        };
-      } catch (error) {
-        throw toConnectError(error);
-      }
+      if (!req.key) throw new InvalidArgumentError("key", "is required");
+      const scope: Scope = {
+        accountId: checkId("key.account_id", req.key.accountId, limits),
+        sessionId:
+          req.key.sessionId === "" ? "" : checkId("key.session_id", req.key.sessionId, limits),
+      };
       const watcher = deps.watch.open(scope, { includeRenewals: req.includeRenewals });
       try {
         for await (const message of watcher.messages(ctx.signal)) yield watchMessage(message);
         throwIfAborted(ctx);
-      } catch (error) {
-        throw toConnectError(error);
       } finally {
         watcher.close();
       }
     },
 
-    requestHandoff: mapErrors(async (req) => {
+    async requestHandoff(req) {
       const key = checkKey("key", req.key, limits);
       const requester = checkText("requester_holder", req.requesterHolder, limits.maxHolderLength);
       const reason = checkText("reason", req.reason, limits.maxReasonLength);
@@ -111,7 +101,7 @@ export function createStreamService(
         delivered: result.lease !== undefined,
         current: result.lease ? leaseToProto(result.lease) : undefined,
       });
-    }),
+    },
   };
 }
 
@@ -131,7 +121,7 @@ function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
       runId: answer.runId,
       result: {
         case: "lost",
-        value: create(LostSchema, { reason: lossReasonToProto(answer.cause) }),
+        value: create(LostSchema, { reason: lossReasonFromCause(answer.cause) }),
       },
     });
   }

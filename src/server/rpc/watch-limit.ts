@@ -4,9 +4,8 @@
 // account is the caller's.
 
 import type { Interceptor, StreamResponse } from "@connectrpc/connect";
-import { principalKey } from "./auth-interceptor.js";
-import { toConnectError } from "./error-codes.js";
 import type { AccountSlots } from "../streams/stream-limits.js";
+import { principalKey } from "./auth-interceptor.js";
 
 export function watchLimitInterceptor(serviceName: string, slots: AccountSlots): Interceptor {
   return (next) => async (req) => {
@@ -14,12 +13,7 @@ export function watchLimitInterceptor(serviceName: string, slots: AccountSlots):
     const account = req.contextValues.get(principalKey)?.account;
     // No account: the handler rejects the request as INVALID_ARGUMENT.
     if (account === undefined) return next(req);
-    let leave: () => void;
-    try {
-      leave = slots.enter(account);
-    } catch (error) {
-      throw toConnectError(error);
-    }
+    const leave = slots.enter(account);
     // The slot is given back when the call ends, whichever way: its signal
     // aborts on a client that leaves, a deadline or a shutdown, even when
     // nobody finishes the response stream.

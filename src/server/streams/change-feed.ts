@@ -9,7 +9,7 @@
 // renewal path stays free of notifications when nobody asked.
 
 import { keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { Scope } from "../db/lease-store.js";
+import type { Scope } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
 import type { Notifier, NotifierMessage } from "./notifier.js";
 

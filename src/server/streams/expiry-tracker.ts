@@ -6,10 +6,10 @@
 // reading also catches a release or revoke whose notification was lost, so a
 // lost notification delays a watcher by at most one TTL.
 
-import type { ChangeFeed } from "./change-feed.js";
 import { endsLease, keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord, LeaseStore, Scope, ScopeReading, SessionKey } from "../db/lease-store.js";
+import type { LeaseRecord, LeaseStore, Scope, ScopeReading, SessionKey } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
+import type { ChangeFeed } from "./change-feed.js";
 
 export interface ExpiryTracker {
   /** Tracks the deadlines of valid leases in `scope` until the returned function is called. */

@@ -14,10 +14,11 @@
 // with RESOURCE_EXHAUSTED. Closing a stream releases nothing: its leases run
 // to their deadlines unless renewed elsewhere or released.
 
-import type { ChangeFeed } from "./change-feed.js";
-import { type LossCause, ResourceExhaustedError } from "../lease/errors.js";
+import type { LossCause } from "../../protocol/errors.js";
+import { ResourceExhaustedError } from "../lease/errors.js";
 import { keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord, SessionKey } from "../db/lease-store.js";
+import type { LeaseRecord, SessionKey } from "../lease/types.js";
+import type { ChangeFeed } from "./change-feed.js";
 import type { RenewalBatcher } from "./renewal-batcher.js";
 import { createStreamLeases, type StreamLeases } from "./stream-limits.js";
 

@@ -13,9 +13,9 @@
 // re-check); see docs/streams.md.
 
 import postgres from "postgres";
-import { classifyDatabaseError } from "../lease/errors.js";
+import { classifyDatabaseError } from "../db/database-errors.js";
 import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
-import type { Scope } from "../db/lease-store.js";
+import type { Scope } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
 
 export const notificationChannel = "leasehold_changes";

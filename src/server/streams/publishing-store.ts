@@ -3,9 +3,9 @@
 // never runs inside the writing transaction (DESIGN §3), and no service can
 // forget it.
 
-import type { ChangeFeed } from "./change-feed.js";
 import { changeFromLease } from "../lease/lease-change.js";
-import type { LeaseStore } from "../db/lease-store.js";
+import type { LeaseStore } from "../lease/types.js";
+import type { ChangeFeed } from "./change-feed.js";
 
 export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore {
   return {

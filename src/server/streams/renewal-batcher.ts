@@ -9,9 +9,9 @@
 // transaction on one key delays that key only (S8) and fails it fast with
 // lock_timeout rather than the whole batch.
 
-import type { LossCause } from "../lease/errors.js";
+import type { LossCause } from "../../protocol/errors.js";
 import { DatabaseUnavailableError } from "../lease/errors.js";
-import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../db/lease-store.js";
+import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
 
 export type RenewalOutcome =
   | { renewed: true; lease: LeaseRecord; handoff: HandoffRecord | undefined }

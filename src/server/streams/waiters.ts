@@ -11,11 +11,11 @@
 // conditional UPSERT picks exactly one winner per release (S2). Losers keep
 // their place and wait for the next end of the lease.
 
+import { endsLease, keyString } from "../lease/lease-change.js";
+import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../lease/types.js";
+import type { Logger } from "../observability/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
-import { endsLease, keyString } from "../lease/lease-change.js";
-import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../db/lease-store.js";
-import type { Logger } from "../observability/logger.js";
 
 export interface Waiters {
   /**

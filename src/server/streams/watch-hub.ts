@@ -14,11 +14,11 @@
 // the consumer loses intermediate transitions but never the current state,
 // and server memory stays bounded (docs/streams.md).
 
+import { endsLease, keyString, type LeaseChange } from "../lease/lease-change.js";
+import type { LeaseRecord, LeaseStore, Scope, SessionRow } from "../lease/types.js";
+import type { Logger } from "../observability/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
-import { endsLease, keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord, LeaseStore, Scope, SessionRow } from "../db/lease-store.js";
-import type { Logger } from "../observability/logger.js";
 
 export type WatchMessage =
   | { kind: "snapshot"; leases: LeaseRecord[]; atUs: bigint }

@@ -1,0 +1,66 @@
+// The error vocabulary of the wire, defined once for the server, the client
+// library, the guarded store and the web page: the ErrorInfo domain and
+// reasons Leasehold sends, and the values of their `cause` metadata. Changing
+// a value here changes what clients of every language read (docs/client.md).
+
+/** The ErrorInfo domain of every error detail Leasehold sends. */
+export const errorDomain = "leasehold.dev";
+
+/** ErrorInfo reasons (google.rpc.ErrorInfo.reason), by the condition they name. */
+export const ErrorReason = {
+  /** FAILED_PRECONDITION: the run does not hold a valid lease; metadata `cause` is a LossCause. */
+  leaseNotHeld: "LEASE_NOT_HELD",
+  /** ABORTED: a fencing token below the highest seen; metadata `presented_token`, `highest_token`. */
+  staleFencingToken: "STALE_FENCING_TOKEN",
+  /** INVALID_ARGUMENT: metadata `field` names the request field (also in BadRequest). */
+  invalidArgument: "INVALID_ARGUMENT",
+  /** UNAVAILABLE: the database could not decide; metadata `sql_state` when it said why. */
+  databaseUnavailable: "DATABASE_UNAVAILABLE",
+  /** UNAUTHENTICATED: metadata `cause` is an AuthFailure. */
+  unauthenticated: "UNAUTHENTICATED",
+} as const;
+
+export type ErrorReason = (typeof ErrorReason)[keyof typeof ErrorReason];
+
+/** Metadata keys of the ErrorInfo details above. */
+export const ErrorMetadata = {
+  cause: "cause",
+  field: "field",
+  presentedToken: "presented_token",
+  highestToken: "highest_token",
+  sqlState: "sql_state",
+} as const;
+
+/**
+ * Why a run does not hold its lease: the `cause` of LEASE_NOT_HELD, and (as
+ * the LossReason enum of lease.proto) the reason of a KeepAlive `lost`.
+ */
+export const lossCauses = ["expired", "released", "taken_over", "revoked", "not_found"] as const;
+export type LossCause = (typeof lossCauses)[number];
+
+/** Narrows a `cause` read off the wire; undefined for a value this release does not know. */
+export function asLossCause(text: string | undefined): LossCause | undefined {
+  return lossCauses.find((c) => c === text);
+}
+
+/**
+ * Why credentials were refused: the `cause` of UNAUTHENTICATED. No token, not
+ * a JWT, expired (time to fetch a new one), a signature the server's keys do
+ * not verify, an algorithm it does not accept, a failed `iss`/`aud`/`nbf`
+ * check, or no valid account claim.
+ */
+export const authFailures = [
+  "missing",
+  "malformed",
+  "expired",
+  "bad_signature",
+  "algorithm",
+  "claims",
+  "account_claim",
+] as const;
+export type AuthFailure = (typeof authFailures)[number];
+
+/** Narrows a `cause` read off the wire; undefined for a value this release does not know. */
+export function asAuthFailure(text: string | undefined): AuthFailure | undefined {
+  return authFailures.find((f) => f === text);
+}

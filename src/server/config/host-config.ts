@@ -1,0 +1,141 @@
+// The hosting settings every Leasehold server shares (the lease server and
+// the guarded store): database, listener, pool, timeouts and TLS.
+
+import { readFileSync } from "node:fs";
+import { ConfigError, type Setting, type SettingsReader } from "./settings.js";
+
+/** Database timeouts of DESIGN §3, set on every connection. */
+export const defaultTimeouts = {
+  statementTimeoutMs: 5_000,
+  lockTimeoutMs: 1_000,
+  idleInTransactionTimeoutMs: 10_000,
+} as const;
+
+/** What every Leasehold server process needs: a database and a port. */
+export interface HostConfig {
+  /** Unset: start embedded PostgreSQL under dataDir. */
+  databaseUrl: string | undefined;
+  dataDir: string;
+  listenHost: string;
+  listenPort: number;
+  poolSize: number;
+  statementTimeoutMs: number;
+  lockTimeoutMs: number;
+  idleInTransactionTimeoutMs: number;
+  shutdownGraceMs: number;
+  /** Certificate and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
+  tls: TlsConfig | undefined;
+}
+
+export interface TlsConfig {
+  certFile: string;
+  keyFile: string;
+  cert: Buffer;
+  key: Buffer;
+}
+
+export interface HostDefaults {
+  listen: string;
+  dataDir: string;
+}
+
+/** TLS is a hosting setting: every Leasehold server can serve it. */
+export const tlsSettings = {
+  "tls-cert": { env: "LEASEHOLD_TLS_CERT", help: "PEM certificate chain file; enables TLS" },
+  "tls-key": { env: "LEASEHOLD_TLS_KEY", help: "PEM private key file of --tls-cert" },
+} as const;
+
+type TlsSettingName = keyof typeof tlsSettings;
+
+/** The hosting flags, with the defaults of one kind of server in their help. */
+export function hostSettings(defaults: HostDefaults) {
+  return {
+    "database-url": {
+      env: "DATABASE_URL",
+      help: "PostgreSQL URL; unset starts embedded PostgreSQL",
+    },
+    "data-dir": {
+      env: "LEASEHOLD_DATA_DIR",
+      help: `embedded PostgreSQL data folder (default ${defaults.dataDir})`,
+    },
+    listen: { env: "LEASEHOLD_LISTEN", help: `host:port to serve on (default ${defaults.listen})` },
+    "pool-size": { env: "LEASEHOLD_POOL_SIZE", help: "database connections (default 20)" },
+    "statement-timeout": { env: "LEASEHOLD_STATEMENT_TIMEOUT", help: "per statement (default 5s)" },
+    "lock-timeout": {
+      env: "LEASEHOLD_LOCK_TIMEOUT",
+      help: "row lock wait before UNAVAILABLE (default 1s)",
+    },
+    "shutdown-grace": {
+      env: "LEASEHOLD_SHUTDOWN_GRACE",
+      help: "time to drain on SIGTERM (default 10s)",
+    },
+    ...tlsSettings,
+  } as const satisfies Record<string, Setting>;
+}
+
+type HostSettingName = keyof ReturnType<typeof hostSettings>;
+
+/** The hosting part of a configuration, from a reader over `hostSettings`. */
+export function parseHostConfig(
+  read: SettingsReader<HostSettingName>,
+  defaults: HostDefaults,
+): HostConfig {
+  const [listenHost, listenPort] = parseListen(read.get("listen") ?? defaults.listen);
+  const poolText = read.get("pool-size") ?? "20";
+  const poolSize = Number(poolText);
+  if (!Number.isInteger(poolSize) || poolSize < 1 || poolSize > 1000) {
+    throw new ConfigError(`--pool-size must be an integer from 1 to 1000, got ${poolText}`);
+  }
+  return {
+    databaseUrl: read.get("database-url"),
+    dataDir: read.get("data-dir") ?? defaults.dataDir,
+    listenHost,
+    listenPort,
+    poolSize,
+    statementTimeoutMs: read.duration("statement-timeout", defaultTimeouts.statementTimeoutMs),
+    lockTimeoutMs: read.duration("lock-timeout", defaultTimeouts.lockTimeoutMs),
+    idleInTransactionTimeoutMs: defaultTimeouts.idleInTransactionTimeoutMs,
+    shutdownGraceMs: read.duration("shutdown-grace", 10_000),
+    tls: parseTls(read),
+  };
+}
+
+export function parseListen(text: string): [string, number] {
+  const m = /^(?:\[([^\]]+)\]|([^:]*)):(\d{1,5})$/.exec(text);
+  const port = Number(m?.[3]);
+  if (!m || port > 65535) {
+    throw new ConfigError(
+      `--listen (LEASEHOLD_LISTEN) must be host:port such as 127.0.0.1:7070, got ${JSON.stringify(text)}`,
+    );
+  }
+  return [m[1] ?? (m[2] || "127.0.0.1"), port];
+}
+
+export function parseTls(read: {
+  get(name: TlsSettingName): string | undefined;
+}): TlsConfig | undefined {
+  const certFile = read.get("tls-cert");
+  const keyFile = read.get("tls-key");
+  if (certFile === undefined && keyFile === undefined) return undefined;
+  if (certFile === undefined || keyFile === undefined) {
+    throw new ConfigError(
+      "TLS needs both --tls-cert (LEASEHOLD_TLS_CERT) and --tls-key (LEASEHOLD_TLS_KEY)",
+    );
+  }
+  return {
+    certFile,
+    keyFile,
+    cert: Buffer.from(readSettingFile("tls-cert", certFile)),
+    key: Buffer.from(readSettingFile("tls-key", keyFile)),
+  };
+}
+
+function readSettingFile(name: TlsSettingName, file: string): string {
+  try {
+    return readFileSync(file, "utf8");
+  } catch (error) {
+    throw new ConfigError(
+      `--${name} (${tlsSettings[name].env}): cannot read ${file}: ${(error as Error).message}`,
+    );
+  }
+}

@@ -1,0 +1,191 @@
+// The lease domain's types: what a session key, a lease and the answers of
+// the lease store are, and the LeaseStore interface every layer programs
+// against. No I/O here: the PostgreSQL implementation is db/lease-store.ts,
+// the decorators (publishing, quota, metrics) wrap the interface.
+
+import type { LossCause } from "../../protocol/errors.js";
+
+export interface SessionKey {
+  accountId: string;
+  sessionId: string;
+}
+
+/** A lease as stored, with database times in microseconds since the epoch. */
+export interface LeaseRecord {
+  accountId: string;
+  sessionId: string;
+  runId: string;
+  fencingToken: bigint;
+  holder: string;
+  ttlMs: bigint;
+  acquiredAtUs: bigint;
+  expiresAtUs: bigint;
+  /** expires_at minus the statement's clock reading, never negative. */
+  remainingUs: bigint;
+}
+
+/** The lease a grant replaced because it had run past its deadline. */
+export interface ExpiredLease {
+  runId: string;
+  fencingToken: bigint;
+  holder: string;
+  expiresAtUs: bigint;
+  /** Its 'expired' row in lease_events. */
+  eventId: bigint;
+}
+
+export type AcquireResult =
+  | {
+      acquired: true;
+      lease: LeaseRecord;
+      retried: boolean;
+      /** The 'acquired' row in lease_events; 0n for an idempotent retry. */
+      eventId: bigint;
+      /** Set when this grant took over a lease that had expired unreleased. */
+      expired: ExpiredLease | undefined;
+    }
+  | { acquired: false; current: LeaseRecord | undefined };
+
+/** A lease ended by release or revoke, with its row in lease_events. */
+export interface EndedLease extends LeaseRecord {
+  eventId: bigint;
+}
+
+export interface RenewItem extends SessionKey {
+  runId: string;
+  /** A new TTL; the lease keeps its TTL when undefined. */
+  ttlMs: number | undefined;
+  /** Also return the newest handoff request recorded for the renewed lease. */
+  lookupHandoff: boolean;
+}
+
+/** A handoff request recorded in lease_events for one grant. */
+export interface HandoffRecord {
+  requesterHolder: string;
+  reason: string;
+  atUs: bigint;
+  eventId: bigint;
+}
+
+export type RenewManyResult =
+  | { outcome: "renewed"; lease: LeaseRecord; handoff: HandoffRecord | undefined }
+  | { outcome: "lost"; cause: LossCause }
+  /** Still held, but its row was locked by another transaction: not decided. */
+  | { outcome: "busy" };
+
+/** One watch scope: a session, or every session of an account (sessionId ""). */
+export interface Scope {
+  accountId: string;
+  sessionId: string;
+}
+
+/** The stored row of a session, valid or not, read at `observedAtUs`. */
+export interface SessionRow extends LeaseRecord {
+  valid: boolean;
+  ended: "released" | "revoked" | null;
+  /** For an ended row: its 'released' or 'revoked' row in lease_events. */
+  endEventId: bigint | null;
+  endReason: string | null;
+}
+
+export interface ScopeReading {
+  rows: SessionRow[];
+  /** The database clock when the rows were read, microseconds since the epoch. */
+  observedAtUs: bigint;
+}
+
+export interface HandoffResult {
+  /** The valid lease that was asked to finish; undefined when nobody held it. */
+  lease: LeaseRecord | undefined;
+  eventId: bigint;
+  atUs: bigint;
+}
+
+export type RenewResult = { held: true; lease: LeaseRecord } | { held: false; cause: LossCause };
+
+export interface AcquireInput extends SessionKey {
+  runId: string;
+  ttlMs: number;
+  holder: string;
+}
+
+export interface ListPage {
+  leases: LeaseRecord[];
+  /** The session_id to continue after, when there may be more. */
+  nextAfter: string | undefined;
+}
+
+/** What a resource asks in live mode (CheckFence). */
+export interface FenceState {
+  /** The token is the one of the key's valid lease. */
+  current: boolean;
+  /** The highest token ever granted for the key; 0 when none is on record. */
+  highestToken: bigint;
+}
+
+export interface LeaseStore {
+  /** Grants the key to runId if it is free or already runId's (S2, S3, S6). */
+  acquire(input: AcquireInput): Promise<AcquireResult>;
+  /** Extends runId's valid lease (S4); otherwise names why it is not held. */
+  renew(key: SessionKey, runId: string, ttlMs: number | undefined): Promise<RenewResult>;
+  /**
+   * Renews many leases in one statement (the KeepAlive batch). Results are in
+   * input order. With `wait` false, rows locked by other transactions are
+   * skipped and answered `busy` instead of holding up the whole batch (S8).
+   */
+  renewMany(items: readonly RenewItem[], options: { wait: boolean }): Promise<RenewManyResult[]>;
+  /** Ends runId's valid lease, keeping a tombstone (S5). Undefined when not held. */
+  release(key: SessionKey, runId: string): Promise<EndedLease | undefined>;
+  /** Ends the valid lease of any run, audited with the reason. */
+  revoke(key: SessionKey, reason: string): Promise<EndedLease | undefined>;
+  /** Records a handoff request for the valid lease, which it leaves untouched (S3). */
+  requestHandoff(key: SessionKey, requesterHolder: string, reason: string): Promise<HandoffResult>;
+  /** Every stored row (valid or tombstone) of the given scopes, in one reading. */
+  readScopes(scopes: readonly Scope[]): Promise<ScopeReading>;
+  /** The valid lease of the key, if any. */
+  get(key: SessionKey): Promise<LeaseRecord | undefined>;
+  /** Valid leases of an account, by session_id, after `after`. */
+  list(accountId: string, limit: number, after: string | undefined): Promise<ListPage>;
+  /** Whether `token` belongs to the key's valid lease, and the highest token granted. */
+  checkFence(key: SessionKey, token: bigint): Promise<FenceState>;
+}
+
+/** The audit trail (lease_events), as History reads it. */
+export type EventType = "acquired" | "released" | "expired" | "revoked" | "handoff_requested";
+
+export interface EventRecord {
+  id: bigint;
+  accountId: string;
+  sessionId: string;
+  type: EventType;
+  runId: string | null;
+  fencingToken: bigint | null;
+  /** The run's holder label; for handoff_requested, the requester's. */
+  holder: string | null;
+  reason: string | null;
+  /** Database time of the event, in microseconds since the epoch. */
+  atUs: bigint;
+}
+
+export interface EventPage {
+  events: EventRecord[];
+  /** The id to continue before, when there may be more. */
+  nextBefore: bigint | undefined;
+}
+
+export interface EventStore {
+  /** Events of `key` with id below `before` (all when undefined), newest first. */
+  history(key: SessionKey, limit: number, before: bigint | undefined): Promise<EventPage>;
+}
+
+/** Counts of valid leases: the per-account quota and the `leases held` gauge. */
+export interface LeaseCounts {
+  /**
+   * Valid leases of `accountId` on sessions other than `exceptSessionId`,
+   * counted up to `upTo`: a range scan of the primary key's account prefix
+   * that stops once `upTo` are found (tombstones in the range are read too).
+   */
+  heldByAccount(accountId: string, exceptSessionId: string, upTo: number): Promise<number>;
+  /** Valid leases of every account (a scan of the table). */
+  heldTotal(): Promise<number>;
+}
