@@ -25,6 +25,7 @@ export default defineConfig({
         test: {
           name: "faults",
           include: ["test/faults/**/*.test.ts"],
+          globalSetup: ["test/support/ensure-build.ts"],
           pool: "forks",
           // One file at a time, so faults of one file never land on another.
           fileParallelism: false,
