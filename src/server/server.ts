@@ -19,6 +19,7 @@ import type { ServerConfig } from "./config/server-config.js";
 import { createEventStore } from "./db/event-store.js";
 import { createLeaseCounts } from "./db/lease-counts.js";
 import { createLeaseStore } from "./db/lease-store.js";
+import { leaseServerSets } from "./db/migrate.js";
 import { openDatabase, type Sql } from "./db/pool.js";
 import { createRetention, startMaintenance } from "./db/retention.js";
 import { createSessionAclTable } from "./db/session-acl.js";
@@ -80,6 +81,7 @@ export async function startServer(
   let streaming: Streaming | undefined;
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
+    migrationSets: leaseServerSets,
     build: async (sql, _shutdownSignal, databaseUrl) => {
       const built = await buildLeaseServer(config, logger, sql, databaseUrl);
       streaming = built.streaming;

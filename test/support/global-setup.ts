@@ -12,7 +12,7 @@ import {
   type EmbeddedDatabase,
   startEmbeddedPostgres,
 } from "../../src/server/db/embedded-postgres.js";
-import { migrate } from "../../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { ensureBuild } from "./ensure-build.js";
 
 declare module "vitest" {
@@ -38,7 +38,7 @@ export async function setup(project: TestProject): Promise<void> {
   await admin.end();
   const url = new URL(adminUrl);
   url.pathname = `/${templateDatabase}`;
-  await migrate(url.toString());
+  await migrate(url.toString(), allMigrationSets);
   project.provide("adminUrl", adminUrl);
   project.provide("templateDatabase", templateDatabase);
 }
