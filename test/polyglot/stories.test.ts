@@ -16,9 +16,9 @@ import {
 } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { fenceClaimHeaders } from "../../src/guarded/headers.js";
 import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor.js";
-import { durationFromMillis } from "../../src/server/convert.js";
-import type { SessionKey } from "../../src/server/lease-store.js";
-import { type Listener, listen } from "../../src/server/listener.js";
+import { type Listener, listen } from "../../src/server/http/listener.js";
+import type { SessionKey } from "../../src/server/lease/types.js";
+import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import { createTestDatabase, type TestDatabase } from "../support/db.js";
 import { freshKey } from "../support/leases.js";
 import {
