@@ -24,7 +24,6 @@ import type {
   LeaseRecord,
   LeaseStore,
   RenewItem,
-  RenewManyResult,
   RenewResult,
   SessionKey,
   SessionRow,
