@@ -27,7 +27,16 @@ beforeAll(async () => {
   db = await createTestDatabase();
   keys = await createTestKeys();
   const config = parseServerConfig(
-    [...testServerArgs, "--database-url", db.url, ...keys.args, "--max-leases-per-account", "3"],
+    [
+      ...testServerArgs,
+      "--database-url",
+      db.url,
+      ...keys.args,
+      "--max-leases-per-account",
+      "3",
+      "--access-log-sample",
+      "1",
+    ],
     {},
   );
   const logger = createLogger({
@@ -108,6 +117,34 @@ describe("request logs", () => {
     expect(all).not.toContain(token.split(".")[2] ?? "");
     expect(all.toLowerCase()).not.toContain("bearer");
     expect(all.toLowerCase()).not.toContain("authorization");
+  });
+});
+
+describe("request log sampling", () => {
+  it("by default a successful call writes no line and a failed one does", async () => {
+    const quietLines: string[] = [];
+    const quiet = await startServer(
+      parseServerConfig([...testServerArgs, "--database-url", db.url], {}),
+      createLogger({
+        level: "debug",
+        destination: { write: (line: string) => void quietLines.push(line) },
+      }),
+    );
+    try {
+      const c = grpcClient(quiet.url);
+      const key = { accountId: "quiet-acct", sessionId: "s1" };
+      const ok = `req-${randomUUID()}`;
+      const bad = `req-${randomUUID()}`;
+      await c.get({ key }, { headers: { "x-request-id": ok } });
+      await failure(
+        c.get({ key: { ...key, sessionId: "" } }, { headers: { "x-request-id": bad } }),
+      );
+      const ids = quietLines.map((l) => (JSON.parse(l) as { requestId?: string }).requestId);
+      expect(ids).toContain(bad);
+      expect(ids).not.toContain(ok);
+    } finally {
+      await quiet.close();
+    }
   });
 });
 

@@ -34,7 +34,9 @@ import {
   registerNotificationMetrics,
   serveMetrics,
 } from "./observability/metrics.js";
+import { createAccess } from "./rpc/access.js";
 import { authInterceptor } from "./rpc/auth-interceptor.js";
+import { createCallObserver } from "./rpc/call-observer.js";
 import { errorCodeInterceptor } from "./rpc/error-codes.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
@@ -212,22 +214,22 @@ async function buildLeaseServer(
   // Outermost first: the observer logs and times every call with the code
   // the error interceptor gave it; authentication and authorization run
   // before any handler; the watcher quota after them, on the caller's account.
+  const observer = createCallObserver({ logger, metrics, accessLogSample: ops.accessLogSample });
+  const access = createAccess({
+    protectedServices: new Set([LeaseService.typeName]),
+    authenticator: auth.keys ? createAuthenticator(auth, auth.keys, limits.maxIdLength) : undefined,
+    authorizer:
+      auth.sessionAuthorizer === "acl-table"
+        ? aclTableAuthorizer(createSessionAclTable(sql))
+        : ownAccountAuthorizer,
+    adminScope: auth.adminScope,
+    fenceScope: auth.fenceScope,
+    limits,
+  });
   const interceptors = [
-    rpcObserver(logger, metrics),
+    rpcObserver(observer),
     errorCodeInterceptor(),
-    authInterceptor({
-      protectedServices: new Set([LeaseService.typeName]),
-      authenticator: auth.keys
-        ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
-        : undefined,
-      authorizer:
-        auth.sessionAuthorizer === "acl-table"
-          ? aclTableAuthorizer(createSessionAclTable(sql))
-          : ownAccountAuthorizer,
-      adminScope: auth.adminScope,
-      fenceScope: auth.fenceScope,
-      limits,
-    }),
+    authInterceptor(access),
     watchLimitInterceptor(
       LeaseService.typeName,
       createAccountSlots(
