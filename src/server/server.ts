@@ -38,10 +38,11 @@ import { createAccess } from "./rpc/access.js";
 import { authInterceptor } from "./rpc/auth-interceptor.js";
 import { createCallObserver } from "./rpc/call-observer.js";
 import { errorCodeInterceptor } from "./rpc/error-codes.js";
+import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
-import { leaseRoutes } from "./rpc/routes.js";
+import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
 import { rpcObserver } from "./rpc/rpc-observer.js";
 import { watchLimitInterceptor } from "./rpc/watch-limit.js";
 import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
@@ -85,8 +86,8 @@ export async function startServer(
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
     migrationSets: leaseServerSets,
-    build: async (sql, _shutdownSignal, databaseUrl) => {
-      const built = await buildLeaseServer(config, logger, sql, databaseUrl);
+    build: async (sql, shutdownSignal, databaseUrl) => {
+      const built = await buildLeaseServer(config, logger, sql, databaseUrl, shutdownSignal);
       streaming = built.streaming;
       return built.services;
     },
@@ -100,6 +101,7 @@ async function buildLeaseServer(
   logger: Logger,
   sql: Sql,
   databaseUrl: string,
+  shutdownSignal: AbortSignal,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
   const counts = createLeaseCounts(sql);
@@ -240,6 +242,18 @@ async function buildLeaseServer(
     ),
   ];
 
+  // One implementation of LeaseService: the Connect adapter serves it to
+  // every protocol, and the native path (grpc-native.ts) serves its unary
+  // methods to gRPC clients.
+  const impl = leaseServiceImpl({
+    store,
+    events: createEventStore(sql),
+    limits,
+    waiters,
+    keepAlive,
+    watch,
+  });
+
   const maintenance = startMaintenance(
     createRetention(sql, ops.retention),
     ops.retention.intervalMs,
@@ -260,14 +274,7 @@ async function buildLeaseServer(
     },
     services: {
       routes: (router) => {
-        leaseRoutes({
-          store,
-          events: createEventStore(sql),
-          limits,
-          waiters,
-          keepAlive,
-          watch,
-        })(router);
+        leaseRoutes(impl)(router);
         const routed = () => [...new Set(router.handlers.map((h) => h.service))];
         router.service(
           Health,
@@ -277,6 +284,16 @@ async function buildLeaseServer(
         unaryParseErrorsAsInvalidArgument(router);
       },
       interceptors,
+      streamHandler:
+        config.grpcPath === "native"
+          ? createNativeGrpc({
+              services: [{ desc: LeaseService, impl }],
+              observer,
+              access,
+              maxMessageBytes: limits.maxMessageBytes,
+              shutdownSignal,
+            })
+          : undefined,
       http: (next) => (req, res) => {
         if (!serveMetrics(metrics, req, res)) next(req, res);
       },
