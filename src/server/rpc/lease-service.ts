@@ -37,9 +37,11 @@ export interface LeaseServiceDeps {
   waiters?: Waiters;
 }
 
-// A waiting Acquire answers this long before the call's deadline, so that
-// the answer (acquired or not) reaches the client in time to be used.
-const deadlineMarginMs = 100;
+// A waiting Acquire answers this long before the call's deadline (at most a
+// quarter of the call's time), so that the answer (acquired or not) reaches
+// the client in time to be used: the last attempt at the end of the wait is
+// one or two statements, which a busy database can take tens of ms for.
+const deadlineMarginMs = 250;
 
 type Impl = ServiceImpl<typeof LeaseService>;
 
@@ -60,7 +62,7 @@ export function createLeaseService(
       const waitFor =
         timeoutMs === undefined
           ? waitMs
-          : Math.min(waitMs, timeoutMs - Math.min(deadlineMarginMs, timeoutMs / 10));
+          : Math.min(waitMs, timeoutMs - Math.min(deadlineMarginMs, timeoutMs / 4));
       const result =
         deps.waiters && waitFor > 0
           ? await deps.waiters.acquire(input, waitFor, ctx.signal)
