@@ -40,6 +40,7 @@ import { createCallObserver } from "./rpc/call-observer.js";
 import { errorCodeInterceptor } from "./rpc/error-codes.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
+import { nativeStreams } from "./rpc/native-streams.js";
 import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
@@ -216,6 +217,12 @@ async function buildLeaseServer(
   // Outermost first: the observer logs and times every call with the code
   // the error interceptor gave it; authentication and authorization run
   // before any handler; the watcher quota after them, on the caller's account.
+  // Open Watch streams per account on this instance, whichever path serves them.
+  const watchSlots = createAccountSlots(
+    limits.maxWatchersPerAccount,
+    "Watch streams",
+    "--max-watchers-per-account",
+  );
   const observer = createCallObserver({ logger, metrics, accessLogSample: ops.accessLogSample });
   const access = createAccess({
     protectedServices: new Set([LeaseService.typeName]),
@@ -243,8 +250,9 @@ async function buildLeaseServer(
   ];
 
   // One implementation of LeaseService: the Connect adapter serves it to
-  // every protocol, and the native path (grpc-native.ts) serves its unary
-  // methods to gRPC clients.
+  // every protocol, and the native path serves it to gRPC clients (its unary
+  // methods as they are; KeepAlive and Watch over the same hubs:
+  // grpc-native.ts, native-streams.ts).
   const impl = leaseServiceImpl({
     store,
     events: createEventStore(sql),
@@ -287,7 +295,13 @@ async function buildLeaseServer(
       streamHandler:
         config.grpcPath === "native"
           ? createNativeGrpc({
-              services: [{ desc: LeaseService, impl }],
+              services: [
+                {
+                  desc: LeaseService,
+                  impl,
+                  streams: nativeStreams({ keepAlive, watch, watchSlots, limits }),
+                },
+              ],
               observer,
               access,
               maxMessageBytes: limits.maxMessageBytes,

@@ -16,6 +16,8 @@ export interface Principal {
   scopes: ReadonlySet<string>;
   /** True in development mode: no token, any account of the request. */
   anonymous: boolean;
+  /** When the token stops being accepted (its `exp`, wall clock, ms); undefined: never. */
+  validUntilMs?: number;
 }
 
 export interface Authenticator {
@@ -100,14 +102,15 @@ export function createAuthenticator(
           "account_claim",
         );
       }
+      const expiresMs =
+        typeof payload.exp === "number" ? payload.exp * 1000 + clockToleranceMs : Infinity;
       const principal: Principal = {
         account,
         subject: typeof payload.sub === "string" ? payload.sub : "",
         scopes: scopesOf(payload),
         anonymous: false,
+        validUntilMs: Number.isFinite(expiresMs) ? expiresMs : undefined,
       };
-      const expiresMs =
-        typeof payload.exp === "number" ? payload.exp * 1000 + clockToleranceMs : Infinity;
       verified.delete(authorization);
       if (verified.size >= verifiedCacheSize) {
         const oldest = verified.keys().next().value;

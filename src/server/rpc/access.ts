@@ -71,7 +71,7 @@ export interface Access {
     message: object,
     caller: Principal | undefined,
     decided?: Map<string, number>,
-  ): Promise<Principal | undefined>;
+  ): Principal | undefined | Promise<Principal | undefined>;
 }
 
 export function createAccess(options: AccessOptions): Access {
@@ -91,7 +91,7 @@ export function createAccess(options: AccessOptions): Access {
       return caller;
     },
 
-    async check(methodName, input, message, caller, decided) {
+    check(methodName, input, message, caller, decided) {
       const action = actions[methodName] as SessionAction;
       const target = targetOf(message, input);
       if (target === undefined || target.accountId === "") return caller;
@@ -115,15 +115,17 @@ export function createAccess(options: AccessOptions): Access {
       if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
       const until = decided?.get(sessionId);
       if (until !== undefined && until > performance.now()) return principal;
-      if (!(await authorizer.allows(principal, sessionId, action))) {
-        throw new PermissionDeniedError(
-          sessionId === ""
-            ? `not allowed to ${action} every session of the account`
-            : `not allowed to ${action} this session`,
-        );
-      }
-      decided?.set(sessionId, performance.now() + streamDecisionMs);
-      return principal;
+      return authorizer.allows(principal, sessionId, action).then((allowed) => {
+        if (!allowed) {
+          throw new PermissionDeniedError(
+            sessionId === ""
+              ? `not allowed to ${action} every session of the account`
+              : `not allowed to ${action} this session`,
+          );
+        }
+        decided?.set(sessionId, performance.now() + streamDecisionMs);
+        return principal;
+      });
     },
   };
 }

@@ -17,9 +17,14 @@ export function authInterceptor(access: Access): Interceptor {
   return (next) => async (req) => {
     if (!access.protects(req.service.typeName)) return next(req);
     const methodName = req.method.name;
-    const caller = await access.caller(methodName, req.header.get("authorization"));
+    let caller = await access.caller(methodName, req.header.get("authorization"));
     req.contextValues.set(principalKey, caller);
     const check = async (message: object, decided?: Map<string, number>) => {
+      // A stream outlives its token: once the token's expiry passes, the next
+      // message authenticates again (and fails with "expired").
+      if (caller?.validUntilMs !== undefined && Date.now() >= caller.validUntilMs) {
+        caller = await access.caller(methodName, req.header.get("authorization"));
+      }
       const principal = await access.check(methodName, req.method.input, message, caller, decided);
       if (!caller) req.contextValues.set(principalKey, principal);
     };

@@ -1,29 +1,22 @@
-// The native gRPC path: the unary methods of the services given, served
-// straight off Node's HTTP/2 streams, on the same port and the same HTTP/2
-// connections as the Connect adapter (listener.ts offers each stream here
-// first). It runs the same service implementation, the same access control
-// (access.ts), the same call observer (call-observer.ts) and the same error
-// table (error-codes.ts) as the Connect path; what it leaves out is the
+// The native gRPC path: LeaseService served to gRPC clients straight off
+// Node's HTTP/2 streams, on the same port and the same HTTP/2 connections as
+// the Connect adapter (listener.ts offers each stream here first). Unary
+// methods run the one service implementation; KeepAlive and Watch run the
+// same hubs as the Connect path (native-streams.ts). Both paths share the
+// access control (access.ts), the call observer (call-observer.ts) and the
+// error table (error-codes.ts). What the native path leaves out is the
 // per-call machinery a general-purpose handler needs and these methods do
-// not (async-iterable bodies, web Headers, an AbortController per call):
-// docs/design.md has the measurements behind it.
+// not (async-iterable bodies, web Headers, an AbortController per call, a
+// promise per streamed message): docs/design.md has the measurements.
 //
-// It serves a stream only when it is sure to answer it exactly as the
-// Connect adapter would: POST, content type application/grpc or
-// application/grpc+proto, no request compression, a method it has. Anything
-// else (gRPC-Web, the Connect protocol, JSON, compressed requests, streaming
-// methods, other services) goes on to the Connect adapter.
+// It serves a stream only when it answers it exactly as the Connect adapter
+// would: POST, content type application/grpc or application/grpc+proto, no
+// request compression, a method it has. Anything else (gRPC-Web, the Connect
+// protocol, JSON, compressed requests, other services) goes on to the
+// Connect adapter.
 
 import type http2 from "node:http2";
-import {
-  create,
-  type DescMessage,
-  type DescMethod,
-  type DescService,
-  fromBinary,
-  type Message,
-  toBinary,
-} from "@bufbuild/protobuf";
+import type { DescMethod, DescService, Message } from "@bufbuild/protobuf";
 import {
   Code,
   ConnectError,
@@ -31,20 +24,32 @@ import {
   createContextValues,
   type HandlerContext,
 } from "@connectrpc/connect";
-import { parseTimeout, setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
+import { parseTimeout } from "@connectrpc/connect/protocol-grpc";
 import { requestIdHeader } from "../../protocol/headers.js";
-import { InvalidArgumentError } from "../lease/errors.js";
+import type { Principal } from "../auth/authn.js";
 import type { Access } from "./access.js";
 import type { CallObserver, ObservedCall } from "./call-observer.js";
 import { toConnectError } from "./error-codes.js";
+import {
+  encodeFrame,
+  errorTrailers,
+  FrameReader,
+  grpcContentType,
+  okTrailers,
+} from "./grpc-wire.js";
 
 // biome-ignore lint/suspicious/noExplicitAny: any unary implementation of any service
 type UnaryFn = (request: any, context: HandlerContext) => unknown;
+
+/** Serves one streaming call natively (native-streams.ts). */
+export type NativeStreamHandler = (call: NativeCall) => void;
 
 export interface NativeService {
   desc: DescService;
   /** The service implementation; its unary methods are served here. */
   impl: Partial<Record<string, unknown>>;
+  /** Native handlers of its streaming methods, by method name; others go to the Connect adapter. */
+  streams?: Partial<Record<string, NativeStreamHandler>>;
 }
 
 export interface NativeGrpcOptions {
@@ -53,19 +58,17 @@ export interface NativeGrpcOptions {
   access: Access;
   /** Largest request message, in bytes; larger is RESOURCE_EXHAUSTED, as the Connect adapter answers. */
   maxMessageBytes: number;
-  /** Aborts the signals of calls still running (a waiting Acquire) at shutdown. */
+  /** Aborts the signals of calls still running (a waiting Acquire) and ends streams with UNAVAILABLE. */
   shutdownSignal: AbortSignal;
 }
 
 interface Route {
   service: DescService;
   method: DescMethod;
-  fn: UnaryFn;
+  unary?: UnaryFn;
+  stream?: NativeStreamHandler;
 }
 
-const contentType = "application/grpc+proto";
-// Node sends a constant headers object as it is; nothing here mutates one.
-const okTrailers: http2.OutgoingHttpHeaders = { "grpc-status": "0" };
 const maxTimeoutMs = 2 ** 31 - 1;
 
 /** Returns the stream handler of the native path (see listener.ts). */
@@ -73,15 +76,15 @@ export function createNativeGrpc(
   options: NativeGrpcOptions,
 ): (stream: http2.ServerHttp2Stream, headers: http2.IncomingHttpHeaders) => boolean {
   const routes = new Map<string, Route>();
-  for (const { desc, impl } of options.services) {
+  for (const { desc, impl, streams } of options.services) {
     for (const method of desc.methods) {
+      const path = `/${desc.typeName}/${method.name}`;
       const fn = impl[method.localName];
+      const streamHandler = streams?.[method.name];
       if (method.methodKind === "unary" && typeof fn === "function") {
-        routes.set(`/${desc.typeName}/${method.name}`, {
-          service: desc,
-          method,
-          fn: (fn as UnaryFn).bind(impl),
-        });
+        routes.set(path, { service: desc, method, unary: (fn as UnaryFn).bind(impl) });
+      } else if (method.methodKind !== "unary" && streamHandler) {
+        routes.set(path, { service: desc, method, stream: streamHandler });
       }
     }
   }
@@ -91,181 +94,269 @@ export function createNativeGrpc(
     const route = path === undefined ? undefined : routes.get(path);
     if (route === undefined || headers[":method"] !== "POST") return false;
     const type = headers["content-type"];
-    if (type !== "application/grpc" && type !== contentType) return false;
+    if (type !== "application/grpc" && type !== grpcContentType) return false;
     const encoding = headers["grpc-encoding"];
     if (encoding !== undefined && encoding !== "identity") return false;
-    serveUnary(options, route, stream, headers);
+    const call = new NativeCall(route, stream, headers, options);
+    if (call.ended) return true; // a bad grpc-timeout, already answered
+    if (route.unary) serveUnary(call, route.unary);
+    else route.stream?.(call);
     return true;
   };
 }
 
-function serveUnary(
-  options: NativeGrpcOptions,
-  route: Route,
-  stream: http2.ServerHttp2Stream,
-  headers: http2.IncomingHttpHeaders,
-): void {
-  const { service, method } = route;
-  const call = options.observer.begin(
-    service.typeName,
-    method.name,
-    header(headers, requestIdHeader),
-  );
-  const context = new NativeContext(route, headers, options.shutdownSignal);
-  let answered = false;
-  let deadline: NodeJS.Timeout | undefined;
-
-  const finish = () => {
-    answered = true;
-    if (deadline) clearTimeout(deadline);
-    context.done();
-  };
-  const fail = (error: unknown) => {
-    if (answered) return;
-    finish();
-    const ce = toConnectError(error);
-    ce.metadata.set(requestIdHeader, call.requestId);
-    call.end(ce.code, ce);
-    if (stream.destroyed || stream.closed || stream.headersSent) return;
-    // Trailers-only: the status in the one HEADERS frame that ends the stream.
-    const out: http2.OutgoingHttpHeaders = { ":status": 200, "content-type": contentType };
-    for (const [name, value] of setTrailerStatus(new Headers(), ce)) out[name] = value;
-    stream.respond(out, { endStream: true });
-  };
-  const succeed = (response: unknown) => {
-    if (answered) return;
-    let frame: Buffer;
-    try {
-      frame = encodeFrame(method.output, response);
-    } catch (error) {
-      fail(error);
+function serveUnary(call: NativeCall, fn: UnaryFn): void {
+  let reader: FrameReader<Message> | undefined;
+  let message: Message | undefined;
+  let extra = false;
+  call.onData((chunk) => {
+    if (message !== undefined) {
+      extra = true;
       return;
     }
-    finish();
-    call.end();
-    if (stream.destroyed || stream.closed) return;
+    reader ??= call.reader();
+    try {
+      const [first, ...rest] = reader.push(chunk);
+      if (first) message = first;
+      if (rest.length > 0) extra = true;
+    } catch (error) {
+      call.end(error);
+    }
+  });
+  call.onEnd(() => {
+    if (message === undefined || extra || reader?.incomplete) {
+      call.end(
+        new ConnectError(
+          `request message: a unary call takes exactly one message, got ${message === undefined ? "none" : "more than one"}`,
+          Code.InvalidArgument,
+        ),
+      );
+      return;
+    }
+    const request = message;
+    void (async () => {
+      await call.authenticate();
+      await call.check(request);
+      return fn(request, call.context);
+    })().then(
+      (response) => call.replyOnce(encodeFrame(call.method.output, response)),
+      (error: unknown) => call.end(error),
+    );
+  });
+}
+
+/**
+ * One call on the native path: its stream, deadline, cancellation, access
+ * check and observation, and the answer: headers, message frames (as few
+ * writes as the caller gives it), then the status in trailers, or a
+ * trailers-only status when nothing was sent.
+ */
+export class NativeCall {
+  readonly service: DescService;
+  readonly method: DescMethod;
+  readonly context: NativeContext;
+  readonly observed: ObservedCall;
+  /** The caller, once authorize() has run; undefined in development mode. */
+  caller: Principal | undefined;
+  private headersSent = false;
+  private finished = false;
+  private deadline: NodeJS.Timeout | undefined;
+  private readonly cancelListeners: ((reason: ConnectError) => void)[] = [];
+  private onShutdown: (() => void) | undefined;
+
+  constructor(
+    route: Route,
+    readonly stream: http2.ServerHttp2Stream,
+    private readonly headers: http2.IncomingHttpHeaders,
+    private readonly options: NativeGrpcOptions,
+  ) {
+    this.service = route.service;
+    this.method = route.method;
+    this.observed = options.observer.begin(
+      this.service.typeName,
+      this.method.name,
+      header(headers, requestIdHeader),
+    );
+    this.context = new NativeContext(this.service, this.method, headers, options.shutdownSignal);
+    const timeout = parseTimeout(header(headers, "grpc-timeout"), maxTimeoutMs);
+    if (timeout.error) {
+      this.end(timeout.error);
+      return;
+    }
+    if (timeout.timeoutMs !== undefined) {
+      this.context.deadlineMs = timeout.timeoutMs;
+      this.deadline = setTimeout(() => {
+        const error = new ConnectError("the operation timed out", Code.DeadlineExceeded);
+        this.cancel(error);
+        this.end(error);
+      }, timeout.timeoutMs);
+    }
+    // The client went away (RST_STREAM, a closed connection) before the end.
+    stream.once("close", () => {
+      if (this.finished) return;
+      this.cancel(new ConnectError("the call was cancelled", Code.Canceled));
+      this.finish();
+      this.observed.end(Code.Canceled);
+    });
+  }
+
+  get ended(): boolean {
+    return this.finished;
+  }
+
+  /** A reader of this method's request frames. */
+  reader<T extends Message>(): FrameReader<T> {
+    return new FrameReader<T>(this.method.input, this.options.maxMessageBytes);
+  }
+
+  onData(listener: (chunk: Buffer) => void): void {
+    this.stream.on("data", listener);
+  }
+
+  /** The client finished sending. */
+  onEnd(listener: () => void): void {
+    this.stream.once("end", () => {
+      if (!this.finished) listener();
+    });
+  }
+
+  /** Called once when the call ends early: deadline, client gone, or shutdown (UNAVAILABLE). */
+  onCancel(listener: (reason: ConnectError) => void): void {
+    this.cancelListeners.push(listener);
+    if (!this.onShutdown) {
+      const signal = this.options.shutdownSignal;
+      this.onShutdown = () => {
+        const reason = ConnectError.from(signal.reason, Code.Unavailable);
+        this.cancel(reason);
+        this.end(reason);
+      };
+      if (signal.aborted) queueMicrotask(this.onShutdown);
+      else signal.addEventListener("abort", this.onShutdown, { once: true });
+    }
+  }
+
+  /** Authenticates the caller; again when its token's expiry has passed. */
+  async authenticate(): Promise<void> {
+    const access = this.options.access;
+    if (!access.protects(this.service.typeName)) return;
+    if (this.authenticated && !this.callerExpired()) return;
+    this.caller = await access.caller(this.method.name, header(this.headers, "authorization"));
+    this.authenticated = true;
+    this.observed.principal = this.caller;
+  }
+
+  /**
+   * Checks a request message against access control (after authenticate).
+   * Synchronous when nothing needs the session authorizer (a KeepAlive
+   * stream's later renewals), so a stream adds no promise per message.
+   */
+  check(message: object, decided?: Map<string, number>): void | Promise<void> {
+    const access = this.options.access;
+    if (!access.protects(this.service.typeName)) return;
+    const principal = access.check(
+      this.method.name,
+      this.method.input,
+      message,
+      this.caller,
+      decided,
+    );
+    if (principal instanceof Promise) {
+      return principal.then((p) => {
+        this.observed.principal = p;
+      });
+    }
+    this.observed.principal = principal;
+  }
+
+  private authenticated = false;
+
+  // A stream outlives its token: once the token's expiry passes, the next
+  // message authenticates the caller again (and fails with "expired").
+  private callerExpired(): boolean {
+    const until = this.caller?.validUntilMs;
+    return until !== undefined && Date.now() >= until;
+  }
+
+  /** Sends the response headers, if not yet sent. */
+  sendHeaders(): void {
+    if (this.headersSent || this.finished || this.stream.destroyed || this.stream.closed) return;
+    this.headersSent = true;
     const out: http2.OutgoingHttpHeaders = {
       ":status": 200,
-      "content-type": contentType,
-      [requestIdHeader]: call.requestId,
+      "content-type": grpcContentType,
+      [requestIdHeader]: this.observed.requestId,
     };
-    context.responseHeaderInto(out);
-    stream.respond(out, { waitForTrailers: true });
-    const trailers = context.responseTrailerInto({ ...okTrailers }) ?? okTrailers;
-    stream.once("wantTrailers", () => stream.sendTrailers(trailers));
-    stream.end(frame);
-  };
-
-  const timeout = parseTimeout(header(headers, "grpc-timeout"), maxTimeoutMs);
-  if (timeout.error) {
-    fail(timeout.error);
-    return;
+    this.context.responseHeaderInto(out);
+    this.stream.respond(out, { waitForTrailers: true });
+    this.stream.once("wantTrailers", () => this.stream.sendTrailers(this.trailers));
   }
-  if (timeout.timeoutMs !== undefined) {
-    context.deadlineMs = timeout.timeoutMs;
-    deadline = setTimeout(() => {
-      const error = new ConnectError("the operation timed out", Code.DeadlineExceeded);
-      context.abort(error);
-      fail(error);
-    }, timeout.timeoutMs);
-  }
-  // The client went away (RST_STREAM, a closed connection) before the answer.
-  stream.once("close", () => {
-    if (answered) return;
-    finish();
-    context.abort(new ConnectError("the call was cancelled", Code.Canceled));
-    call.end(Code.Canceled);
-  });
 
-  const chunks: Buffer[] = [];
-  let size = 0;
-  stream.on("data", (chunk: Buffer) => {
-    // Keep reading past the limit (the client may not stop) but keep only
-    // what the size check needs: the prefix that holds the length.
-    if (size <= options.maxMessageBytes + 5 || size < 5) chunks.push(chunk);
-    size += chunk.length;
-  });
-  stream.once("end", () => {
-    if (answered) return;
-    let request: Message;
-    try {
-      request = decodeRequest(method.input, chunks, size, options.maxMessageBytes);
-    } catch (error) {
-      fail(error);
+  /**
+   * Writes message frames (already encoded, possibly several in one buffer).
+   * Returns false when the stream's buffer is full: wait for `onDrain`.
+   */
+  write(frames: Buffer): boolean {
+    if (this.finished || this.stream.destroyed) return true;
+    this.sendHeaders();
+    return this.stream.write(frames);
+  }
+
+  onDrain(listener: () => void): void {
+    this.stream.once("drain", listener);
+  }
+
+  /** The one answer of a unary call. */
+  replyOnce(frame: Buffer): void {
+    if (this.finished) return;
+    this.write(frame);
+    this.end();
+  }
+
+  private trailers: http2.OutgoingHttpHeaders = okTrailers;
+
+  /** Ends the call: OK without an error, else with its status (mapped by the error table). */
+  end(error?: unknown): void {
+    if (this.finished) return;
+    this.finish();
+    if (error === undefined) {
+      this.observed.end();
+      this.trailers = this.context.withResponseTrailer(this.trailers);
+      if (!this.stream.destroyed && !this.stream.closed) {
+        this.sendHeaders();
+        this.stream.end();
+      }
       return;
     }
-    run(options.access, route, request, headers, context, call).then(succeed, fail);
-  });
-}
+    const ce = toConnectError(error);
+    ce.metadata.set(requestIdHeader, this.observed.requestId);
+    this.observed.end(ce.code, ce);
+    if (this.stream.destroyed || this.stream.closed) return;
+    if (!this.headersSent) {
+      // Trailers-only: the status in the one HEADERS frame that ends the stream.
+      this.stream.respond(
+        { ":status": 200, "content-type": grpcContentType, ...errorTrailers(ce) },
+        { endStream: true },
+      );
+      return;
+    }
+    this.trailers = errorTrailers(ce);
+    this.stream.end();
+  }
 
-async function run(
-  access: Access,
-  route: Route,
-  request: Message,
-  headers: http2.IncomingHttpHeaders,
-  context: NativeContext,
-  call: ObservedCall,
-): Promise<unknown> {
-  const { service, method } = route;
-  if (access.protects(service.typeName)) {
-    const caller = await access.caller(method.name, header(headers, "authorization"));
-    call.principal = caller;
-    const principal = await access.check(method.name, method.input, request, caller);
-    call.principal = principal;
+  private finish(): void {
+    this.finished = true;
+    if (this.deadline) clearTimeout(this.deadline);
+    if (this.onShutdown) {
+      this.options.shutdownSignal.removeEventListener("abort", this.onShutdown);
+    }
+    this.context.done();
   }
-  return route.fn(request, context);
-}
 
-/** The one message of a unary request: a 5-byte prefix (flags, length) and the protobuf bytes. */
-function decodeRequest(
-  desc: DescMessage,
-  chunks: Buffer[],
-  size: number,
-  maxMessageBytes: number,
-): Message {
-  if (size < 5) throw new InvalidArgumentError("request message", "is missing");
-  const body = chunks.length === 1 ? (chunks[0] as Buffer) : Buffer.concat(chunks);
-  const length = body.readUInt32BE(1);
-  if (length > maxMessageBytes) {
-    throw new ConnectError(
-      `message size ${length} is larger than configured readMaxBytes ${maxMessageBytes}`,
-      Code.ResourceExhausted,
-    );
+  private cancel(reason: ConnectError): void {
+    if (this.finished) return;
+    this.context.abort(reason);
+    for (const listener of this.cancelListeners.splice(0)) listener(reason);
   }
-  if ((body[0] ?? 0) & 1) {
-    throw new ConnectError(
-      "request message: flagged compressed, but the request names no grpc-encoding",
-      Code.InvalidArgument,
-    );
-  }
-  if (size !== 5 + length) {
-    throw new ConnectError(
-      `request message: expected one message of ${length} bytes in a unary call, got ${size - 5}`,
-      Code.InvalidArgument,
-    );
-  }
-  try {
-    return fromBinary(desc, body.subarray(5));
-  } catch (error) {
-    // The same words the Connect path uses (parse-errors.ts).
-    throw new ConnectError(
-      `request message: parse binary: ${(error as Error).message}`,
-      Code.InvalidArgument,
-    );
-  }
-}
-
-function encodeFrame(desc: DescMessage, response: unknown): Buffer {
-  const message =
-    (response as Message).$typeName === desc.typeName
-      ? (response as Message)
-      : create(desc, response as Record<string, unknown>);
-  const bytes = toBinary(desc, message);
-  const frame = Buffer.allocUnsafe(5 + bytes.length);
-  frame[0] = 0;
-  frame.writeUInt32BE(bytes.length, 1);
-  frame.set(bytes, 5);
-  return frame;
 }
 
 function header(headers: http2.IncomingHttpHeaders, name: string): string | null {
@@ -278,8 +369,6 @@ function header(headers: http2.IncomingHttpHeaders, name: string): string | null
  * at its signal or headers (most) pays for neither.
  */
 class NativeContext implements HandlerContext {
-  readonly method: DescMethod;
-  readonly service: DescService;
   readonly requestMethod = "POST";
   readonly protocolName = "grpc";
   deadlineMs: number | undefined;
@@ -294,13 +383,11 @@ class NativeContext implements HandlerContext {
   private readonly started = performance.now();
 
   constructor(
-    route: Route,
+    readonly service: DescService,
+    readonly method: DescMethod,
     private readonly headers: http2.IncomingHttpHeaders,
     private readonly shutdownSignal: AbortSignal,
-  ) {
-    this.method = route.method;
-    this.service = route.service;
-  }
+  ) {}
 
   readonly timeoutMs = (): number | undefined =>
     this.deadlineMs === undefined
@@ -351,14 +438,15 @@ class NativeContext implements HandlerContext {
     return this.lazyResponseTrailer;
   }
 
-  /** Adds the headers a handler set, if any, to `out`. */
+  /** Adds the response headers a handler set, if any, to `out`. */
   responseHeaderInto(out: http2.OutgoingHttpHeaders): void {
     if (this.lazyResponseHeader) for (const [k, v] of this.lazyResponseHeader) out[k] = v;
   }
 
-  /** `out` with the trailers a handler set, or undefined when it set none. */
-  responseTrailerInto(out: http2.OutgoingHttpHeaders): http2.OutgoingHttpHeaders | undefined {
-    if (!this.lazyResponseTrailer) return undefined;
+  /** `trailers`, or a copy with the trailers a handler set when it set any. */
+  withResponseTrailer(trailers: http2.OutgoingHttpHeaders): http2.OutgoingHttpHeaders {
+    if (!this.lazyResponseTrailer) return trailers;
+    const out = { ...trailers };
     for (const [k, v] of this.lazyResponseTrailer) out[k] = v;
     return out;
   }

@@ -7,6 +7,7 @@ import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
 import {
   HandoffRequestedSchema,
+  type KeepAliveRequest,
   type KeepAliveResponse,
   KeepAliveResponseSchema,
   type LeaseService,
@@ -14,6 +15,7 @@ import {
   RequestHandoffResponseSchema,
   SessionKeySchema,
   SnapshotSchema,
+  type WatchRequest,
   type WatchResponse,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
@@ -22,7 +24,11 @@ import { InvalidArgumentError } from "../lease/errors.js";
 import type { Limits } from "../lease/limits.js";
 import type { LeaseStore, Scope } from "../lease/types.js";
 import { checkId, checkKey, checkOptionalTtl, checkRunId, checkText } from "../lease/validation.js";
-import type { KeepAliveAnswer, KeepAliveHub } from "../streams/keepalive.js";
+import type {
+  KeepAliveAnswer,
+  KeepAliveHub,
+  KeepAliveRequest as KeepAliveHubRequest,
+} from "../streams/keepalive.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import { changeToEvent, leaseToProto, timestampFromMicros } from "./convert.js";
 
@@ -58,12 +64,7 @@ export function createStreamService(
     async *keepAlive(requests, ctx) {
       const session = deps.keepAlive.open();
       const reading = (async () => {
-        for await (const req of requests) {
-          const key = checkKey("key", req.key, limits);
-          const runId = checkRunId("run_id", req.runId);
-          const ttlMs = checkOptionalTtl("ttl", req.ttl, limits);
-          session.submit({ key, runId, ttlMs });
-        }
+        for await (const req of requests) session.submit(keepAliveRequest(req, limits));
         session.endRequests();
       })().catch((error: unknown) => session.fail(error));
       try {
@@ -77,13 +78,9 @@ export function createStreamService(
     },
 
     async *watch(req, ctx) {
-      if (!req.key) throw new InvalidArgumentError("key", "is required");
-      const scope: Scope = {
-        accountId: checkId("key.account_id", req.key.accountId, limits),
-        sessionId:
-          req.key.sessionId === "" ? "" : checkId("key.session_id", req.key.sessionId, limits),
-      };
-      const watcher = deps.watch.open(scope, { includeRenewals: req.includeRenewals });
+      const watcher = deps.watch.open(watchScope(req, limits), {
+        includeRenewals: req.includeRenewals,
+      });
       try {
         for await (const message of watcher.messages(ctx.signal)) yield watchMessage(message);
         throwIfAborted(ctx);
@@ -105,7 +102,25 @@ export function createStreamService(
   };
 }
 
-function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
+/** A KeepAlive request, validated. */
+export function keepAliveRequest(req: KeepAliveRequest, limits: Limits): KeepAliveHubRequest {
+  return {
+    key: checkKey("key", req.key, limits),
+    runId: checkRunId("run_id", req.runId),
+    ttlMs: checkOptionalTtl("ttl", req.ttl, limits),
+  };
+}
+
+/** The scope of a Watch request, validated: one session, or the account when session_id is empty. */
+export function watchScope(req: WatchRequest, limits: Limits): Scope {
+  if (!req.key) throw new InvalidArgumentError("key", "is required");
+  return {
+    accountId: checkId("key.account_id", req.key.accountId, limits),
+    sessionId: req.key.sessionId === "" ? "" : checkId("key.session_id", req.key.sessionId, limits),
+  };
+}
+
+export function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
   if (answer.kind === "lease") {
     const lease = leaseToProto(answer.lease);
     return create(KeepAliveResponseSchema, {
@@ -139,7 +154,7 @@ function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
   });
 }
 
-function watchMessage(message: WatchMessage): WatchResponse {
+export function watchMessage(message: WatchMessage): WatchResponse {
   if (message.kind === "snapshot") {
     return create(WatchResponseSchema, {
       kind: {

@@ -48,6 +48,22 @@ export interface KeepAliveSession {
   fail(error: unknown): void;
   /** The answers, until the requests end, the stream fails or `signal` aborts. */
   answers(signal: AbortSignal): AsyncGenerator<KeepAliveAnswer>;
+  /**
+   * The other way to consume answers (the native gRPC path): `ready` is
+   * called, at most once per turn of the event loop's microtasks, whenever
+   * answers wait, the stream failed or it finished; `take` then collects them.
+   */
+  listen(ready: () => void): void;
+  /**
+   * Takes up to `max` waiting answers. `failure` is set once the stream
+   * failed (its answers are dropped); `finished` once the requests ended and
+   * every one is answered and taken.
+   */
+  take(max: number): {
+    answers: KeepAliveAnswer[];
+    failure?: { error: unknown };
+    finished: boolean;
+  };
   close(): void;
 }
 
@@ -81,6 +97,8 @@ class Session implements KeepAliveSession {
   private requestsEnded = false;
   private failure: { error: unknown } | undefined;
   private wake: (() => void) | undefined;
+  private ready: (() => void) | undefined;
+  private readyScheduled = false;
   private closed = false;
   /** Runs this stream renews, by key and run. */
   readonly runs = new Map<string, Run>();
@@ -242,6 +260,30 @@ class Session implements KeepAliveSession {
     const wake = this.wake;
     this.wake = undefined;
     wake?.();
+    if (this.ready && !this.readyScheduled) {
+      // Every answer of one renewal batch arrives in the same turn: one call
+      // of `ready` takes them all, so a stream writes them at once.
+      this.readyScheduled = true;
+      queueMicrotask(() => {
+        this.readyScheduled = false;
+        if (!this.closed) this.ready?.();
+      });
+    }
+  }
+
+  listen(ready: () => void) {
+    this.ready = ready;
+    this.notify();
+  }
+
+  take(max: number) {
+    if (this.failure) return { answers: [], failure: this.failure, finished: false };
+    const answers = this.queue.length <= max ? this.queue : this.queue.slice(0, max);
+    this.queue = this.queue.length <= max ? [] : this.queue.slice(max);
+    return {
+      answers,
+      finished: this.requestsEnded && this.inFlight === 0 && this.queue.length === 0,
+    };
   }
 
   endRequests() {

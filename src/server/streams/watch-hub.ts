@@ -27,6 +27,15 @@ export type WatchMessage =
 export interface Watcher {
   /** The watcher's messages: a snapshot first. Ends when `signal` aborts. */
   messages(signal: AbortSignal): AsyncGenerator<WatchMessage>;
+  /**
+   * The other way to consume messages (the native gRPC path): `ready` is
+   * called (synchronously, from the fan-out) whenever messages may wait;
+   * `take` then collects them. Do not call `take` again before a returned
+   * promise (a snapshot being read) settles.
+   */
+  listen(ready: () => void): void;
+  /** The waiting messages: a fresh snapshot when one is due (read from the database), else the changes. */
+  take(): WatchMessage[] | Promise<WatchMessage[]>;
   close(): void;
 }
 
@@ -115,6 +124,7 @@ class WatcherImpl implements Watcher {
   needsSnapshot = true;
   readonly guard = new OrderGuard();
   private wake: (() => void) | undefined;
+  private ready: (() => void) | undefined;
   closed = false;
 
   constructor(
@@ -158,6 +168,36 @@ class WatcherImpl implements Watcher {
     const wake = this.wake;
     this.wake = undefined;
     wake?.();
+    this.ready?.();
+  }
+
+  listen(ready: () => void) {
+    this.ready = ready;
+    ready();
+  }
+
+  take(): WatchMessage[] | Promise<WatchMessage[]> {
+    if (this.closed) return [];
+    if (this.needsSnapshot) return this.snapshot().then((m) => [m]);
+    const messages: WatchMessage[] = [];
+    for (const change of this.queue) {
+      if (this.guard.accept(change)) messages.push({ kind: "change", change });
+    }
+    this.queue = [];
+    return messages;
+  }
+
+  private async snapshot(): Promise<WatchMessage> {
+    this.needsSnapshot = false;
+    this.queue = [];
+    const reading = await this.hub.read(this.scope);
+    this.guard.seed(reading.rows);
+    this.hub.resnapshotted();
+    return {
+      kind: "snapshot",
+      leases: reading.rows.filter((r) => r.valid).map(toLease),
+      atUs: reading.observedAtUs,
+    };
   }
 
   async *messages(signal: AbortSignal): AsyncGenerator<WatchMessage> {
@@ -167,16 +207,7 @@ class WatcherImpl implements Watcher {
     });
     while (!signal.aborted && !this.closed) {
       if (this.needsSnapshot) {
-        this.needsSnapshot = false;
-        this.queue = [];
-        const reading = await this.hub.read(this.scope);
-        this.guard.seed(reading.rows);
-        this.hub.resnapshotted();
-        yield {
-          kind: "snapshot",
-          leases: reading.rows.filter((r) => r.valid).map(toLease),
-          atUs: reading.observedAtUs,
-        };
+        yield await this.snapshot();
         continue;
       }
       const change = this.queue.shift();

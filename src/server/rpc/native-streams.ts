@@ -1,0 +1,296 @@
+// KeepAlive and Watch on the native gRPC path (grpc-native.ts), over the same
+// hubs as the Connect path (stream-service.ts) and with the same validation
+// and conversion. What differs is how messages move:
+//
+// - KeepAlive: request frames are read and submitted as they arrive, with
+//   no promise per message once the caller's session decisions are known;
+//   the answers of one renewal batch are taken in one pass and written as
+//   one buffer.
+// - Watch: an event is encoded once, and the same bytes are written to every
+//   watcher's stream. Watchers ready to write are served in slices, each
+//   followed by a turn of the event loop, so that thousands of watchers of
+//   one account do not stall it.
+//
+// Both respect the stream's flow control: while a client does not read, its
+// answers wait in the hub, whose bounds apply as on the Connect path (a
+// KeepAlive stream ends with RESOURCE_EXHAUSTED, a watcher gets a fresh
+// snapshot instead of the changes it missed).
+
+import type { Message } from "@bufbuild/protobuf";
+import { Code, ConnectError } from "@connectrpc/connect";
+import {
+  type KeepAliveRequest,
+  KeepAliveResponseSchema,
+  type WatchRequest,
+  WatchResponseSchema,
+} from "../../gen/leasehold/v1/lease_pb.js";
+import type { LeaseChange } from "../lease/lease-change.js";
+import type { Limits } from "../lease/limits.js";
+import type { KeepAliveHub } from "../streams/keepalive.js";
+import type { AccountSlots } from "../streams/stream-limits.js";
+import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
+import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
+import { encodeFrame } from "./grpc-wire.js";
+import { keepAliveAnswer, keepAliveRequest, watchMessage, watchScope } from "./stream-service.js";
+
+export interface NativeStreamsOptions {
+  keepAlive: KeepAliveHub;
+  watch: WatchHub;
+  /** The watcher quota per account, shared with the Connect path. */
+  watchSlots: AccountSlots;
+  limits: Limits;
+}
+
+// Answers taken from a KeepAlive session per write.
+const answersPerWrite = 512;
+// Watchers written to before the fan-out yields to the event loop.
+const watchersPerSlice = 256;
+
+export function nativeStreams(options: NativeStreamsOptions): {
+  KeepAlive: NativeStreamHandler;
+  Watch: NativeStreamHandler;
+} {
+  const schedule = createSliceScheduler(watchersPerSlice);
+  // Events are shared by every watcher of their scope: encoded once, kept as
+  // long as some watcher still has the change queued.
+  const eventFrames = new WeakMap<LeaseChange, Buffer>();
+  const frameOf = (message: WatchMessage): Buffer => {
+    if (message.kind !== "change") return encodeFrame(WatchResponseSchema, watchMessage(message));
+    let frame = eventFrames.get(message.change);
+    if (!frame) {
+      frame = encodeFrame(WatchResponseSchema, watchMessage(message));
+      eventFrames.set(message.change, frame);
+    }
+    return frame;
+  };
+  return {
+    KeepAlive: (call) => serveKeepAlive(call, options),
+    Watch: (call) => serveWatch(call, options, schedule, frameOf),
+  };
+}
+
+function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
+  const session = options.keepAlive.open();
+  const reader = call.reader<KeepAliveRequest>();
+  const decided = new Map<string, number>();
+  let blocked = false;
+
+  const fail = (error: unknown) => session.fail(error);
+  const flush = () => {
+    while (!blocked && !call.ended) {
+      const { answers, failure, finished } = session.take(answersPerWrite);
+      if (failure) {
+        session.close();
+        call.end(failure.error);
+        return;
+      }
+      if (answers.length > 0) {
+        const frames = answers.map((a) => encodeFrame(KeepAliveResponseSchema, keepAliveAnswer(a)));
+        if (!call.write(frames.length === 1 ? (frames[0] as Buffer) : Buffer.concat(frames))) {
+          blocked = true;
+          call.onDrain(() => {
+            blocked = false;
+            flush();
+          });
+        }
+      }
+      if (finished) {
+        session.close();
+        call.end();
+        return;
+      }
+      if (answers.length < answersPerWrite) return;
+    }
+  };
+
+  // Requests are handled in order. While one waits on an asynchronous check
+  // (the caller's authentication at first, then the session authorizer for a
+  // session not yet decided), the ones behind it wait here.
+  let waiting: KeepAliveRequest[] | undefined = [];
+  let ending = false;
+  const submit = (message: KeepAliveRequest) => {
+    try {
+      session.submit(keepAliveRequest(message, options.limits));
+    } catch (error) {
+      fail(error);
+    }
+  };
+  const release = () => {
+    const queued = waiting ?? [];
+    waiting = undefined;
+    for (const message of queued) handle(message);
+    if (ending && waiting === undefined) end();
+  };
+  const handle = (message: KeepAliveRequest) => {
+    if (waiting) {
+      waiting.push(message);
+      return;
+    }
+    let checked: void | Promise<void>;
+    try {
+      checked = call.check(message, decided);
+    } catch (error) {
+      fail(error);
+      return;
+    }
+    if (!(checked instanceof Promise)) {
+      submit(message);
+      return;
+    }
+    waiting = [];
+    checked.then(() => {
+      submit(message);
+      release();
+    }, fail);
+  };
+  const end = () => {
+    if (reader.incomplete) {
+      fail(
+        new ConnectError(
+          "request message: the stream ended inside a message",
+          Code.InvalidArgument,
+        ),
+      );
+    } else {
+      session.endRequests();
+    }
+  };
+
+  // The caller is known before any message is handled: a stream without a
+  // valid token ends at once, as on the Connect path.
+  call.authenticate().then(
+    () => {
+      session.listen(flush);
+      release();
+    },
+    (error: unknown) => {
+      session.close();
+      call.end(error);
+    },
+  );
+  call.onData((chunk) => {
+    let messages: KeepAliveRequest[];
+    try {
+      messages = reader.push(chunk);
+    } catch (error) {
+      fail(error);
+      return;
+    }
+    for (const message of messages) handle(message);
+  });
+  call.onEnd(() => {
+    ending = true;
+    if (waiting === undefined) end();
+  });
+  // Releases nothing: the stream's leases run to their deadlines.
+  call.onCancel(() => session.close());
+}
+
+function serveWatch(
+  call: NativeCall,
+  options: NativeStreamsOptions,
+  schedule: (flush: () => void) => void,
+  frameOf: (message: WatchMessage) => Buffer,
+): void {
+  const reader = call.reader<WatchRequest>();
+  let request: WatchRequest | undefined;
+  let extra = false;
+  call.onData((chunk) => {
+    try {
+      const messages = reader.push(chunk) as WatchRequest[];
+      if (request === undefined) request = messages.shift();
+      if (messages.length > 0) extra = true;
+    } catch (error) {
+      call.end(error);
+    }
+  });
+  call.onEnd(() => {
+    void (async () => {
+      if (request === undefined || extra || reader.incomplete) {
+        throw new ConnectError(
+          "request message: Watch takes exactly one request message",
+          Code.InvalidArgument,
+        );
+      }
+      await call.authenticate();
+      await call.check(request);
+      const scope = watchScope(request, options.limits);
+      const account = call.observed.principal?.account ?? scope.accountId;
+      const leave = options.watchSlots.enter(account);
+      const watcher = options.watch.open(scope, { includeRenewals: request.includeRenewals });
+      let closed = false;
+      const close = () => {
+        if (closed) return;
+        closed = true;
+        watcher.close();
+        leave();
+      };
+      call.onCancel(close);
+      call.stream.once("close", close);
+
+      let busy = false;
+      let blocked = false;
+      const write = (messages: WatchMessage[]) => {
+        if (messages.length === 0 || call.ended) return;
+        const frames = messages.map(frameOf);
+        if (!call.write(frames.length === 1 ? (frames[0] as Buffer) : Buffer.concat(frames))) {
+          blocked = true;
+          call.onDrain(() => {
+            blocked = false;
+            schedule(flush);
+          });
+        }
+      };
+      const flush = () => {
+        if (busy || blocked || call.ended) return;
+        const taken = watcher.take();
+        if (taken instanceof Promise) {
+          busy = true;
+          taken.then(
+            (messages) => {
+              busy = false;
+              write(messages);
+              schedule(flush);
+            },
+            (error: unknown) => {
+              close();
+              call.end(error);
+            },
+          );
+          return;
+        }
+        write(taken);
+      };
+      watcher.listen(() => schedule(flush));
+    })().catch((error: unknown) => call.end(error));
+  });
+}
+
+/**
+ * Runs scheduled work in slices of `slice` callbacks, with a turn of the
+ * event loop between slices. A callback scheduled twice before it runs runs once.
+ */
+function createSliceScheduler(slice: number): (work: () => void) => void {
+  const queue = new Set<() => void>();
+  let scheduled = false;
+  const run = () => {
+    scheduled = false;
+    let n = 0;
+    for (const work of queue) {
+      queue.delete(work);
+      work();
+      if (++n >= slice) break;
+    }
+    if (queue.size > 0 && !scheduled) {
+      scheduled = true;
+      setImmediate(run);
+    }
+  };
+  return (work) => {
+    queue.add(work);
+    if (!scheduled) {
+      scheduled = true;
+      setImmediate(run);
+    }
+  };
+}
