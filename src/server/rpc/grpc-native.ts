@@ -191,6 +191,9 @@ export class NativeCall {
         this.end(error);
       }, timeout.timeoutMs);
     }
+    // A stream error (a reset, a protocol error of the peer) is followed by
+    // 'close', handled below; unhandled, the 'error' event would end the process.
+    stream.on("error", ignore);
     // The client went away (RST_STREAM, a closed connection) before the end.
     stream.once("close", () => {
       if (this.finished) return;
@@ -358,6 +361,8 @@ export class NativeCall {
     for (const listener of this.cancelListeners.splice(0)) listener(reason);
   }
 }
+
+function ignore(): void {}
 
 function header(headers: http2.IncomingHttpHeaders, name: string): string | null {
   const value = headers[name];
