@@ -2,30 +2,15 @@
 // server: the child command holds the lease, is stopped when the lease is
 // lost (L2), and the watcher prints changes made by another client.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createLeaseClient, durationFromMs, type LeaseClient } from "../src/client/index.js";
+import { describe, expect, it } from "vitest";
+import { createLeaseClient, durationFromMs } from "../src/client/index.js";
 import { freePort } from "../src/server/db/embedded-postgres.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { RunningServer } from "../src/server/server.js";
 import { runCli, startCli } from "./support/cli.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = createLeaseClient({ baseUrl: server.url });
-});
-afterAll(async () => {
-  client?.close();
-  await server?.close();
-  await db?.close();
-});
+const { db, server, library: client, startServer } = useTestServer();
 
 async function storedLease(key: { accountId: string; sessionId: string }) {
   const [row] = await db.sql<{ fencingToken: bigint; runId: string; ended: string | null }[]>`
@@ -151,7 +136,7 @@ describe("leasehold watch", () => {
   it("L1: when its server restarts, watch says so and watches again: a fresh snapshot, then changes", async () => {
     const port = await freePort();
     const listen = ["--listen", `127.0.0.1:${port}`];
-    let restarting = await startTestServer(db.url, listen);
+    let restarting = await startServer(listen);
     const key = freshKey("rewatched");
     const watch = startCli([
       ...["watch", "--server", restarting.url],
@@ -161,7 +146,7 @@ describe("leasehold watch", () => {
       await watch.line(/SNAPSHOT/);
       const before = watch.lines.length;
       await restarting.close();
-      restarting = await startTestServer(db.url, listen);
+      restarting = await startServer(listen);
       await watch.line(/SNAPSHOT/, before);
       const other = createLeaseClient({ baseUrl: restarting.url });
       const grant = await other.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });

@@ -2,23 +2,19 @@
 // over independent connections.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { Sql } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, untilExpired } from "./support/leases.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 let store: LeaseStore;
 
-beforeAll(async () => {
-  db = await createTestDatabase();
+beforeAll(() => {
   store = createLeaseStore(db.sql);
-});
-afterAll(async () => {
-  await db.close();
 });
 
 const acquire = (s: LeaseStore, key: { accountId: string; sessionId: string }, ttlMs = 30_000) =>

@@ -3,26 +3,22 @@
 // row an acquire is working on, and keeps S6 for the keys it deleted.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
 import { createLogger } from "../src/server/observability/logger.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 let store: LeaseStore;
 let retention: Retention;
 const day = 86_400_000;
 
-beforeAll(async () => {
-  db = await createTestDatabase();
+beforeAll(() => {
   store = createLeaseStore(db.sql);
   retention = createRetention(db.sql, { eventRetentionMs: 30 * day, tombstoneHorizonMs: day });
-});
-afterAll(async () => {
-  await db?.close();
 });
 
 // Moves a row's times into the past, as if it ended `ageMs` ago.

@@ -3,29 +3,21 @@
 // inside the database finishes, leases stay, and the pool closes. Also for
 // `leasehold serve` on SIGTERM, which exits with status 0.
 
-import { create } from "@bufbuild/protobuf";
-import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import {
   Health,
   HealthCheckResponse_ServingStatus as Status,
 } from "../src/gen/grpc/health/v1/health_pb.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { seconds } from "./support/calls.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { grpcClient, spawnServer, startTestServer } from "./support/server.js";
+import { grpcClient } from "./support/server.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
+// Each test closes its own server, the event under test; the fixture's
+// teardown closes them again only if a test failed before it could.
+const { db, startServer, spawnServer } = useTestDatabase();
 
 /** Statuses of a health Watch until the stream ends, and how it ended. */
 function watchHealth(url: string) {
@@ -51,7 +43,7 @@ function watchHealth(url: string) {
 
 describe("graceful shutdown", () => {
   it("S1: NOT_SERVING, streams end UNAVAILABLE, an in-flight acquire completes, the lease stays", async () => {
-    const server = await startTestServer(db.url, ["--lock-timeout", "10s"]);
+    const server = await startServer(["--lock-timeout", "10s"]);
     const client = grpcClient(server.url);
     const kept = freshKey("kept");
     const a = await client.acquire({ key: kept, ttl: seconds(600) });
@@ -112,7 +104,7 @@ describe("graceful shutdown", () => {
   });
 
   it("`leasehold serve` on SIGTERM ends streams with UNAVAILABLE and exits with status 0", async () => {
-    const proc = await spawnServer(db.url);
+    const proc = await spawnServer();
     const watch = watchHealth(proc.url);
     await watch.started;
     const exited = new Promise<number | null>((resolve) => proc.child.once("exit", resolve));

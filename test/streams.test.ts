@@ -5,7 +5,7 @@
 import { randomUUID } from "node:crypto";
 import { fromBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import {
   EventType,
   LossReason,
@@ -13,27 +13,14 @@ import {
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/server/lease/limits.js";
-import type { LeaseServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
+import { grpcClient } from "./support/server.js";
 import { answerFor, ms, openKeepAlive, openWatch } from "./support/streams.js";
 
-let db: TestDatabase;
-let server: LeaseServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url, [], {
-    limits: { ...defaultLimits, minTtlMs: 50, watchBufferLength: 8 },
-  });
-  client = grpcClient(server.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
+const { db, server, client, startServer } = useTestServer({
+  overrides: { limits: { ...defaultLimits, minTtlMs: 50, watchBufferLength: 8 } },
 });
 
 const lossOf = (m: { result: { case?: string; value?: unknown } }) =>
@@ -391,7 +378,7 @@ describe("Acquire with wait", () => {
 
 describe("graceful shutdown", () => {
   it("ends KeepAlive and Watch streams with UNAVAILABLE; leases stay", async () => {
-    const other = await startTestServer(db.url);
+    const other = await startServer();
     const c = grpcClient(other.url);
     const key = freshKey("shutdown");
     const a = await c.acquire({ key, ttl: ms(60_000) });

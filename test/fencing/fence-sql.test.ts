@@ -4,16 +4,15 @@
 
 import { randomUUID } from "node:crypto";
 import fc from "fast-check";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { fence, highestToken, type Transaction } from "../../src/guarded/fence.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import { InvalidArgumentError, StaleFencingTokenError } from "../../src/server/lease/errors.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   // The resource's own data: one row per accepted write, in commit order.
   await db.sql`
     CREATE TABLE resource_writes (
@@ -22,10 +21,6 @@ beforeAll(async () => {
       session_id text NOT NULL,
       token bigint NOT NULL
     )`;
-});
-
-afterAll(async () => {
-  await db?.close();
 });
 
 const newKey = () => ({ accountId: "acct", sessionId: `s-${randomUUID()}` });

@@ -6,21 +6,14 @@
 // racing fresh acquirers of the same key.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../../src/server/db/lease-store.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import type { LeaseStore, SessionKey } from "../../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 import { freshKey } from "../support/leases.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
+const { db } = useTestDatabase();
 
 interface Grant {
   session: string;
