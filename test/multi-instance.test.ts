@@ -20,6 +20,7 @@ import { freshKey } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
 import { grpcClient, type LeaseClient, type ServerProcess } from "./support/server.js";
 import { answerFor, logLine, ms, openKeepAlive, openWatch } from "./support/streams.js";
+import { waitFor, within } from "./support/wait.js";
 
 const { db, spawnServer } = useTestDatabase();
 let one: ServerProcess;
@@ -131,7 +132,11 @@ describe("two server processes on one database", () => {
       });
     });
     const nth = async (n: number) => {
-      while (order.length < n) await new Promise<void>((r) => onSettle.push(r));
+      while (order.length < n) {
+        await within(new Promise<void>((r) => onSettle.push(r)), {
+          what: `waiter number ${n} to be answered`,
+        });
+      }
       return order[n - 1] ?? -1;
     };
     let current = { runId: first.lease?.runId ?? "", token: first.lease?.fencingToken ?? 0n };
@@ -272,11 +277,12 @@ describe("two server processes on one database", () => {
         WHERE application_name = 'leasehold-listen' AND datname = ${name}`;
       // The instance tried to LISTEN again and was refused: the moment a
       // one-shot re-listen would have given up for good.
-      for (;;) {
-        const failures = await metricValue(two.url, "leasehold_notification_listen_failures_total");
-        if (failures > failuresBefore) break;
-        await new Promise((resolve) => setTimeout(resolve, 50));
-      }
+      await waitFor(
+        async () =>
+          (await metricValue(two.url, "leasehold_notification_listen_failures_total")) >
+          failuresBefore,
+        { what: "instance two to be refused a LISTEN connection", intervalMs: 50 },
+      );
       expect(await metricValue(two.url, "leasehold_notification_listening")).toBe(0);
     } finally {
       await admin.unsafe(`ALTER DATABASE "${name}" ALLOW_CONNECTIONS true`);

@@ -7,6 +7,7 @@ import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
 import { useTestDatabase } from "./support/fixture.js";
+import { untilExpired } from "./support/leases.js";
 
 const { db } = useTestDatabase();
 let store: LeaseStore;
@@ -56,7 +57,9 @@ describe("renewMany", () => {
     const revoked = await grant("cause-revoked");
     const takenOver = await grant("cause-taken", 50);
     const kept = await grant("cause-kept");
-    await db.sql`SELECT pg_sleep(0.1)`;
+    // On the database clock, past both 50 ms deadlines.
+    await untilExpired(db.sql, expired);
+    await untilExpired(db.sql, takenOver);
     await store.release(released, released.runId);
     await store.revoke(revoked, "test");
     const newRun = randomUUID();

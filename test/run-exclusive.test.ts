@@ -24,6 +24,7 @@ import type { SessionKey } from "../src/server/lease/types.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
+import { waitFor } from "./support/wait.js";
 
 const {
   db,
@@ -295,9 +296,10 @@ describe("handoff", () => {
         // Ask once the stream has renewed this run (the server then knows
         // which stream to tell); ctx.lease is replaced by every renewal.
         const granted = ctx.lease;
-        while (ctx.lease === granted && !ctx.signal.aborted) {
-          await new Promise((r) => setTimeout(r, 5));
-        }
+        await waitFor(() => ctx.lease !== granted || ctx.signal.aborted, {
+          what: "the KeepAlive stream to renew the run",
+          intervalMs: 5,
+        });
         const answer = await other.requestHandoff({
           key,
           requesterHolder: "browser",

@@ -14,6 +14,7 @@ import { seconds } from "./support/calls.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { grpcClient } from "./support/server.js";
+import { waitFor } from "./support/wait.js";
 
 // Each test closes its own server, the event under test; the fixture's
 // teardown closes them again only if a test failed before it could.
@@ -72,15 +73,15 @@ describe("graceful shutdown", () => {
     });
     await isLocked;
     const inFlight = client.acquire({ key: busy, ttl: seconds(60) });
-    // Wait until the server's statement is blocked on our lock.
-    await db.sql`
-      DO $$ BEGIN
-        WHILE NOT EXISTS (SELECT 1 FROM pg_stat_activity
-          WHERE datname = current_database() AND application_name = 'leasehold'
-            AND wait_event_type = 'Lock') LOOP
-          PERFORM pg_sleep(0.01);
-        END LOOP;
-      END $$`;
+    await waitFor(
+      async () =>
+        (
+          await db.sql`SELECT 1 FROM pg_stat_activity
+            WHERE datname = current_database() AND application_name = 'leasehold'
+              AND wait_event_type = 'Lock'`
+        ).length > 0,
+      { what: "the server's statement to block on the test's row lock" },
+    );
 
     const closing = server.close();
     const ended = await watch.ended;

@@ -18,6 +18,7 @@ import { freshKey, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
 import { grpcClient } from "./support/server.js";
 import { answerFor, ms, openKeepAlive, openWatch } from "./support/streams.js";
+import { waitFor } from "./support/wait.js";
 
 const { db, server, client, startServer } = useTestServer({
   overrides: { limits: { ...defaultLimits, minTtlMs: 50, watchBufferLength: 8 } },
@@ -353,14 +354,14 @@ describe("Acquire with wait", () => {
       { key, ttl: ms(60_000), wait: ms(60_000) },
       { signal: controller.signal },
     );
-    while (server.streaming.waiters.stats.waiting === 0) {
-      await new Promise((r) => setImmediate(r));
-    }
+    await waitFor(() => server.streaming.waiters.stats.waiting > 0, {
+      what: "the acquire to wait on the server",
+    });
     controller.abort();
     await expect(waiting).rejects.toBeInstanceOf(ConnectError);
-    while (server.streaming.waiters.stats.waiting > 0) {
-      await new Promise((r) => setImmediate(r));
-    }
+    await waitFor(() => server.streaming.waiters.stats.waiting === 0, {
+      what: "the server to drop the cancelled waiter",
+    });
     await client.release({ key, runId: a.lease?.runId ?? "" });
     const got = await client.get({ key });
     expect(got.held).toBe(false);
@@ -391,9 +392,9 @@ describe("graceful shutdown", () => {
     const waiting = c
       .acquire({ key, ttl: ms(60_000), wait: ms(60_000) })
       .catch((e: unknown) => ConnectError.from(e));
-    while (other.streaming.waiters.stats.waiting === 0) {
-      await new Promise((r) => setImmediate(r));
-    }
+    await waitFor(() => other.streaming.waiters.stats.waiting > 0, {
+      what: "the acquire to wait on the closing server",
+    });
     await other.close();
     await stream.reader.finished;
     await watch.reader.finished;
