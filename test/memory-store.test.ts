@@ -9,7 +9,7 @@ import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { AcquireResult, LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { useTestDatabase } from "./support/fixture.js";
-import { freshKey } from "./support/leases.js";
+import { freshKey, lockLeaseRow } from "./support/leases.js";
 import { createMemoryStore, manualClock } from "./support/memory-store.js";
 
 const { db } = useTestDatabase();
@@ -48,28 +48,8 @@ const subjects: { name: string; make: () => Subject }[] = [
                                 + interval '1 millisecond')`;
       },
       lock: async (key) => {
-        const other = db.connect(1);
-        let unlock!: () => void;
-        const gate = new Promise<void>((resolve) => {
-          unlock = resolve;
-        });
-        let locked!: () => void;
-        const isLocked = new Promise<void>((resolve) => {
-          locked = resolve;
-        });
-        const tx = other.begin(async (t) => {
-          await t`SELECT 1 FROM leases
-                  WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}
-                  FOR UPDATE`;
-          locked();
-          await gate;
-        });
-        await isLocked;
-        return async () => {
-          unlock();
-          await tx;
-          await other.end({ timeout: 1 });
-        };
+        const lock = await lockLeaseRow(db, key);
+        return () => lock.end();
       },
     }),
   },

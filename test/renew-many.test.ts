@@ -7,7 +7,7 @@ import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
 import { useTestDatabase } from "./support/fixture.js";
-import { untilExpired } from "./support/leases.js";
+import { lockLeaseRow, untilExpired } from "./support/leases.js";
 
 const { db } = useTestDatabase();
 let store: LeaseStore;
@@ -90,21 +90,7 @@ describe("renewMany", () => {
   it("S8: a row locked by a stuck transaction is skipped, the rest of the batch renews", async () => {
     const stuck = await grant("stuck-row");
     const free = await grant("free-row");
-    const other = db.connect(1);
-    let release!: () => void;
-    const holding = new Promise<void>((r) => {
-      release = r;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((r) => {
-      locked = r;
-    });
-    const tx = other.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${account} AND session_id = 'stuck-row' FOR UPDATE`;
-      locked();
-      await holding;
-    });
-    await isLocked;
+    const lock = await lockLeaseRow(db, stuck);
     const results = await store.renewMany(
       [stuck, free].map((l) => ({
         accountId: l.accountId,
@@ -116,8 +102,7 @@ describe("renewMany", () => {
       { wait: false },
     );
     expect(results.map((r) => r.outcome)).toEqual(["busy", "renewed"]);
-    release();
-    await tx;
+    await lock.end();
     const retried = await store.renewMany([{ ...stuck, ttlMs: undefined, lookupHandoff: false }], {
       wait: true,
     });

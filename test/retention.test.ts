@@ -8,6 +8,7 @@ import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
 import { createLogger } from "../src/server/observability/logger.js";
+import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 
@@ -68,28 +69,16 @@ describe("tombstone collector", () => {
     await store.release(key, a.lease.runId);
     await age(key, 2 * day);
 
-    const other = db.connect(1);
-    let regranted!: () => void;
-    const granted = new Promise<void>((resolve) => {
-      regranted = resolve;
-    });
-    let commit!: () => void;
-    const committing = new Promise<void>((resolve) => {
-      commit = resolve;
-    });
     // A transaction that re-grants the row and holds its lock, as an
     // acquire does between its row lock and its commit.
-    const tx = other.begin(async (t) => {
-      await t`UPDATE leases SET expires_at = clock_timestamp() + interval '1 minute'
-        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
-      regranted();
-      await committing;
-    });
-    await granted;
+    const regrant = await openTransaction(
+      db,
+      (t) => t`UPDATE leases SET expires_at = clock_timestamp() + interval '1 minute'
+        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`,
+    );
     await retention.collectTombstones();
     expect(await rowExists(key)).toBe(true);
-    commit();
-    await tx;
+    await regrant.end();
     await retention.collectTombstones();
     expect(await rowExists(key)).toBe(true);
   });
@@ -115,21 +104,10 @@ describe("audit trail retention", () => {
   });
 
   it("one instance works at a time: a round finds the lock taken and deletes nothing", async () => {
-    const holder = db.connect(1);
-    let release!: () => void;
-    const held = new Promise<void>((resolve) => {
-      release = resolve;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((resolve) => {
-      locked = resolve;
-    });
-    const tx = holder.begin(async (t) => {
-      await t`SELECT pg_advisory_xact_lock(7140241817205312)`;
-      locked();
-      await held;
-    });
-    await isLocked;
+    const holder = await openTransaction(
+      db,
+      (t) => t`SELECT pg_advisory_xact_lock(7140241817205312)`,
+    );
     const key = freshKey("locked");
     const a = await store.acquire({ ...key, runId: randomUUID(), ttlMs: 60_000, holder: "" });
     if (!a.acquired) throw new Error("not acquired");
@@ -137,8 +115,7 @@ describe("audit trail retention", () => {
     await age(key, 2 * day);
     const maintenance = startMaintenance(retention, 3_600_000, createLogger({ level: "silent" }));
     expect(await maintenance.runOnce()).toEqual({ events: 0, tombstones: 0 });
-    release();
-    await tx;
+    await holder.end();
     expect((await maintenance.runOnce()).tombstones).toBeGreaterThanOrEqual(1);
     await maintenance.stop();
   });

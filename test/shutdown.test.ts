@@ -12,7 +12,7 @@ import {
 } from "../src/gen/grpc/health/v1/health_pb.js";
 import { seconds } from "./support/calls.js";
 import { useTestDatabase } from "./support/fixture.js";
-import { freshKey } from "./support/leases.js";
+import { freshKey, lockLeaseRow } from "./support/leases.js";
 import { grpcClient } from "./support/server.js";
 import { waitFor } from "./support/wait.js";
 
@@ -56,22 +56,7 @@ describe("graceful shutdown", () => {
     await client
       .acquire({ key: busy, ttl: seconds(600) })
       .then((r) => client.release({ key: busy, runId: r.lease?.runId ?? "" }));
-    const locker = db.connect(1);
-    let unlock!: () => void;
-    const unlocked = new Promise<void>((resolve) => {
-      unlock = resolve;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((resolve) => {
-      locked = resolve;
-    });
-    const tx = locker.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${busy.accountId}
-        AND session_id = ${busy.sessionId} FOR UPDATE`;
-      locked();
-      await unlocked;
-    });
-    await isLocked;
+    const lock = await lockLeaseRow(db, busy);
     const inFlight = client.acquire({ key: busy, ttl: seconds(60) });
     await waitFor(
       async () =>
@@ -89,8 +74,7 @@ describe("graceful shutdown", () => {
     expect(ended?.code).toBe(Code.Unavailable);
     expect(ended?.rawMessage).toMatch(/shutting down/);
 
-    unlock();
-    await tx;
+    await lock.end();
     const done = await inFlight;
     expect(done.acquired).toBe(true);
     await closing;

@@ -14,7 +14,7 @@ import {
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/server/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
-import { freshKey, storedState, untilExpired } from "./support/leases.js";
+import { freshKey, lockLeaseRow, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
 import { grpcClient } from "./support/server.js";
 import { answerFor, ms, openKeepAlive, openWatch } from "./support/streams.js";
@@ -133,23 +133,7 @@ describe("KeepAlive", () => {
     const freeKey = freshKey("free");
     const a = await client.acquire({ key: stuckKey, ttl: ms(60_000) });
     const b = await client.acquire({ key: freeKey, ttl: ms(60_000) });
-    const locker = db.connect(1);
-    let unlock!: () => void;
-    const held = new Promise<void>((r) => {
-      unlock = r;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((r) => {
-      locked = r;
-    });
-    const tx = locker.begin(async (t) => {
-      await t`SELECT 1 FROM leases
-              WHERE account_id = ${stuckKey.accountId} AND session_id = ${stuckKey.sessionId}
-              FOR UPDATE`;
-      locked();
-      await held;
-    });
-    await isLocked;
+    const lock = await lockLeaseRow(db, stuckKey);
     const stuck = openKeepAlive(client);
     const free = openKeepAlive(client);
     stuck.send({ key: stuckKey, runId: a.lease?.runId ?? "" });
@@ -159,8 +143,7 @@ describe("KeepAlive", () => {
     expect(stuck.reader.done).toBe(false);
     await stuck.reader.finished;
     expect(stuck.reader.error?.code).toBe(Code.Unavailable);
-    unlock();
-    await tx;
+    await lock.end();
     // The stuck key was not renewed, and its lease is still there.
     expect((await client.get({ key: stuckKey })).lease?.expiresAt).toEqual(a.lease?.expiresAt);
     free.abort();
