@@ -28,17 +28,17 @@ function isAlive(pid: number): boolean {
   }
 }
 
+/** `leasehold run` on the test server, for one session. */
+const runOn = (key: { accountId: string; sessionId: string }) => [
+  ...["run", "--server", server.url],
+  ...["--account", key.accountId, "--session", key.sessionId],
+];
+
 describe("leasehold run", () => {
   it("S6: CMD runs holding the lease with its token and run id, the lease is released when it ends, and its exit code passes through", async () => {
     const key = freshKey("run");
     const result = await runCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--ttl",
       "5s",
       "--",
@@ -55,13 +55,7 @@ describe("leasehold run", () => {
   it("L2: when the lease is lost, CMD gets SIGTERM, then SIGKILL after the grace; run exits with CMD's code", async () => {
     const key = freshKey("lost");
     const run = startCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--ttl",
       "2s",
       "--grace",
@@ -92,13 +86,7 @@ describe("leasehold run", () => {
     const key = freshKey("held");
     const held = await client.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
     const result = await runCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--",
       process.execPath,
       "-e",
