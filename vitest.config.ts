@@ -4,8 +4,9 @@ import { defineConfig } from "vitest/config";
 // the unit and integration tests on one shared embedded PostgreSQL, then the
 // fault suite (test/faults/), which starts its own PostgreSQL and server
 // processes and injects faults into them, so it must not share the machine's
-// two cores with the first project. The browser tests have their own config
-// (vitest.e2e.config.ts): they need Debian's Chromium.
+// two cores with the first project. The browser tests and the polyglot client
+// tests have their own configs (vitest.e2e.config.ts, vitest.polyglot.config.ts):
+// they need Debian's Chromium, and Debian's protoc, grpcio and Go.
 export default defineConfig({
   test: {
     projects: [
@@ -13,7 +14,7 @@ export default defineConfig({
         test: {
           name: "unit",
           include: ["test/**/*.test.ts"],
-          exclude: ["test/faults/**", "test/e2e/**", "node_modules/**"],
+          exclude: ["test/faults/**", "test/e2e/**", "test/polyglot/**", "node_modules/**"],
           globalSetup: ["test/support/global-setup.ts"],
           pool: "forks",
           testTimeout: 60_000,
@@ -25,6 +26,7 @@ export default defineConfig({
         test: {
           name: "faults",
           include: ["test/faults/**/*.test.ts"],
+          globalSetup: ["test/support/ensure-build.ts"],
           pool: "forks",
           // One file at a time, so faults of one file never land on another.
           fileParallelism: false,

@@ -19,7 +19,7 @@ import {
   type EmbeddedDatabase,
   startEmbeddedPostgres,
 } from "../src/server/db/embedded-postgres.js";
-import { migrate } from "../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
 import { openDatabase } from "../src/server/db/pool.js";
 import { createLogger } from "../src/server/observability/logger.js";
 import { durationFromMillis } from "../src/server/rpc/convert.js";
@@ -74,7 +74,7 @@ async function main() {
     embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
     url = embedded.url;
   }
-  await migrate(url);
+  await migrate(url, allMigrationSets);
   const sql = openDatabase({
     url,
     maxConnections: concurrency,

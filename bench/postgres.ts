@@ -9,7 +9,7 @@ import path from "node:path";
 import postgres from "postgres";
 import { defaultTimeouts } from "../src/server/config/host-config.js";
 import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
-import { migrate } from "../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
 import { openDatabase, type Sql } from "../src/server/db/pool.js";
 import { processTree } from "./process-stats.js";
 
@@ -62,7 +62,7 @@ export async function startBenchPostgres(options: { migrate: boolean }): Promise
     await admin.unsafe("CREATE DATABASE leasehold_bench");
     await admin.end();
     const url = embedded.urlFor("leasehold_bench");
-    if (options.migrate) await migrate(url);
+    if (options.migrate) await migrate(url, allMigrationSets);
     const sql = openDatabase({
       url,
       maxConnections: 1,

@@ -40,7 +40,7 @@ describe("S2 atomic acquire", () => {
 
   it("S1, S2: 32 racers on 32 connections: exactly one wins each round", async () => {
     const pools: Sql[] = Array.from({ length: 32 }, () => db.connect(1));
-    const stores = pools.map(createLeaseStore);
+    const stores = pools.map((p) => createLeaseStore(p));
     await Promise.all(stores.map((s) => s.get(freshKey())));
     for (let round = 0; round < 10; round++) {
       const key = freshKey("race32");

@@ -4,16 +4,7 @@
 import { randomUUID } from "node:crypto";
 import { durationFromMs } from "../client/index.js";
 import { AcquireResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  durationFlag,
-  ExitCode,
-  parseCommandArgs,
-  runCommand,
-  sessionKey,
-} from "./common.js";
+import { clientCommand, commonHelp, durationFlag, ExitCode, sessionKey } from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const acquireHelp = `Usage: leasehold acquire --account A --session S [--ttl 10s] [--wait 5s] [flags]
@@ -29,38 +20,34 @@ Flags:
 ${commonHelp}
 `;
 
-export function acquire(argv: string[]): Promise<number> {
-  return runCommand("acquire", acquireHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, {
-      wait: { type: "string" },
-      "run-id": { type: "string" },
-    });
-    const flags = commonFlags(values);
+export const acquire = clientCommand(
+  "acquire",
+  acquireHelp,
+  {
+    wait: { type: "string" },
+    "run-id": { type: "string" },
+  },
+  async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const waitMs = durationFlag("wait", values.wait, 0);
-    const client = clientFor(flags);
-    try {
-      const response = await client.acquire({
-        key,
-        runId: values["run-id"] ?? randomUUID(),
-        ttl: durationFromMs(flags.ttlMs),
-        wait: waitMs > 0 ? durationFromMs(waitMs) : undefined,
-        holder: flags.holder,
-      });
-      if (flags.json) printJson(AcquireResponseSchema, response);
-      if (response.acquired && response.lease) {
-        if (!flags.json) {
-          process.stdout.write(`acquired ${keyText(key)}: ${leaseText(response.lease)}\n`);
-        }
-        return ExitCode.ok;
-      }
+    const response = await client.acquire({
+      key,
+      runId: values["run-id"] ?? randomUUID(),
+      ttl: durationFromMs(flags.ttlMs),
+      wait: waitMs > 0 ? durationFromMs(waitMs) : undefined,
+      holder: flags.holder,
+    });
+    if (flags.json) printJson(AcquireResponseSchema, response);
+    if (response.acquired && response.lease) {
       if (!flags.json) {
-        const by = response.current ? leaseText(response.current) : "another run";
-        process.stdout.write(`not acquired: ${keyText(key)} is held by ${by}\n`);
+        process.stdout.write(`acquired ${keyText(key)}: ${leaseText(response.lease)}\n`);
       }
-      return ExitCode.held;
-    } finally {
-      client.close();
+      return ExitCode.ok;
     }
-  });
-}
+    if (!flags.json) {
+      const by = response.current ? leaseText(response.current) : "another run";
+      process.stdout.write(`not acquired: ${keyText(key)} is held by ${by}\n`);
+    }
+    return ExitCode.held;
+  },
+);

@@ -63,15 +63,30 @@ type OptionSpec = Record<
   { type: "string" | "boolean"; multiple?: boolean; short?: string }
 >;
 
+/** The parsed values of the common flags plus a command's own `T`. */
+export type FlagValues<T extends OptionSpec> = {
+  [K in keyof (typeof commonOptions & T)]?: (typeof commonOptions & T)[K] extends {
+    type: "boolean";
+  }
+    ? boolean
+    : (typeof commonOptions & T)[K] extends { multiple: true }
+      ? string[]
+      : string;
+};
+
 /** Parses a command's argv with the common flags plus its own. */
-export function parseCommandArgs<T extends OptionSpec>(argv: string[], extra: T) {
+export function parseCommandArgs<T extends OptionSpec>(
+  argv: string[],
+  extra: T,
+): { values: FlagValues<T> } {
   try {
-    return parseArgs({
+    const { values } = parseArgs({
       args: argv,
       options: { ...commonOptions, ...extra },
       strict: true,
       allowPositionals: false,
     });
+    return { values: values as FlagValues<T> };
   } catch (error) {
     if ((error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")) {
       throw new UsageError((error as Error).message);
@@ -229,6 +244,38 @@ export async function runCommand(
     }
     throw error;
   }
+}
+
+/** What the body of a one-call client command gets. */
+export interface ClientCommandContext<T extends OptionSpec> {
+  values: FlagValues<T>;
+  flags: CommonFlags;
+  /** Closed when the body settles. */
+  client: LeaseClient;
+}
+
+/**
+ * A client command that parses its flags (the common ones plus `options`),
+ * builds a client for the flags' servers, runs `body` and closes the client,
+ * reporting failures as runCommand does.
+ */
+export function clientCommand<T extends OptionSpec>(
+  name: string,
+  help: string,
+  options: T,
+  body: (context: ClientCommandContext<T>) => Promise<number>,
+): (argv: string[]) => Promise<number> {
+  return (argv) =>
+    runCommand(name, help, argv, async () => {
+      const { values } = parseCommandArgs(argv, options);
+      const flags = commonFlags(values);
+      const client = clientFor(flags);
+      try {
+        return await body({ values, flags, client });
+      } finally {
+        client.close();
+      }
+    });
 }
 
 function argvServers(argv: string[]): string {

@@ -1,15 +1,7 @@
 // `leasehold get`: who holds a session, and until when.
 
 import { GetResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  ExitCode,
-  parseCommandArgs,
-  runCommand,
-  sessionKey,
-} from "./common.js";
+import { clientCommand, commonHelp, ExitCode, sessionKey } from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const getHelp = `Usage: leasehold get --account A --session S [flags]
@@ -20,21 +12,12 @@ run and fencing token, and for how long; or that it is free.
 ${commonHelp}
 `;
 
-export function get(argv: string[]): Promise<number> {
-  return runCommand("get", getHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, {});
-    const flags = commonFlags(values);
-    const key = sessionKey(flags);
-    const client = clientFor(flags);
-    try {
-      const response = await client.get({ key });
-      if (flags.json) printJson(GetResponseSchema, response);
-      else if (response.held && response.lease) {
-        process.stdout.write(`${keyText(key)} is held by ${leaseText(response.lease)}\n`);
-      } else process.stdout.write(`${keyText(key)} is free\n`);
-      return ExitCode.ok;
-    } finally {
-      client.close();
-    }
-  });
-}
+export const get = clientCommand("get", getHelp, {}, async ({ flags, client }) => {
+  const key = sessionKey(flags);
+  const response = await client.get({ key });
+  if (flags.json) printJson(GetResponseSchema, response);
+  else if (response.held && response.lease) {
+    process.stdout.write(`${keyText(key)} is held by ${leaseText(response.lease)}\n`);
+  } else process.stdout.write(`${keyText(key)} is free\n`);
+  return ExitCode.ok;
+});

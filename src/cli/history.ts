@@ -1,16 +1,7 @@
 // `leasehold history`: the audit trail of a session, newest first.
 
 import { HistoryResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  ExitCode,
-  parseCommandArgs,
-  runCommand,
-  sessionKey,
-  UsageError,
-} from "./common.js";
+import { clientCommand, commonHelp, ExitCode, sessionKey, UsageError } from "./common.js";
 import { eventText, keyText, printJson } from "./format.js";
 
 export const historyHelp = `Usage: leasehold history --account A --session S [--limit N] [flags]
@@ -24,33 +15,29 @@ Flags:
 ${commonHelp}
 `;
 
-export function history(argv: string[]): Promise<number> {
-  return runCommand("history", historyHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, { limit: { type: "string" } });
-    const flags = commonFlags(values);
+export const history = clientCommand(
+  "history",
+  historyHelp,
+  { limit: { type: "string" } },
+  async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const limitText = values.limit ?? "50";
     const limit = Number(limitText);
     if (!Number.isInteger(limit) || limit < 0) {
       throw new UsageError(`--limit must be an integer >= 0, got ${JSON.stringify(limitText)}`);
     }
-    const client = clientFor(flags);
-    try {
-      let printed = 0;
-      let pageToken = "";
-      do {
-        const pageSize = limit === 0 ? 0 : Math.min(limit - printed, 1000);
-        const page = await client.history({ key, pageSize, pageToken });
-        const events = limit === 0 ? page.events : page.events.slice(0, limit - printed);
-        if (flags.json) printJson(HistoryResponseSchema, { ...page, events });
-        else for (const event of events) process.stdout.write(`${eventText(event)}\n`);
-        printed += events.length;
-        pageToken = page.nextPageToken;
-      } while (pageToken !== "" && (limit === 0 || printed < limit));
-      if (!flags.json && printed === 0) process.stdout.write(`no history for ${keyText(key)}\n`);
-      return ExitCode.ok;
-    } finally {
-      client.close();
-    }
-  });
-}
+    let printed = 0;
+    let pageToken = "";
+    do {
+      const pageSize = limit === 0 ? 0 : Math.min(limit - printed, 1000);
+      const page = await client.history({ key, pageSize, pageToken });
+      const events = limit === 0 ? page.events : page.events.slice(0, limit - printed);
+      if (flags.json) printJson(HistoryResponseSchema, { ...page, events });
+      else for (const event of events) process.stdout.write(`${eventText(event)}\n`);
+      printed += events.length;
+      pageToken = page.nextPageToken;
+    } while (pageToken !== "" && (limit === 0 || printed < limit));
+    if (!flags.json && printed === 0) process.stdout.write(`no history for ${keyText(key)}\n`);
+    return ExitCode.ok;
+  },
+);

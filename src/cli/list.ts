@@ -2,16 +2,7 @@
 
 import { msFromDuration } from "../client/index.js";
 import { ListResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  ExitCode,
-  parseCommandArgs,
-  required,
-  runCommand,
-  UsageError,
-} from "./common.js";
+import { clientCommand, commonHelp, ExitCode, required, UsageError } from "./common.js";
 import { printJson, secondsText, table } from "./format.js";
 
 export const listHelp = `Usage: leasehold list --account A [--page-size N] [flags]
@@ -24,10 +15,11 @@ Flags:
 ${commonHelp}
 `;
 
-export function list(argv: string[]): Promise<number> {
-  return runCommand("list", listHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, { "page-size": { type: "string" } });
-    const flags = commonFlags(values);
+export const list = clientCommand(
+  "list",
+  listHelp,
+  { "page-size": { type: "string" } },
+  async ({ values, flags, client }) => {
     const accountId = required("account", flags.account);
     const pageSizeText = values["page-size"];
     const pageSize = pageSizeText === undefined ? 0 : Number(pageSizeText);
@@ -36,31 +28,26 @@ export function list(argv: string[]): Promise<number> {
         `--page-size must be a positive integer, got ${JSON.stringify(pageSizeText)}`,
       );
     }
-    const client = clientFor(flags);
-    try {
-      const rows: string[][] = [];
-      let pageToken = "";
-      do {
-        const page = await client.list({ accountId, pageSize, pageToken });
-        if (flags.json) printJson(ListResponseSchema, page);
-        for (const lease of page.leases) {
-          rows.push([
-            lease.key?.sessionId ?? "",
-            lease.holder,
-            lease.fencingToken.toString(),
-            secondsText(msFromDuration(lease.remaining)),
-            lease.runId,
-          ]);
-        }
-        pageToken = page.nextPageToken;
-      } while (pageToken !== "");
-      if (!flags.json) {
-        if (rows.length === 0) process.stdout.write(`no valid leases in account ${accountId}\n`);
-        else process.stdout.write(table(["SESSION", "HOLDER", "TOKEN", "LEFT", "RUN"], rows));
+    const rows: string[][] = [];
+    let pageToken = "";
+    do {
+      const page = await client.list({ accountId, pageSize, pageToken });
+      if (flags.json) printJson(ListResponseSchema, page);
+      for (const lease of page.leases) {
+        rows.push([
+          lease.key?.sessionId ?? "",
+          lease.holder,
+          lease.fencingToken.toString(),
+          secondsText(msFromDuration(lease.remaining)),
+          lease.runId,
+        ]);
       }
-      return ExitCode.ok;
-    } finally {
-      client.close();
+      pageToken = page.nextPageToken;
+    } while (pageToken !== "");
+    if (!flags.json) {
+      if (rows.length === 0) process.stdout.write(`no valid leases in account ${accountId}\n`);
+      else process.stdout.write(table(["SESSION", "HOLDER", "TOKEN", "LEFT", "RUN"], rows));
     }
-  });
-}
+    return ExitCode.ok;
+  },
+);

@@ -1,16 +1,7 @@
 // `leasehold release`: ends a run's lease. Releasing nothing is not an error.
 
 import { ReleaseResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  ExitCode,
-  parseCommandArgs,
-  required,
-  runCommand,
-  sessionKey,
-} from "./common.js";
+import { clientCommand, commonHelp, ExitCode, required, sessionKey } from "./common.js";
 import { keyText, printJson } from "./format.js";
 
 export const releaseHelp = `Usage: leasehold release --account A --session S --run-id UUID [flags]
@@ -24,21 +15,17 @@ Flags:
 ${commonHelp}
 `;
 
-export function release(argv: string[]): Promise<number> {
-  return runCommand("release", releaseHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, { "run-id": { type: "string" } });
-    const flags = commonFlags(values);
+export const release = clientCommand(
+  "release",
+  releaseHelp,
+  { "run-id": { type: "string" } },
+  async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const runId = required("run-id", values["run-id"]);
-    const client = clientFor(flags);
-    try {
-      const response = await client.release({ key, runId });
-      if (flags.json) printJson(ReleaseResponseSchema, response);
-      else if (response.released) process.stdout.write(`released ${keyText(key)} (run ${runId})\n`);
-      else process.stdout.write(`nothing to release: run ${runId} does not hold ${keyText(key)}\n`);
-      return ExitCode.ok;
-    } finally {
-      client.close();
-    }
-  });
-}
+    const response = await client.release({ key, runId });
+    if (flags.json) printJson(ReleaseResponseSchema, response);
+    else if (response.released) process.stdout.write(`released ${keyText(key)} (run ${runId})\n`);
+    else process.stdout.write(`nothing to release: run ${runId} does not hold ${keyText(key)}\n`);
+    return ExitCode.ok;
+  },
+);

@@ -2,16 +2,7 @@
 
 import { durationFromMs } from "../client/index.js";
 import { RenewResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import {
-  clientFor,
-  commonFlags,
-  commonHelp,
-  ExitCode,
-  parseCommandArgs,
-  required,
-  runCommand,
-  sessionKey,
-} from "./common.js";
+import { clientCommand, commonHelp, ExitCode, required, sessionKey } from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const renewHelp = `Usage: leasehold renew --account A --session S --run-id UUID [--ttl 10s] [flags]
@@ -25,26 +16,22 @@ Flags:
 ${commonHelp}
 `;
 
-export function renew(argv: string[]): Promise<number> {
-  return runCommand("renew", renewHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, { "run-id": { type: "string" } });
-    const flags = commonFlags(values);
+export const renew = clientCommand(
+  "renew",
+  renewHelp,
+  { "run-id": { type: "string" } },
+  async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const runId = required("run-id", values["run-id"]);
-    const client = clientFor(flags);
-    try {
-      const response = await client.renew({
-        key,
-        runId,
-        ttl: values.ttl !== undefined ? durationFromMs(flags.ttlMs) : undefined,
-      });
-      if (flags.json) printJson(RenewResponseSchema, response);
-      else if (response.lease) {
-        process.stdout.write(`renewed ${keyText(key)}: ${leaseText(response.lease)}\n`);
-      }
-      return ExitCode.ok;
-    } finally {
-      client.close();
+    const response = await client.renew({
+      key,
+      runId,
+      ttl: values.ttl !== undefined ? durationFromMs(flags.ttlMs) : undefined,
+    });
+    if (flags.json) printJson(RenewResponseSchema, response);
+    else if (response.lease) {
+      process.stdout.write(`renewed ${keyText(key)}: ${leaseText(response.lease)}\n`);
     }
-  });
-}
+    return ExitCode.ok;
+  },
+);

@@ -1,5 +1,5 @@
 // The fence check for PostgreSQL-backed resources (DESIGN S7, §5): a thin
-// wrapper over the `leasehold_fence` SQL function of migrations/0002_fence.sql,
+// wrapper over the `leasehold_fence` SQL function of migrations/fence/0001_fence.sql,
 // so the TypeScript resources and those written in other languages run the
 // very same statement.
 

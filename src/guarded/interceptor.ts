@@ -32,7 +32,7 @@ export const fencedCallKey = createContextKey<FencedCall | undefined>(undefined,
 });
 
 export interface FencingInterceptorOptions {
-  /** The service's database, where migrations/0002_fence.sql is applied. */
+  /** The service's database, where migrations/fence/0001_fence.sql is applied. */
   sql: Sql;
   /** Methods that need a token (default: every method). Reads may go unfenced. */
   fenced?: (method: DescMethod) => boolean;

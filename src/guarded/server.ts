@@ -6,6 +6,7 @@ import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { guardedStoreSets } from "../server/db/migrate.js";
 import { type RunningServer, startHost } from "../server/http/host.js";
 import { createLogger, type Logger } from "../server/observability/logger.js";
 import { errorCodeInterceptor } from "../server/rpc/error-codes.js";
@@ -45,6 +46,7 @@ export async function startGuardedServer(
 ): Promise<RunningServer> {
   return startHost(config, logger, {
     applicationName: "leasehold-guarded",
+    migrationSets: guardedStoreSets,
     build: (sql) => {
       let live: LiveCheck | undefined;
       let session: Http2SessionManager | undefined;

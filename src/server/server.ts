@@ -18,13 +18,13 @@ import { checkExposure } from "./config/ops-config.js";
 import type { ServerConfig } from "./config/server-config.js";
 import { createEventStore } from "./db/event-store.js";
 import { createLeaseCounts } from "./db/lease-counts.js";
-import { createLeaseStore } from "./db/lease-store.js";
+import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
+import { leaseServerSets } from "./db/migrate.js";
 import { openDatabase, type Sql } from "./db/pool.js";
 import { createRetention, startMaintenance } from "./db/retention.js";
 import { createSessionAclTable } from "./db/session-acl.js";
 import { type HostedServices, type RunningServer, startHost } from "./http/host.js";
 import { createStaticHandler } from "./http/static.js";
-import { withLeaseQuota } from "./lease/quota.js";
 import type { LeaseStore } from "./lease/types.js";
 import { startHealthMonitor } from "./observability/health.js";
 import { createLogger, type Logger } from "./observability/logger.js";
@@ -58,6 +58,8 @@ export type { RunningServer };
 export interface Streaming {
   /** The store the services use, decorators included. */
   readonly store: LeaseStore;
+  /** Statements and rows of the group-committed kinds. */
+  readonly storeStats: LeaseStoreStats;
   readonly feed: ChangeFeed;
   readonly notifier: Notifier | undefined;
   readonly tracker: ExpiryTracker;
@@ -80,6 +82,7 @@ export async function startServer(
   let streaming: Streaming | undefined;
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
+    migrationSets: leaseServerSets,
     build: async (sql, _shutdownSignal, databaseUrl) => {
       const built = await buildLeaseServer(config, logger, sql, databaseUrl);
       streaming = built.streaming;
@@ -146,20 +149,13 @@ async function buildLeaseServer(
     },
   });
 
-  // The store every service uses. From the inside out: the SQL; each write
-  // published to the change feed once its statement has committed (never
-  // inside it, DESIGN §3); the per-account quota checked before a grant is
-  // tried; outcomes counted for /metrics. Waiting acquires and batched
-  // renewals go through all of it.
-  const store = withMetrics(
-    withLeaseQuota(
-      withPublishing(createLeaseStore(sql), feed),
-      counts,
-      limits.maxLeasesPerAccount,
-      () => metrics.quotaRejections.inc(),
-    ),
-    metrics,
-  );
+  // The store every service uses. From the inside out: the SQL, with the
+  // per-account quota inside the acquire statement and concurrent calls
+  // group-committed; each write published to the change feed once its
+  // statement has committed (never inside it, DESIGN §3); outcomes counted
+  // for /metrics. Waiting acquires and batched renewals go through all of it.
+  const sqlStore = createLeaseStore(sql, { maxLeasesPerAccount: limits.maxLeasesPerAccount });
+  const store = withMetrics(withPublishing(sqlStore, feed), metrics);
 
   const tracker = createExpiryTracker({ store, feed, logger });
   const batcher = createRenewalBatcher({ store, tickMs: tuning.renewTickMs });
@@ -249,7 +245,17 @@ async function buildLeaseServer(
   );
 
   return {
-    streaming: { store, feed, notifier, tracker, batcher, keepAlive, watch, waiters },
+    streaming: {
+      store,
+      storeStats: sqlStore.stats,
+      feed,
+      notifier,
+      tracker,
+      batcher,
+      keepAlive,
+      watch,
+      waiters,
+    },
     services: {
       routes: (router) => {
         leaseRoutes({

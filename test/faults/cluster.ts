@@ -12,7 +12,7 @@ import {
   freePort,
   startEmbeddedPostgres,
 } from "../../src/server/db/embedded-postgres.js";
-import { migrate } from "../../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 
@@ -51,7 +51,7 @@ export async function startCluster(instanceCount = 3): Promise<Cluster> {
   await admin.unsafe(`CREATE DATABASE ${database}`);
   await admin.end();
   const databaseUrl = pg.urlFor(database);
-  await migrate(databaseUrl);
+  await migrate(databaseUrl, allMigrationSets);
 
   const startInstance = (port: number) =>
     spawnServer(databaseUrl, ["--listen", `127.0.0.1:${port}`]);

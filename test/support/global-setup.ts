@@ -1,5 +1,6 @@
 // Starts one PostgreSQL for the whole run (embedded, unless DATABASE_URL is
 // set) and migrates a template database once; every test file clones it.
+// Compiles src/ first when dist/ is stale: tests spawn the compiled CLI.
 
 import { randomBytes } from "node:crypto";
 import { mkdtemp } from "node:fs/promises";
@@ -11,7 +12,8 @@ import {
   type EmbeddedDatabase,
   startEmbeddedPostgres,
 } from "../../src/server/db/embedded-postgres.js";
-import { migrate } from "../../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
+import { ensureBuild } from "./ensure-build.js";
 
 declare module "vitest" {
   export interface ProvidedContext {
@@ -23,6 +25,7 @@ declare module "vitest" {
 let embedded: EmbeddedDatabase | undefined;
 
 export async function setup(project: TestProject): Promise<void> {
+  ensureBuild();
   let adminUrl = process.env.DATABASE_URL;
   if (!adminUrl) {
     const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-test-"));
@@ -35,7 +38,7 @@ export async function setup(project: TestProject): Promise<void> {
   await admin.end();
   const url = new URL(adminUrl);
   url.pathname = `/${templateDatabase}`;
-  await migrate(url.toString());
+  await migrate(url.toString(), allMigrationSets);
   project.provide("adminUrl", adminUrl);
   project.provide("templateDatabase", templateDatabase);
 }

@@ -1,5 +1,5 @@
-// Counting valid leases: per account for the quota, in total for the
-// `leases held` gauge. Counting decides no grant by itself (see quota.ts).
+// Counting valid leases, in total, for the `leases held` gauge. (The
+// per-account quota is counted inside the acquire statement.)
 
 import type { LeaseCounts } from "../lease/types.js";
 import { classifyDatabaseError } from "./database-errors.js";
@@ -14,16 +14,6 @@ export function createLeaseCounts(sql: Sql): LeaseCounts {
     }
   };
   return {
-    heldByAccount: (accountId, exceptSessionId, upTo) =>
-      run(
-        () => sql<{ n: number }[]>`
-          SELECT count(*)::int AS n FROM (
-            SELECT 1 FROM leases
-            WHERE account_id = ${accountId} AND session_id <> ${exceptSessionId}
-              AND expires_at > clock_timestamp()
-            LIMIT ${upTo}
-          ) AS held`,
-      ),
     heldTotal: () =>
       run(
         () => sql<{ n: number }[]>`

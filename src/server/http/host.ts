@@ -10,7 +10,7 @@ import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@conne
 import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
 import type { HostConfig } from "../config/host-config.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-postgres.js";
-import { migrate } from "../db/migrate.js";
+import { type MigrationSet, migrate } from "../db/migrate.js";
 import { openDatabase, type Sql } from "../db/pool.js";
 import type { Logger } from "../observability/logger.js";
 import { type Listener, listen } from "./listener.js";
@@ -52,6 +52,8 @@ export interface HostedServices {
 export interface HostOptions {
   /** application_name of the pool's connections, as pg_stat_activity shows it. */
   applicationName: string;
+  /** The migration sets this server applies at start, in order. */
+  migrationSets: readonly MigrationSet[];
   /** Aborted at shutdown, so long-lived handlers can end. */
   build(
     sql: Sql,
@@ -79,8 +81,13 @@ export async function startHost(
   let services: HostedServices | undefined;
   let listener: Listener | undefined;
   try {
-    const applied = await migrate(databaseUrl);
-    if (applied.length > 0) logger.info({ versions: applied }, "applied migrations");
+    const applied = await migrate(databaseUrl, options.migrationSets);
+    if (applied.length > 0) {
+      logger.info(
+        { migrations: applied.map((m) => `${m.set}/${String(m.version).padStart(4, "0")}`) },
+        "applied migrations",
+      );
+    }
     sql = openDatabase({
       url: databaseUrl,
       maxConnections: config.poolSize,

@@ -178,14 +178,8 @@ export interface EventStore {
   history(key: SessionKey, limit: number, before: bigint | undefined): Promise<EventPage>;
 }
 
-/** Counts of valid leases: the per-account quota and the `leases held` gauge. */
+/** Counts of valid leases, for the `leases held` gauge. */
 export interface LeaseCounts {
-  /**
-   * Valid leases of `accountId` on sessions other than `exceptSessionId`,
-   * counted up to `upTo`: a range scan of the primary key's account prefix
-   * that stops once `upTo` are found (tombstones in the range are read too).
-   */
-  heldByAccount(accountId: string, exceptSessionId: string, upTo: number): Promise<number>;
   /** Valid leases of every account (a scan of the table). */
   heldTotal(): Promise<number>;
 }

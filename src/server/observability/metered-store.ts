@@ -1,6 +1,7 @@
 // The lease store with its outcomes counted for /metrics: a decorator, so
 // the store itself stays free of instrumentation.
 
+import { ResourceExhaustedError } from "../lease/errors.js";
 import type { LeaseStore } from "../lease/types.js";
 import type { LeaseMetrics } from "./metrics.js";
 
@@ -17,7 +18,13 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
     ...store,
     acquire: (input) =>
       inFlight(async () => {
-        const result = await store.acquire(input);
+        let result: Awaited<ReturnType<LeaseStore["acquire"]>>;
+        try {
+          result = await store.acquire(input);
+        } catch (error) {
+          if (error instanceof ResourceExhaustedError) metrics.quotaRejections.inc();
+          throw error;
+        }
         if (result.acquired && !result.retried) {
           metrics.grants.inc();
           // The store names the expired lease a takeover replaced, when it knows.

@@ -1,7 +1,7 @@
--- Fencing for guarded resources (DESIGN S7, §5), and the guarded store's
--- documents. Nothing here refers to the lease tables: a resource in its own
--- database can apply this file alone and call leasehold_fence from any
--- language that speaks SQL.
+-- Fencing for guarded resources (DESIGN S7, §5). Nothing here refers to the
+-- lease tables: a resource in its own database can apply this file alone and
+-- call leasehold_fence from any language that speaks SQL. The guarded store
+-- applies it before its own set (migrations/guarded).
 
 -- The highest fencing token a resource has seen per session. Deliberately not
 -- derived from `leases`: a resource knows only the tokens presented to it, and
@@ -68,15 +68,3 @@ $$;
 
 COMMENT ON FUNCTION leasehold_fence(text, text, bigint) IS
   'Leasehold S7 fence check: call inside the guarded write''s transaction; raises LHF01 for a stale token';
-
--- Documents of the guarded store (GuardedStoreService). Each version records
--- the token of the run that wrote it.
-CREATE TABLE guarded_documents (
-  account_id text NOT NULL,
-  session_id text NOT NULL,
-  name text NOT NULL,
-  value bytea NOT NULL,
-  fencing_token bigint NOT NULL,
-  updated_at timestamptz NOT NULL,
-  PRIMARY KEY (account_id, session_id, name)
-);

@@ -1,0 +1,259 @@
+// The acquire statement (DESIGN §3): the seed's conditional UPSERT, for many
+// keys at once. One statement, autocommit, one clock reading; a key appears
+// at most once (group-commit.ts sees to it).
+//
+// S2: the primary key decides between racers: INSERT … ON CONFLICT DO UPDATE.
+// S3: DO UPDATE applies only to an expired or ended row, or to the same run
+//     re-acquiring (an idempotent retry that keeps its token).
+// S6: a takeover draws its token inside DO UPDATE SET, under the row lock,
+//     so tokens follow grant order; tombstones make every re-acquire take
+//     that path. New keys are inserted in key order, so two batches that
+//     insert the same new keys wait on each other in one order, never in a cycle.
+// S8: the batch's existing rows are locked first, in key order, with SKIP
+//     LOCKED: a row another transaction holds is left out of the statement
+//     and answered `busy`, and the caller tries that key alone, waiting on
+//     the lock up to lock_timeout. A stuck transaction on one key never holds
+//     up the others.
+// S9: observed_at is read once; a row locked at its latest version decides
+//     with that earlier instant and counts the deadline from it: both err on
+//     the safe side.
+// Quota: valid leases of the account on other sessions, counted once per
+// account per statement up to the quota, at the statement's snapshot, plus
+// the grants before it in the same batch. Grants being committed by other
+// statements at the same time (other instances) are not counted, so an
+// account can overshoot by the acquires of it running concurrently
+// elsewhere, as with any count that does not serialize every acquire of an
+// account behind one lock (S8 keeps sessions independent). The count
+// excludes the requested session, so an idempotent retry or a takeover at
+// the quota still succeeds.
+
+import type { ExpiredLease, LeaseRecord } from "../lease/types.js";
+import { leaseColumns, leaseOf } from "./lease-columns.js";
+import type { Sql } from "./pool.js";
+
+export interface AcquireItem {
+  accountId: string;
+  sessionId: string;
+  runId: string;
+  ttlMs: number;
+  holder: string;
+}
+
+export type AcquireOutcome =
+  | {
+      outcome: "granted";
+      lease: LeaseRecord;
+      /** The same run again (an idempotent retry): same token, later deadline. */
+      retried: boolean;
+      /** The 'acquired' row in lease_events; 0n for an idempotent retry. */
+      eventId: bigint;
+      /** The unreleased lease past its deadline this grant replaced. */
+      expired: ExpiredLease | undefined;
+    }
+  /** Held by another run's valid lease: `current`, read under the row lock. */
+  | { outcome: "held"; current: LeaseRecord }
+  /** Another transaction holds the row (SKIP LOCKED): not decided. */
+  | { outcome: "busy" }
+  /** The account holds as many valid leases as its quota allows. */
+  | { outcome: "quota" }
+  /**
+   * Not granted, and the lease in the way is not known: a row inserted after
+   * this statement's snapshot by a concurrent grant. Not decided here.
+   */
+  | { outcome: "unknown" };
+
+interface AcquireRow extends Record<string, unknown> {
+  decision: "try" | "busy" | "quota";
+  granted: boolean;
+  retried: boolean | null;
+  eventId: bigint | null;
+  expiredEventId: bigint | null;
+  expiredRunId: string | null;
+  expiredFencingToken: bigint | null;
+  expiredHolder: string | null;
+  expiredExpiresAtUs: bigint | null;
+  heldByLock: boolean;
+}
+
+/**
+ * Decides `items` (distinct keys) in one statement. With `wait` false, rows
+ * locked by other transactions are answered `busy`; with `wait` true, the
+ * statement waits for them (up to lock_timeout). `maxLeasesPerAccount` 0
+ * turns the quota off.
+ */
+export async function acquireMany(
+  sql: Sql,
+  items: readonly AcquireItem[],
+  options: { wait: boolean; maxLeasesPerAccount: number },
+): Promise<AcquireOutcome[]> {
+  const quota = options.maxLeasesPerAccount;
+  const rows = await sql<AcquireRow[]>`
+    WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+    wanted AS MATERIALIZED (
+      SELECT * FROM unnest(
+        ${items.map((_, i) => i)}::int[],
+        ${items.map((i) => i.accountId)}::text[],
+        ${items.map((i) => i.sessionId)}::text[],
+        ${items.map((i) => i.runId)}::uuid[],
+        ${items.map((i) => i.ttlMs)}::bigint[],
+        ${items.map((i) => i.holder)}::text[]
+      ) AS w(idx, account_id, session_id, run_id, ttl_ms, holder)
+    ),
+    -- The rows of this batch that exist, locked at their latest version, in
+    -- key order. A LATERAL probe per key keeps each lookup on the primary key.
+    locked AS MATERIALIZED (
+      SELECT w.idx, l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at
+      FROM (SELECT * FROM wanted ORDER BY account_id, session_id) w
+      CROSS JOIN LATERAL (
+        SELECT l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at
+        FROM leases l
+        WHERE l.account_id = w.account_id AND l.session_id = w.session_id
+        FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
+      ) l
+    ),
+    state AS MATERIALIZED (
+      SELECT w.*, k.idx IS NOT NULL AS locked,
+             coalesce(k.expires_at > c.observed_at, false) AS own_valid,
+             -- Present in the snapshot but not locked: another transaction holds it.
+             k.idx IS NULL AND EXISTS (
+               SELECT 1 FROM leases p
+               WHERE p.account_id = w.account_id AND p.session_id = w.session_id
+             ) AS busy
+      FROM wanted w CROSS JOIN lease_clock c LEFT JOIN locked k ON k.idx = w.idx
+    ),
+    account_held AS MATERIALIZED (
+      SELECT a.account_id, (
+        SELECT count(*)::int FROM (
+          SELECT 1 FROM leases l, lease_clock c
+          WHERE l.account_id = a.account_id AND l.expires_at > c.observed_at
+          LIMIT ${quota + 1}
+        ) counted
+      ) AS held
+      FROM (SELECT DISTINCT account_id FROM state WHERE ${quota} > 0 AND NOT busy) a
+    ),
+    -- A row that would add a lease (its key holds no valid one) counts the
+    -- rows before it in this batch that would too, so a batch does not
+    -- overshoot the quota by itself.
+    tried AS MATERIALIZED (
+      SELECT s.*,
+        CASE
+          WHEN s.busy THEN 'busy'
+          WHEN ${quota} > 0
+            AND ah.held - s.own_valid::int + CASE WHEN s.own_valid THEN 0 ELSE s.new_before END
+                >= ${quota}
+            THEN 'quota'
+          ELSE 'try'
+        END AS decision
+      FROM (
+        SELECT s.*, count(*) FILTER (WHERE NOT s.own_valid AND NOT s.busy) OVER (
+          PARTITION BY s.account_id ORDER BY s.idx
+          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+        ) AS new_before
+        FROM state s
+      ) s
+      LEFT JOIN account_held ah ON ah.account_id = s.account_id
+    ),
+    granted AS (
+      INSERT INTO leases AS held
+        (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
+      SELECT t.account_id, t.session_id, t.run_id, nextval('lease_fencing_token'), t.holder,
+             t.ttl_ms * interval '1 millisecond', c.observed_at,
+             c.observed_at + t.ttl_ms * interval '1 millisecond'
+      FROM tried t CROSS JOIN lease_clock c
+      WHERE t.decision = 'try'
+      ORDER BY t.account_id, t.session_id
+      ON CONFLICT (account_id, session_id) DO UPDATE SET
+        run_id = EXCLUDED.run_id,
+        fencing_token = CASE
+          WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+          THEN held.fencing_token
+          ELSE nextval('lease_fencing_token') END,
+        acquired_at = CASE
+          WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+          THEN held.acquired_at
+          ELSE EXCLUDED.acquired_at END,
+        holder = EXCLUDED.holder,
+        ttl = EXCLUDED.ttl,
+        expires_at = EXCLUDED.expires_at,
+        ended = NULL,
+        -- Read by this statement's audit insert below: RETURNING sees only
+        -- the new row.
+        previous_run_id = held.run_id,
+        previous_fencing_token = held.fencing_token,
+        previous_holder = held.holder,
+        previous_ended = held.ended,
+        previous_expires_at = held.expires_at
+      WHERE held.expires_at <= EXCLUDED.acquired_at
+         OR held.run_id = EXCLUDED.run_id
+      RETURNING held.*
+    ),
+    audit AS (
+      INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
+      SELECT g.account_id, g.session_id, 'expired', g.previous_run_id,
+             g.previous_fencing_token, g.previous_holder, g.previous_expires_at
+      FROM granted g
+      WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+        AND g.previous_run_id IS NOT NULL AND g.previous_ended IS NULL
+      UNION ALL
+      SELECT g.account_id, g.session_id, 'acquired', g.run_id, g.fencing_token, g.holder,
+             g.acquired_at
+      FROM granted g
+      WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+      RETURNING id, type, account_id, session_id
+    )
+    SELECT t.idx, t.decision, g.account_id IS NOT NULL AS granted,
+           ${leaseColumns(sql, "g")},
+           g.acquired_at < lease_clock.observed_at AS retried,
+           ev.acquired_id AS event_id,
+           ev.expired_id AS expired_event_id,
+           g.previous_run_id AS expired_run_id,
+           g.previous_fencing_token AS expired_fencing_token,
+           g.previous_holder AS expired_holder,
+           (extract(epoch FROM g.previous_expires_at) * 1000000)::bigint AS expired_expires_at_us,
+           -- Not granted: the lease in the way, as this statement locked it.
+           k.idx IS NOT NULL AS held_by_lock,
+           ${leaseColumns(sql, "cur", "cur")}
+    FROM tried t
+    CROSS JOIN lease_clock
+    LEFT JOIN granted g ON g.account_id = t.account_id AND g.session_id = t.session_id
+    LEFT JOIN LATERAL (
+      SELECT max(a.id) FILTER (WHERE a.type = 'acquired') AS acquired_id,
+             max(a.id) FILTER (WHERE a.type = 'expired') AS expired_id
+      FROM audit a WHERE a.account_id = g.account_id AND a.session_id = g.session_id
+    ) ev ON true
+    LEFT JOIN locked k ON k.idx = t.idx AND g.account_id IS NULL
+    LEFT JOIN LATERAL (
+      SELECT t.account_id, t.session_id, k.run_id, k.fencing_token, k.holder, k.ttl,
+             k.acquired_at, k.expires_at
+    ) cur ON k.idx IS NOT NULL
+    ORDER BY t.idx`;
+  return rows.map((row): AcquireOutcome => {
+    if (row.decision === "busy") return { outcome: "busy" };
+    if (row.decision === "quota") return { outcome: "quota" };
+    if (row.granted) {
+      const lease = leaseOf(row);
+      const expired =
+        row.expiredEventId !== null &&
+        row.expiredRunId !== null &&
+        row.expiredFencingToken !== null &&
+        row.expiredExpiresAtUs !== null
+          ? {
+              runId: row.expiredRunId,
+              fencingToken: row.expiredFencingToken,
+              holder: row.expiredHolder ?? "",
+              expiresAtUs: row.expiredExpiresAtUs,
+              eventId: row.expiredEventId,
+            }
+          : undefined;
+      return {
+        outcome: "granted",
+        lease,
+        retried: row.retried === true,
+        eventId: row.eventId ?? 0n,
+        expired,
+      };
+    }
+    if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
+    return { outcome: "unknown" };
+  });
+}

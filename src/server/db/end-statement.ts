@@ -1,0 +1,110 @@
+// The statement that ends valid leases before their deadline, for many keys
+// at once: Release (a run ends its own lease) and Revoke (an admin ends
+// whichever run's lease, audited with a reason). One statement, autocommit,
+// one clock reading; a key appears at most once.
+//
+// S5: a release matches key + run_id + still valid, so it can never end
+//     another run's lease; releasing nothing is an answer, not an error.
+// S6: the row stays as a tombstone (ended, expires_at = the end), not a
+//     DELETE, so the next acquire of the key draws its token under the lock.
+// S1, S6: a statement that locked a row at its latest version may find a
+//     lease granted after this statement's clock reading; ending it before
+//     it began would put this grant's interval out of order with the next
+//     one's, so the end is never before acquired_at.
+// S8: rows are locked in key order with SKIP LOCKED unless `wait`: a row
+//     another transaction holds is answered `busy` and tried alone.
+
+import type { EndedLease } from "../lease/types.js";
+import { leaseColumns, leaseOf } from "./lease-columns.js";
+import type { Sql } from "./pool.js";
+
+export interface EndItem {
+  accountId: string;
+  sessionId: string;
+  /** The run whose lease to end; undefined ends any run's (Revoke). */
+  runId: string | undefined;
+  ended: "released" | "revoked";
+  /** Recorded in lease_events (a revoke's reason). */
+  reason: string | undefined;
+}
+
+export type EndOutcome =
+  | { outcome: "ended"; lease: EndedLease }
+  /** No valid lease matched: nothing to end. */
+  | { outcome: "none" }
+  /** A matching row is held by another transaction (SKIP LOCKED): not decided. */
+  | { outcome: "busy" };
+
+interface EndRow extends Record<string, unknown> {
+  ended: boolean;
+  busy: boolean;
+  eventId: bigint | null;
+}
+
+export async function endMany(
+  sql: Sql,
+  items: readonly EndItem[],
+  options: { wait: boolean },
+): Promise<EndOutcome[]> {
+  const rows = await sql<EndRow[]>`
+    WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+    wanted AS MATERIALIZED (
+      SELECT * FROM unnest(
+        ${items.map((_, i) => i)}::int[],
+        ${items.map((i) => i.accountId)}::text[],
+        ${items.map((i) => i.sessionId)}::text[],
+        ${items.map((i) => i.runId ?? null)}::uuid[],
+        ${items.map((i) => i.ended)}::text[],
+        ${items.map((i) => i.reason ?? null)}::text[]
+      ) AS w(idx, account_id, session_id, run_id, ended, reason)
+    ),
+    locked AS MATERIALIZED (
+      SELECT w.idx, w.ended, w.reason, held.ctid AS row_id
+      FROM (SELECT * FROM wanted ORDER BY account_id, session_id) w
+      CROSS JOIN LATERAL (
+        SELECT l.ctid FROM leases l
+        WHERE l.account_id = w.account_id AND l.session_id = w.session_id
+          AND (w.run_id IS NULL OR l.run_id = w.run_id)
+          AND l.expires_at > (SELECT observed_at FROM lease_clock)
+        FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
+      ) held
+    ),
+    ended AS (
+      -- The locked row versions, by ctid: stable while the lock is held.
+      UPDATE leases AS held
+      SET expires_at = greatest(lease_clock.observed_at, held.acquired_at), ended = k.ended
+      FROM locked k, lease_clock
+      WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
+        AND held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+      RETURNING k.idx, k.reason, held.*
+    ),
+    audit AS (
+      INSERT INTO lease_events
+        (account_id, session_id, type, run_id, fencing_token, holder, reason, at)
+      SELECT account_id, session_id, ended, run_id, fencing_token, holder, reason, expires_at
+      FROM ended
+      RETURNING id, account_id, session_id
+    )
+    SELECT w.idx, e.idx IS NOT NULL AS ended, a.id AS event_id,
+           ${leaseColumns(sql, "e")},
+           -- Valid and matching in the snapshot, yet not locked: another
+           -- transaction holds the row.
+           e.idx IS NULL AND k.idx IS NULL AND EXISTS (
+             SELECT 1 FROM leases p
+             WHERE p.account_id = w.account_id AND p.session_id = w.session_id
+               AND (w.run_id IS NULL OR p.run_id = w.run_id)
+               AND p.expires_at > lease_clock.observed_at
+           ) AS busy
+    FROM wanted w
+    CROSS JOIN lease_clock
+    LEFT JOIN ended e ON e.idx = w.idx
+    LEFT JOIN locked k ON k.idx = w.idx
+    LEFT JOIN audit a ON a.account_id = e.account_id AND a.session_id = e.session_id
+    ORDER BY w.idx`;
+  return rows.map((row): EndOutcome => {
+    if (row.ended) {
+      return { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId ?? 0n } };
+    }
+    return row.busy ? { outcome: "busy" } : { outcome: "none" };
+  });
+}

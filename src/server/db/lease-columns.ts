@@ -1,0 +1,49 @@
+// What every lease statement shares: the columns of a lease as LeaseRecord
+// wants them, with database times in microseconds since the epoch and
+// `remaining` computed from the statement's one clock reading (S9).
+
+import type postgres from "postgres";
+import type { LeaseRecord } from "../lease/types.js";
+import type { Sql } from "./pool.js";
+
+/**
+ * The lease columns of table alias `t`, relative to `lease_clock.observed_at`
+ * (every statement reads the clock once, in a materialized `lease_clock` CTE).
+ * `prefix` names the output columns apart when a row carries two leases
+ * (`cur` gives cur_account_id, …, read back by leaseOf(row, "cur")).
+ */
+export function leaseColumns(
+  sql: Sql,
+  t: string,
+  prefix = "",
+): postgres.PendingQuery<postgres.Row[]> {
+  const c = (name: string) => sql(prefix === "" ? name : `${prefix}_${name}`);
+  return sql`
+    ${sql(t)}.account_id AS ${c("account_id")}, ${sql(t)}.session_id AS ${c("session_id")},
+    ${sql(t)}.run_id AS ${c("run_id")}, ${sql(t)}.fencing_token AS ${c("fencing_token")},
+    ${sql(t)}.holder AS ${c("holder")},
+    (extract(epoch FROM ${sql(t)}.ttl) * 1000)::bigint AS ${c("ttl_ms")},
+    (extract(epoch FROM ${sql(t)}.acquired_at) * 1000000)::bigint AS ${c("acquired_at_us")},
+    (extract(epoch FROM ${sql(t)}.expires_at) * 1000000)::bigint AS ${c("expires_at_us")},
+    (extract(epoch FROM greatest(${sql(t)}.expires_at - lease_clock.observed_at, interval '0'))
+      * 1000000)::bigint AS ${c("remaining_us")}`;
+}
+
+/** The LeaseRecord of a row whose lease columns carry `prefix` (camelCased by the pool). */
+export function leaseOf(row: object, prefix = ""): LeaseRecord {
+  const get = (name: string) =>
+    (row as Record<string, unknown>)[
+      prefix === "" ? name : `${prefix}${name.charAt(0).toUpperCase()}${name.slice(1)}`
+    ];
+  return {
+    accountId: get("accountId") as string,
+    sessionId: get("sessionId") as string,
+    runId: get("runId") as string,
+    fencingToken: get("fencingToken") as bigint,
+    holder: get("holder") as string,
+    ttlMs: get("ttlMs") as bigint,
+    acquiredAtUs: get("acquiredAtUs") as bigint,
+    expiresAtUs: get("expiresAtUs") as bigint,
+    remainingUs: get("remainingUs") as bigint,
+  };
+}

@@ -1,0 +1,18 @@
+import { defineConfig } from "vitest/config";
+
+// Polyglot client tests (npm run test:polyglot): the Python and Go example
+// workers against `leasehold serve` and `leasehold guarded serve`. They need
+// Debian's protoc, grpcio and Go packages (examples/install-toolchains.sh),
+// so `npm test`, which needs only Node, leaves them out. The setup starts
+// PostgreSQL (embedded unless DATABASE_URL is set), then generates the
+// stubs and builds the Go worker.
+export default defineConfig({
+  test: {
+    include: ["test/polyglot/**/*.test.ts"],
+    globalSetup: ["test/support/global-setup.ts", "test/polyglot/build-setup.ts"],
+    pool: "forks",
+    fileParallelism: false,
+    testTimeout: 120_000,
+    hookTimeout: 120_000,
+  },
+});
