@@ -7,21 +7,14 @@
 // and a row lock on one key that holds up no other key (S8).
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/server/lease/errors.js";
 import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, untilExpired } from "./support/leases.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
+const { db } = useTestDatabase();
 
 interface Grant {
   key: string;
