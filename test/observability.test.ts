@@ -11,12 +11,13 @@ import { createLogger } from "../src/server/observability/logger.js";
 import { failure, seconds } from "./support/calls.js";
 import { useTestServer } from "./support/fixture.js";
 import { untilExpired } from "./support/leases.js";
+import { grpcClient } from "./support/server.js";
 import { adminScope, bearer } from "./support/tokens.js";
 
 const lines: string[] = [];
-const { db, server, client, keys } = useTestServer({
+const { db, server, client, keys, startServer } = useTestServer({
   keys: true,
-  args: ["--max-leases-per-account", "3"],
+  args: ["--max-leases-per-account", "3", "--access-log-sample", "1"],
   logger: createLogger({
     level: "debug",
     destination: { write: (line: string) => void lines.push(line) },
@@ -80,6 +81,35 @@ describe("request logs", () => {
     expect(all).not.toContain(token.split(".")[2] ?? "");
     expect(all.toLowerCase()).not.toContain("bearer");
     expect(all.toLowerCase()).not.toContain("authorization");
+  });
+});
+
+describe("request log sampling", () => {
+  it("by default a successful call writes no line and a failed one does", async () => {
+    const quietLines: string[] = [];
+    const quiet = await startServer(
+      [],
+      {},
+      createLogger({
+        level: "debug",
+        destination: { write: (line: string) => void quietLines.push(line) },
+      }),
+    );
+    try {
+      const c = grpcClient(quiet.url);
+      const key = { accountId: "quiet-acct", sessionId: "s1" };
+      const ok = `req-${randomUUID()}`;
+      const bad = `req-${randomUUID()}`;
+      await c.get({ key }, { headers: { "x-request-id": ok } });
+      await failure(
+        c.get({ key: { ...key, sessionId: "" } }, { headers: { "x-request-id": bad } }),
+      );
+      const ids = quietLines.map((l) => (JSON.parse(l) as { requestId?: string }).requestId);
+      expect(ids).toContain(bad);
+      expect(ids).not.toContain(ok);
+    } finally {
+      await quiet.close();
+    }
   });
 });
 

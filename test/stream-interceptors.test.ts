@@ -24,6 +24,7 @@ import { createAuthenticator } from "../src/server/auth/authn.js";
 import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
 import type { AuthConfig } from "../src/server/config/ops-config.js";
 import { defaultLimits } from "../src/server/lease/limits.js";
+import { createAccess } from "../src/server/rpc/access.js";
 import { authInterceptor } from "../src/server/rpc/auth-interceptor.js";
 import { errorCodeInterceptor } from "../src/server/rpc/error-codes.js";
 import { watchLimitInterceptor } from "../src/server/rpc/watch-limit.js";
@@ -63,14 +64,16 @@ function setup(maxWatchers = 10) {
     router: {
       interceptors: [
         errorCodeInterceptor(),
-        authInterceptor({
-          protectedServices: new Set([LeaseService.typeName]),
-          authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),
-          authorizer: ownAccountAuthorizer,
-          adminScope: auth.adminScope,
-          fenceScope: auth.fenceScope,
-          limits: defaultLimits,
-        }),
+        authInterceptor(
+          createAccess({
+            protectedServices: new Set([LeaseService.typeName]),
+            authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),
+            authorizer: ownAccountAuthorizer,
+            adminScope: auth.adminScope,
+            fenceScope: auth.fenceScope,
+            limits: defaultLimits,
+          }),
+        ),
         watchLimitInterceptor(LeaseService.typeName, slots),
       ],
     },

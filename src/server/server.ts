@@ -34,12 +34,15 @@ import {
   registerNotificationMetrics,
   serveMetrics,
 } from "./observability/metrics.js";
+import { createAccess } from "./rpc/access.js";
 import { authInterceptor } from "./rpc/auth-interceptor.js";
+import { createCallObserver } from "./rpc/call-observer.js";
 import { errorCodeInterceptor } from "./rpc/error-codes.js";
+import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
-import { leaseRoutes } from "./rpc/routes.js";
+import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
 import { rpcObserver } from "./rpc/rpc-observer.js";
 import { watchLimitInterceptor } from "./rpc/watch-limit.js";
 import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
@@ -83,8 +86,8 @@ export async function startServer(
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
     migrationSets: leaseServerSets,
-    build: async (sql, _shutdownSignal, databaseUrl) => {
-      const built = await buildLeaseServer(config, logger, sql, databaseUrl);
+    build: async (sql, shutdownSignal, databaseUrl) => {
+      const built = await buildLeaseServer(config, logger, sql, databaseUrl, shutdownSignal);
       streaming = built.streaming;
       return built.services;
     },
@@ -98,6 +101,7 @@ async function buildLeaseServer(
   logger: Logger,
   sql: Sql,
   databaseUrl: string,
+  shutdownSignal: AbortSignal,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
   const counts = createLeaseCounts(sql);
@@ -212,22 +216,22 @@ async function buildLeaseServer(
   // Outermost first: the observer logs and times every call with the code
   // the error interceptor gave it; authentication and authorization run
   // before any handler; the watcher quota after them, on the caller's account.
+  const observer = createCallObserver({ logger, metrics, accessLogSample: ops.accessLogSample });
+  const access = createAccess({
+    protectedServices: new Set([LeaseService.typeName]),
+    authenticator: auth.keys ? createAuthenticator(auth, auth.keys, limits.maxIdLength) : undefined,
+    authorizer:
+      auth.sessionAuthorizer === "acl-table"
+        ? aclTableAuthorizer(createSessionAclTable(sql))
+        : ownAccountAuthorizer,
+    adminScope: auth.adminScope,
+    fenceScope: auth.fenceScope,
+    limits,
+  });
   const interceptors = [
-    rpcObserver(logger, metrics),
+    rpcObserver(observer),
     errorCodeInterceptor(),
-    authInterceptor({
-      protectedServices: new Set([LeaseService.typeName]),
-      authenticator: auth.keys
-        ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
-        : undefined,
-      authorizer:
-        auth.sessionAuthorizer === "acl-table"
-          ? aclTableAuthorizer(createSessionAclTable(sql))
-          : ownAccountAuthorizer,
-      adminScope: auth.adminScope,
-      fenceScope: auth.fenceScope,
-      limits,
-    }),
+    authInterceptor(access),
     watchLimitInterceptor(
       LeaseService.typeName,
       createAccountSlots(
@@ -237,6 +241,18 @@ async function buildLeaseServer(
       ),
     ),
   ];
+
+  // One implementation of LeaseService: the Connect adapter serves it to
+  // every protocol, and the native path (grpc-native.ts) serves its unary
+  // methods to gRPC clients.
+  const impl = leaseServiceImpl({
+    store,
+    events: createEventStore(sql),
+    limits,
+    waiters,
+    keepAlive,
+    watch,
+  });
 
   const maintenance = startMaintenance(
     createRetention(sql, ops.retention),
@@ -258,14 +274,7 @@ async function buildLeaseServer(
     },
     services: {
       routes: (router) => {
-        leaseRoutes({
-          store,
-          events: createEventStore(sql),
-          limits,
-          waiters,
-          keepAlive,
-          watch,
-        })(router);
+        leaseRoutes(impl)(router);
         const routed = () => [...new Set(router.handlers.map((h) => h.service))];
         router.service(
           Health,
@@ -275,6 +284,16 @@ async function buildLeaseServer(
         unaryParseErrorsAsInvalidArgument(router);
       },
       interceptors,
+      streamHandler:
+        config.grpcPath === "native"
+          ? createNativeGrpc({
+              services: [{ desc: LeaseService, impl }],
+              observer,
+              access,
+              maxMessageBytes: limits.maxMessageBytes,
+              shutdownSignal,
+            })
+          : undefined,
       http: (next) => (req, res) => {
         if (!serveMetrics(metrics, req, res)) next(req, res);
       },

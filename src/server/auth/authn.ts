@@ -25,6 +25,13 @@ export interface Authenticator {
 
 // Tokens are short strings; anything longer is not worth parsing.
 const maxTokenLength = 8192;
+// A client sends the same token with every call until it refreshes it, and
+// verifying a JWT costs more than a lease decision: verified tokens are kept
+// (bounded) until they expire, for at most this long.
+const verifiedCacheMs = 300_000;
+const verifiedCacheSize = 10_000;
+// jose's clockTolerance below, in ms: a token is accepted this long past `exp`.
+const clockToleranceMs = 5_000;
 // Accounts from tokens obey the same rule as account ids in requests, so a
 // claim can never name an account that no request could.
 const accountPattern = /^[A-Za-z0-9._:@+=-]+$/;
@@ -45,8 +52,12 @@ export function createAuthenticator(
     clockTolerance: 5,
   };
 
+  const verified = new Map<string, { principal: Principal; untilMs: number }>();
+
   return {
     authenticate: async (authorization) => {
+      const cached = authorization === null ? undefined : verified.get(authorization);
+      if (cached && Date.now() < cached.untilMs) return cached.principal;
       if (authorization === null || authorization === "") {
         throw new UnauthenticatedError(
           "missing bearer token: send the header 'authorization: Bearer <JWT>'",
@@ -89,12 +100,24 @@ export function createAuthenticator(
           "account_claim",
         );
       }
-      return {
+      const principal: Principal = {
         account,
         subject: typeof payload.sub === "string" ? payload.sub : "",
         scopes: scopesOf(payload),
         anonymous: false,
       };
+      const expiresMs =
+        typeof payload.exp === "number" ? payload.exp * 1000 + clockToleranceMs : Infinity;
+      verified.delete(authorization);
+      if (verified.size >= verifiedCacheSize) {
+        const oldest = verified.keys().next().value;
+        if (oldest !== undefined) verified.delete(oldest);
+      }
+      verified.set(authorization, {
+        principal,
+        untilMs: Math.min(expiresMs, Date.now() + verifiedCacheMs),
+      });
+      return principal;
     },
   };
 }

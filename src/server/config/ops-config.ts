@@ -45,6 +45,8 @@ export interface RetentionConfig {
 
 export interface OpsConfig {
   auth: AuthConfig;
+  /** Share of successful calls written to the request log, 0 to 1; failures are always logged. */
+  accessLogSample: number;
   /** How often the database is probed for gRPC health. */
   healthIntervalMs: number;
   retention: RetentionConfig;
@@ -103,6 +105,10 @@ export const opsSettings = {
   "max-leases-per-account": {
     env: "LEASEHOLD_MAX_LEASES_PER_ACCOUNT",
     help: "valid leases per account, 0 for no quota (default 10000)",
+  },
+  "access-log-sample": {
+    env: "LEASEHOLD_ACCESS_LOG_SAMPLE",
+    help: "share of successful calls logged, 0 to 1; failures always are (default 0)",
   },
   "health-interval": {
     env: "LEASEHOLD_HEALTH_INTERVAL",
@@ -195,8 +201,15 @@ export function parseOpsConfig(
   if (healthIntervalMs < 50) {
     throw new ConfigError("--health-interval (LEASEHOLD_HEALTH_INTERVAL) must be at least 50ms");
   }
+  const sampleText = read.get("access-log-sample");
+  const accessLogSample = sampleText === undefined ? 0 : Number(sampleText);
+  if (sampleText !== undefined && (!/^\d*\.?\d+$/.test(sampleText.trim()) || accessLogSample > 1)) {
+    throw new ConfigError(
+      `--access-log-sample (LEASEHOLD_ACCESS_LOG_SAMPLE) must be a number from 0 to 1, got ${JSON.stringify(sampleText)}`,
+    );
+  }
   return {
-    ops: { auth: parseAuth(read), healthIntervalMs, retention },
+    ops: { auth: parseAuth(read), accessLogSample, healthIntervalMs, retention },
     limits,
   };
 }

@@ -24,6 +24,11 @@ export interface ServerConfig extends HostConfig {
   streams: StreamTuning;
   /** Folder of the built web page served at `/`. */
   webDir: string;
+  /**
+   * Who serves gRPC clients' unary calls: the native path (grpc-native.ts)
+   * or, like every other protocol, the Connect adapter.
+   */
+  grpcPath: "native" | "connect";
 }
 
 export const leaseServerDefaults: HostDefaults = {
@@ -39,6 +44,10 @@ export const serverSettings = {
   "max-wait": { env: "LEASEHOLD_MAX_WAIT", help: "longest Acquire wait (default 5m)" },
   ...streamSettings,
   ...opsSettings,
+  "grpc-path": {
+    env: "LEASEHOLD_GRPC_PATH",
+    help: "native (default) or connect: who serves gRPC clients' unary calls",
+  },
   "web-dir": {
     env: "LEASEHOLD_WEB_DIR",
     help: "built web page served at / (default web/dist of this package)",
@@ -68,5 +77,16 @@ export function parseServerConfig(
     ops: ops.ops,
     streams: parseStreamTuning(read),
     webDir: read.get("web-dir") ?? defaultWebDir,
+    grpcPath: parseGrpcPath(read.get("grpc-path")),
   };
+}
+
+function parseGrpcPath(text: string | undefined): "native" | "connect" {
+  const value = text ?? "native";
+  if (value !== "native" && value !== "connect") {
+    throw new ConfigError(
+      `--grpc-path (LEASEHOLD_GRPC_PATH) must be native or connect, got ${JSON.stringify(value)}`,
+    );
+  }
+  return value;
 }

@@ -125,7 +125,8 @@ export async function acquireMany(
       SELECT a.account_id, (
         SELECT count(*)::int FROM (
           SELECT 1 FROM leases l, lease_clock c
-          WHERE l.account_id = a.account_id AND l.expires_at > c.observed_at
+          WHERE l.account_id = a.account_id AND l.ended IS NULL
+            AND l.expires_at > c.observed_at
           LIMIT ${quota + 1}
         ) counted
       ) AS held
@@ -162,45 +163,10 @@ export async function acquireMany(
       FROM tried t CROSS JOIN lease_clock c
       WHERE t.decision = 'try'
       ORDER BY t.account_id, t.session_id
-      ON CONFLICT (account_id, session_id) DO UPDATE SET
-        run_id = EXCLUDED.run_id,
-        fencing_token = CASE
-          WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-          THEN held.fencing_token
-          ELSE nextval('lease_fencing_token') END,
-        acquired_at = CASE
-          WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-          THEN held.acquired_at
-          ELSE EXCLUDED.acquired_at END,
-        holder = EXCLUDED.holder,
-        ttl = EXCLUDED.ttl,
-        expires_at = EXCLUDED.expires_at,
-        ended = NULL,
-        -- Read by this statement's audit insert below: RETURNING sees only
-        -- the new row.
-        previous_run_id = held.run_id,
-        previous_fencing_token = held.fencing_token,
-        previous_holder = held.holder,
-        previous_ended = held.ended,
-        previous_expires_at = held.expires_at
-      WHERE held.expires_at <= EXCLUDED.acquired_at
-         OR held.run_id = EXCLUDED.run_id
+      ${upsertOnConflict(sql)}
       RETURNING held.*
     ),
-    audit AS (
-      INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
-      SELECT g.account_id, g.session_id, 'expired', g.previous_run_id,
-             g.previous_fencing_token, g.previous_holder, g.previous_expires_at
-      FROM granted g
-      WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
-        AND g.previous_run_id IS NOT NULL AND g.previous_ended IS NULL
-      UNION ALL
-      SELECT g.account_id, g.session_id, 'acquired', g.run_id, g.fencing_token, g.holder,
-             g.acquired_at
-      FROM granted g
-      WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
-      RETURNING id, type, account_id, session_id
-    )
+    audit AS (${grantAudit(sql)})
     SELECT t.idx, t.decision, g.account_id IS NOT NULL AS granted,
            ${leaseColumns(sql, "g")},
            g.acquired_at < lease_clock.observed_at AS retried,
@@ -230,30 +196,180 @@ export async function acquireMany(
   return rows.map((row): AcquireOutcome => {
     if (row.decision === "busy") return { outcome: "busy" };
     if (row.decision === "quota") return { outcome: "quota" };
-    if (row.granted) {
-      const lease = leaseOf(row);
-      const expired =
-        row.expiredEventId !== null &&
-        row.expiredRunId !== null &&
-        row.expiredFencingToken !== null &&
-        row.expiredExpiresAtUs !== null
-          ? {
-              runId: row.expiredRunId,
-              fencingToken: row.expiredFencingToken,
-              holder: row.expiredHolder ?? "",
-              expiresAtUs: row.expiredExpiresAtUs,
-              eventId: row.expiredEventId,
-            }
-          : undefined;
-      return {
-        outcome: "granted",
-        lease,
-        retried: row.retried === true,
-        eventId: row.eventId ?? 0n,
-        expired,
-      };
-    }
+    if (row.granted) return grantOf(row);
     if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
     return { outcome: "unknown" };
   });
+}
+
+interface OneRow extends Record<string, unknown> {
+  overQuota: boolean;
+  granted: boolean;
+  retried: boolean | null;
+  eventId: bigint | null;
+  expiredEventId: bigint | null;
+  expiredRunId: string | null;
+  expiredFencingToken: bigint | null;
+  expiredHolder: string | null;
+  expiredExpiresAtUs: bigint | null;
+}
+
+/**
+ * Decides one acquire in a statement lighter than a batch of one (what a
+ * call gets when no other acquire is waiting). The key's row is locked
+ * first: with `wait` false, NOWAIT answers `busy` at once when another
+ * transaction holds it, so the caller decides the key alone, waiting,
+ * without holding up the calls queued behind this statement (S8). A refusal
+ * answers `held` without the lease in the way (`current` is read by the
+ * caller with getOne), since RETURNING sees only rows it changed.
+ */
+export async function acquireOne(
+  sql: Sql,
+  item: AcquireItem,
+  options: { wait: boolean; maxLeasesPerAccount: number },
+): Promise<AcquireOutcome | { outcome: "refused" }> {
+  const quota = options.maxLeasesPerAccount;
+  let rows: OneRow[];
+  try {
+    rows = await sql<OneRow[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      locked AS MATERIALIZED (
+        SELECT 1 FROM leases
+        WHERE account_id = ${item.accountId} AND session_id = ${item.sessionId}
+        FOR UPDATE ${options.wait ? sql`` : sql`NOWAIT`}
+      ),
+      -- Valid leases of the account on other sessions (the quota); reading
+      -- \`locked\` here takes the row lock before the upsert below runs.
+      others AS MATERIALIZED (
+        SELECT CASE WHEN ${quota} > 0 THEN (
+          SELECT count(*)::int FROM (
+            SELECT 1 FROM leases l, lease_clock c
+            WHERE l.account_id = ${item.accountId} AND l.session_id <> ${item.sessionId}
+              AND l.ended IS NULL AND l.expires_at > c.observed_at
+            LIMIT ${quota}
+          ) counted
+        ) ELSE 0 END AS held
+        FROM (SELECT count(*) FROM locked) lock_taken
+      ),
+      granted AS (
+        INSERT INTO leases AS held
+          (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
+        SELECT ${item.accountId}, ${item.sessionId}, ${item.runId}::uuid,
+               nextval('lease_fencing_token'), ${item.holder},
+               ${item.ttlMs}::bigint * interval '1 millisecond', c.observed_at,
+               c.observed_at + ${item.ttlMs}::bigint * interval '1 millisecond'
+        FROM lease_clock c CROSS JOIN others o
+        WHERE ${quota} = 0 OR o.held < ${quota}
+        ${upsertOnConflict(sql)}
+        RETURNING held.*
+      ),
+      audit AS (${grantAudit(sql)})
+      SELECT ${quota} > 0 AND o.held >= ${quota} AS over_quota,
+             g.account_id IS NOT NULL AS granted,
+             ${leaseColumns(sql, "g")},
+             g.acquired_at < lease_clock.observed_at AS retried,
+             (SELECT max(id) FROM audit WHERE type = 'acquired') AS event_id,
+             (SELECT max(id) FROM audit WHERE type = 'expired') AS expired_event_id,
+             g.previous_run_id AS expired_run_id,
+             g.previous_fencing_token AS expired_fencing_token,
+             g.previous_holder AS expired_holder,
+             (extract(epoch FROM g.previous_expires_at) * 1000000)::bigint AS expired_expires_at_us
+      FROM lease_clock CROSS JOIN others o LEFT JOIN granted g ON true`;
+  } catch (error) {
+    // NOWAIT: another transaction holds the row.
+    if (!options.wait && (error as { code?: unknown }).code === "55P03") return { outcome: "busy" };
+    throw error;
+  }
+  const row = rows[0];
+  if (!row) throw new Error("the acquire statement returned no row");
+  if (row.overQuota) return { outcome: "quota" };
+  return row.granted ? grantOf(row) : { outcome: "refused" };
+}
+
+type GrantRow = Pick<
+  OneRow,
+  | "retried"
+  | "eventId"
+  | "expiredEventId"
+  | "expiredRunId"
+  | "expiredFencingToken"
+  | "expiredHolder"
+  | "expiredExpiresAtUs"
+>;
+
+function grantOf(row: GrantRow): AcquireOutcome {
+  const expired =
+    row.expiredEventId !== null &&
+    row.expiredRunId !== null &&
+    row.expiredFencingToken !== null &&
+    row.expiredExpiresAtUs !== null
+      ? {
+          runId: row.expiredRunId,
+          fencingToken: row.expiredFencingToken,
+          holder: row.expiredHolder ?? "",
+          expiresAtUs: row.expiredExpiresAtUs,
+          eventId: row.expiredEventId,
+        }
+      : undefined;
+  return {
+    outcome: "granted",
+    lease: leaseOf(row),
+    retried: row.retried === true,
+    eventId: row.eventId ?? 0n,
+    expired,
+  };
+}
+
+/**
+ * The conflict rule of the acquire UPSERT (S3, S6): an expired or ended row,
+ * or the same run re-acquiring its valid lease, is updated; a valid lease of
+ * another run is left as it is. The token of a takeover is drawn here, under
+ * the row lock.
+ */
+function upsertOnConflict(sql: Sql) {
+  return sql`
+    ON CONFLICT (account_id, session_id) DO UPDATE SET
+      run_id = EXCLUDED.run_id,
+      fencing_token = CASE
+        WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+        THEN held.fencing_token
+        ELSE nextval('lease_fencing_token') END,
+      acquired_at = CASE
+        WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
+        THEN held.acquired_at
+        ELSE EXCLUDED.acquired_at END,
+      holder = EXCLUDED.holder,
+      ttl = EXCLUDED.ttl,
+      expires_at = EXCLUDED.expires_at,
+      ended = NULL,
+      -- Read by this statement's audit insert below: RETURNING sees only
+      -- the new row.
+      previous_run_id = held.run_id,
+      previous_fencing_token = held.fencing_token,
+      previous_holder = held.holder,
+      previous_ended = held.ended,
+      previous_expires_at = held.expires_at
+    WHERE held.expires_at <= EXCLUDED.acquired_at
+       OR held.run_id = EXCLUDED.run_id`;
+}
+
+/**
+ * The audit rows of the grants in CTE `granted`: 'expired' for an unreleased
+ * lease past its deadline that a grant replaced, 'acquired' for every grant
+ * (not for an idempotent retry, which keeps its token).
+ */
+function grantAudit(sql: Sql) {
+  return sql`
+    INSERT INTO lease_events (account_id, session_id, type, run_id, fencing_token, holder, at)
+    SELECT g.account_id, g.session_id, 'expired', g.previous_run_id,
+           g.previous_fencing_token, g.previous_holder, g.previous_expires_at
+    FROM granted g
+    WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+      AND g.previous_run_id IS NOT NULL AND g.previous_ended IS NULL
+    UNION ALL
+    SELECT g.account_id, g.session_id, 'acquired', g.run_id, g.fencing_token, g.holder,
+           g.acquired_at
+    FROM granted g
+    WHERE g.previous_fencing_token IS DISTINCT FROM g.fencing_token
+    RETURNING id, type, account_id, session_id`;
 }

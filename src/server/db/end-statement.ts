@@ -108,3 +108,51 @@ export async function endMany(
     return row.busy ? { outcome: "busy" } : { outcome: "none" };
   });
 }
+
+/**
+ * Ends one lease in a statement lighter than a batch of one. The row is
+ * locked first: with `wait` false, NOWAIT answers `busy` at once when
+ * another transaction holds it (S8), and the caller decides it alone, waiting.
+ */
+export async function endOne(
+  sql: Sql,
+  item: EndItem,
+  options: { wait: boolean },
+): Promise<EndOutcome> {
+  let rows: (EndedLease & Record<string, unknown>)[];
+  try {
+    rows = await sql<(EndedLease & Record<string, unknown>)[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      locked AS MATERIALIZED (
+        SELECT l.ctid AS row_id FROM leases l, lease_clock c
+        WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
+          AND (${item.runId ?? null}::uuid IS NULL OR l.run_id = ${item.runId ?? null}::uuid)
+          AND l.expires_at > c.observed_at
+        FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
+      ),
+      ended AS (
+        UPDATE leases AS held
+        SET expires_at = greatest(lease_clock.observed_at, held.acquired_at),
+            ended = ${item.ended}
+        FROM locked k, lease_clock
+        WHERE held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        RETURNING held.*
+      ),
+      audit AS (
+        INSERT INTO lease_events
+          (account_id, session_id, type, run_id, fencing_token, holder, reason, at)
+        SELECT account_id, session_id, ended, run_id, fencing_token, holder,
+               ${item.reason ?? null}::text, expires_at
+        FROM ended
+        RETURNING id
+      )
+      SELECT ${leaseColumns(sql, "ended")}, audit.id AS event_id FROM ended, audit, lease_clock`;
+  } catch (error) {
+    if (!options.wait && (error as { code?: unknown }).code === "55P03") return { outcome: "busy" };
+    throw error;
+  }
+  const row = rows[0];
+  return row
+    ? { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId } }
+    : { outcome: "none" };
+}

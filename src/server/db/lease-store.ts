@@ -6,12 +6,13 @@
 // Acquire, Release, Renew and Get are group-committed (group-commit.ts):
 // concurrent calls of one kind share one multi-row statement, so a busy
 // server commits a few statements where it would otherwise commit one per
-// call. Each row of a batch is decided exactly as it would be alone (the
-// statements are in acquire-statement.ts, end-statement.ts,
-// renew-statement.ts). A row another transaction holds is skipped by the
-// batch and decided alone, waiting on its lock up to lock_timeout (S8); a
-// batch that fails on a lock (a speculative insert of a new key held by a
-// stuck transaction, a deadlock) is decided row by row the same way, so only
+// call; a call alone gets a lighter single-row statement. Each row of a batch
+// is decided exactly as it would be alone (the statements are in
+// acquire-statement.ts, end-statement.ts, renew-statement.ts). A row another
+// transaction holds is left out (SKIP LOCKED, or NOWAIT for one row) and
+// decided alone, waiting on its lock up to lock_timeout, outside the batch
+// (S8); a batch that fails on a lock (a new key inserted, uncommitted, by a
+// stuck transaction; a deadlock) is decided row by row the same way, so only
 // the stuck key fails.
 
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../lease/errors.js";
@@ -23,18 +24,17 @@ import type {
   LeaseRecord,
   LeaseStore,
   RenewItem,
-  RenewManyResult,
   RenewResult,
   SessionKey,
   SessionRow,
 } from "../lease/types.js";
-import { type AcquireOutcome, acquireMany } from "./acquire-statement.js";
+import { acquireMany, acquireOne } from "./acquire-statement.js";
 import { classifyDatabaseError } from "./database-errors.js";
-import { type EndItem, type EndOutcome, endMany } from "./end-statement.js";
+import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
 import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 import type { Sql } from "./pool.js";
-import { renewMany } from "./renew-statement.js";
+import { renewMany, renewOne } from "./renew-statement.js";
 
 export interface LeaseStoreOptions {
   /** Valid leases one account may hold at once; 0 (the default) means no quota. */
@@ -53,19 +53,13 @@ export interface LeaseStoreStats {
   get: GroupCommitStats;
 }
 
-/** A row of a batch that failed on its own after its batch failed on a lock. */
-interface Failed {
-  outcome: "failed";
-  error: unknown;
-}
-
 // A row that stays locked through this many waiting attempts is reported as
 // the database being unable to decide.
 const maxAttempts = 3;
 
 const keyOf = (k: SessionKey) => `${k.accountId} ${k.sessionId}`;
 
-/** The batch failed on a row lock (lock_timeout, deadlock): decide its rows one by one. */
+/** A statement failed on a row lock (lock_timeout, deadlock). */
 function lockConflict(error: unknown): boolean {
   return (
     error instanceof DatabaseUnavailableError &&
@@ -81,6 +75,7 @@ export function createLeaseStore(
   const maxLeasesPerAccount = options.maxLeasesPerAccount ?? 0;
   const maxBatch = options.maxBatch ?? 500;
   const maxInFlight = options.maxInFlight ?? 1;
+  const quota = { maxLeasesPerAccount };
 
   const run = async <T>(statement: () => Promise<T>): Promise<T> => {
     try {
@@ -91,41 +86,53 @@ export function createLeaseStore(
   };
 
   /**
-   * Runs a batch; when it fails on a lock, runs each row alone (waiting on
-   * its lock), so that the row whose lock is stuck fails and the others do not.
+   * One statement for a group-committed batch: the single-row form for one
+   * call (lighter), the multi-row form for more. Neither waits on a row lock
+   * another transaction holds: such a row comes back `busy`. A batch that
+   * failed on a lock anyway (a new key inserted, uncommitted, by a stuck
+   * transaction; a deadlock) comes back `busy` whole. Busy rows are then
+   * decided one by one, waiting on their locks, outside the batch, so the
+   * calls queued behind it are not held up (S8).
    */
   const batch =
-    <I, R>(statement: (items: readonly I[], wait: boolean) => Promise<R[]>) =>
-    async (items: readonly I[]): Promise<(R | Failed)[]> => {
+    <I, R>(
+      one: (item: I) => Promise<R | { outcome: "busy" }>,
+      many: (items: readonly I[]) => Promise<(R | { outcome: "busy" })[]>,
+    ) =>
+    async (items: readonly I[]): Promise<(R | { outcome: "busy" })[]> => {
       try {
-        return await run(() => statement(items, false));
-      } catch (error) {
-        if (items.length === 1 || !lockConflict(error)) throw error;
-        return Promise.all(
-          items.map((item) =>
-            run(() => statement([item], true)).then(
-              (results) => results[0] as R,
-              (failure: unknown): Failed => ({ outcome: "failed", error: failure }),
-            ),
-          ),
+        return await run(async () =>
+          items.length === 1 ? [await one(items[0] as I)] : await many(items),
         );
+      } catch (error) {
+        if (!lockConflict(error)) throw error;
+        return items.map(() => ({ outcome: "busy" as const }));
       }
     };
 
-  const acquireBatch = createGroupCommit<AcquireInput, AcquireOutcome | Failed>({
-    run: batch((items, wait) => acquireMany(sql, items, { wait, maxLeasesPerAccount })),
+  const acquireBatch = createGroupCommit({
+    run: batch(
+      (item: AcquireInput) => acquireOne(sql, item, { wait: false, ...quota }),
+      (items) => acquireMany(sql, items, { wait: false, ...quota }),
+    ),
     keyOf,
     maxBatch,
     maxInFlight,
   });
-  const releaseBatch = createGroupCommit<EndItem, EndOutcome | Failed>({
-    run: batch((items, wait) => endMany(sql, items, { wait })),
+  const releaseBatch = createGroupCommit({
+    run: batch(
+      (item: EndItem) => endOne(sql, item, { wait: false }),
+      (items) => endMany(sql, items, { wait: false }),
+    ),
     keyOf,
     maxBatch,
     maxInFlight,
   });
-  const renewBatch = createGroupCommit<RenewItem, RenewManyResult | Failed>({
-    run: batch((items, wait) => renewMany(sql, items, { wait })),
+  const renewBatch = createGroupCommit({
+    run: batch(
+      (item: RenewItem) => renewOne(sql, item, { wait: false }),
+      (items) => renewMany(sql, items, { wait: false }),
+    ),
     keyOf,
     maxBatch,
     maxInFlight,
@@ -137,17 +144,9 @@ export function createLeaseStore(
     maxInFlight,
   });
 
-  const settled = <T extends { outcome: string }>(result: T | Failed): T => {
-    if (result.outcome === "failed") throw (result as Failed).error;
-    return result as T;
-  };
-
-  /** Decides one acquire alone, waiting on its row lock. */
-  const acquireAlone = async (input: AcquireInput) =>
-    settled(
-      (
-        await run(() => acquireMany(sql, [input], { wait: true, maxLeasesPerAccount }))
-      )[0] as AcquireOutcome,
+  const stillLocked = () =>
+    new DatabaseUnavailableError(
+      "the session's lease row stayed locked by other transactions; retry",
     );
 
   return {
@@ -159,52 +158,48 @@ export function createLeaseStore(
     },
 
     async acquire(input): Promise<AcquireResult> {
-      let outcome = settled(await acquireBatch.submit(input));
-      // "unknown": a concurrent grant inserted the key after the statement's
-      // snapshot, so the lease in the way was not read. The key is decided
-      // again; bounded, so a key that keeps changing hands answers not
-      // acquired without naming a holder.
-      for (
-        let attempt = 1;
-        outcome.outcome === "busy" || outcome.outcome === "unknown";
-        attempt++
-      ) {
-        if (attempt >= maxAttempts) {
-          if (outcome.outcome === "unknown") return { acquired: false, current: undefined };
-          throw new DatabaseUnavailableError(
-            "the session's lease row stayed locked by other transactions; retry",
-          );
+      let outcome = await acquireBatch.submit(input);
+      for (let attempt = 1; ; attempt++) {
+        switch (outcome.outcome) {
+          case "granted":
+            return {
+              acquired: true,
+              lease: outcome.lease,
+              retried: outcome.retried,
+              eventId: outcome.eventId,
+              expired: outcome.expired,
+            };
+          case "held":
+            return { acquired: false, current: outcome.current };
+          case "quota":
+            throw new ResourceExhaustedError(
+              `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
+            );
+          case "refused": {
+            // Refused by a valid lease that RETURNING could not show: read it.
+            // When it ended meanwhile, the key is free: decide it again.
+            const current = await run(() => getOne(sql, input));
+            if (current || attempt >= maxAttempts) return { acquired: false, current };
+            break;
+          }
+          case "busy":
+            if (attempt >= maxAttempts) throw stillLocked();
+            break;
+          case "unknown":
+            // A concurrent grant inserted the key after the batch's snapshot.
+            if (attempt >= maxAttempts) return { acquired: false, current: undefined };
+            break;
         }
-        outcome = await acquireAlone(input);
-      }
-      switch (outcome.outcome) {
-        case "granted":
-          return {
-            acquired: true,
-            lease: outcome.lease,
-            retried: outcome.retried,
-            eventId: outcome.eventId,
-            expired: outcome.expired,
-          };
-        case "held":
-          return { acquired: false, current: outcome.current };
-        case "quota":
-          throw new ResourceExhaustedError(
-            `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
-          );
+        outcome = await run(() => acquireOne(sql, input, { wait: true, ...quota }));
       }
     },
 
     async renew(key, runId, ttlMs): Promise<RenewResult> {
       const item: RenewItem = { ...key, runId, ttlMs, lookupHandoff: false };
-      let result = settled(await renewBatch.submit(item));
+      let result = await renewBatch.submit(item);
       for (let attempt = 1; result.outcome === "busy"; attempt++) {
-        if (attempt >= maxAttempts) {
-          throw new DatabaseUnavailableError(
-            "the session's lease row stayed locked by other transactions; retry",
-          );
-        }
-        result = (await run(() => renewMany(sql, [item], { wait: true })))[0] as RenewManyResult;
+        if (attempt >= maxAttempts) throw stillLocked();
+        result = await run(() => renewOne(sql, item, { wait: true }));
       }
       return result.outcome === "renewed"
         ? { held: true, lease: result.lease }
@@ -215,15 +210,12 @@ export function createLeaseStore(
 
     async release(key, runId): Promise<EndedLease | undefined> {
       const item: EndItem = { ...key, runId, ended: "released", reason: undefined };
-      return endResult(settled(await releaseBatch.submit(item)), item);
+      return endResult(await releaseBatch.submit(item), item);
     },
 
     async revoke(key, reason): Promise<EndedLease | undefined> {
       const item: EndItem = { ...key, runId: undefined, ended: "revoked", reason };
-      return endResult(
-        (await run(() => endMany(sql, [item], { wait: true })))[0] as EndOutcome,
-        item,
-      );
+      return endResult(await run(() => endOne(sql, item, { wait: true })), item);
     },
 
     get: (key) => getBatch.submit(key),
@@ -339,12 +331,8 @@ export function createLeaseStore(
   async function endResult(first: EndOutcome, item: EndItem): Promise<EndedLease | undefined> {
     let outcome = first;
     for (let attempt = 1; outcome.outcome === "busy"; attempt++) {
-      if (attempt >= maxAttempts) {
-        throw new DatabaseUnavailableError(
-          "the session's lease row stayed locked by other transactions; retry",
-        );
-      }
-      outcome = (await run(() => endMany(sql, [item], { wait: true })))[0] as EndOutcome;
+      if (attempt >= maxAttempts) throw stillLocked();
+      outcome = await run(() => endOne(sql, item, { wait: true }));
     }
     return outcome.outcome === "ended" ? outcome.lease : undefined;
   }
@@ -355,6 +343,7 @@ async function getMany(
   sql: Sql,
   keys: readonly SessionKey[],
 ): Promise<(LeaseRecord | undefined)[]> {
+  if (keys.length === 1) return [await getOne(sql, keys[0] as SessionKey)];
   const rows = await sql<(Record<string, unknown> & { found: boolean })[]>`
     WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
     SELECT w.idx, l.account_id IS NOT NULL AS found, ${leaseColumns(sql, "l")}
@@ -371,4 +360,15 @@ async function getMany(
     ) l ON true
     ORDER BY w.idx`;
   return rows.map((row) => (row.found ? leaseOf(row) : undefined));
+}
+
+/** The valid lease of the key, if any. */
+async function getOne(sql: Sql, key: SessionKey): Promise<LeaseRecord | undefined> {
+  const rows = await sql<LeaseRecord[]>`
+    WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+    SELECT ${leaseColumns(sql, "leases")}
+    FROM leases, lease_clock
+    WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
+      AND leases.expires_at > lease_clock.observed_at`;
+  return rows[0];
 }

@@ -34,6 +34,11 @@ export function openDatabase(options: DatabaseOptions): Sql {
       statement_timeout: options.statementTimeoutMs,
       lock_timeout: options.lockTimeoutMs,
       idle_in_transaction_session_timeout: options.idleInTransactionTimeoutMs,
+      // Statements are prepared once per connection; every lease statement
+      // probes the primary key (or the open-leases index) per row, so the
+      // generic plan is as good as a custom one and skips planning, which
+      // for the multi-row statements costs more than running them.
+      plan_cache_mode: "force_generic_plan",
     },
   }) as unknown as Sql;
 }

@@ -122,3 +122,51 @@ export async function renewMany(
     return { outcome: "busy" };
   });
 }
+
+/**
+ * Renews one lease in a statement lighter than a batch of one. The row is
+ * locked first: with `wait` false, NOWAIT answers `busy` at once when
+ * another transaction holds it (S8). A renewal that matched nothing is
+ * explained by a second read, which decides nothing.
+ */
+export async function renewOne(
+  sql: Sql,
+  item: RenewItem,
+  options: { wait: boolean },
+): Promise<RenewManyResult> {
+  const newTtl = item.ttlMs === undefined ? null : item.ttlMs;
+  let rows: LeaseRecord[];
+  try {
+    rows = await sql<LeaseRecord[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      locked AS MATERIALIZED (
+        SELECT l.ctid AS row_id FROM leases l, lease_clock c
+        WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
+          AND l.run_id = ${item.runId}::uuid AND l.expires_at > c.observed_at
+        FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
+      ),
+      renewed AS (
+        UPDATE leases AS held SET
+          ttl = coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl),
+          expires_at = lease_clock.observed_at
+            + coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl)
+        FROM locked k, lease_clock
+        WHERE held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        RETURNING held.*
+      )
+      SELECT ${leaseColumns(sql, "renewed")} FROM renewed, lease_clock`;
+  } catch (error) {
+    if (!options.wait && (error as { code?: unknown }).code === "55P03") return { outcome: "busy" };
+    throw error;
+  }
+  const lease = rows[0];
+  if (lease) return { outcome: "renewed", lease, handoff: undefined };
+  const [row] = await sql<{ runId: string; ended: string | null }[]>`
+    SELECT run_id, ended FROM leases
+    WHERE account_id = ${item.accountId} AND session_id = ${item.sessionId}`;
+  if (!row) return { outcome: "lost", cause: "not_found" };
+  if (row.runId !== item.runId) return { outcome: "lost", cause: "taken_over" };
+  if (row.ended === "released") return { outcome: "lost", cause: "released" };
+  if (row.ended === "revoked") return { outcome: "lost", cause: "revoked" };
+  return { outcome: "lost", cause: "expired" };
+}

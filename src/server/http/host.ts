@@ -13,7 +13,7 @@ import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-pos
 import { type MigrationSet, migrate } from "../db/migrate.js";
 import { openDatabase, type Sql } from "../db/pool.js";
 import type { Logger } from "../observability/logger.js";
-import { type Listener, listen } from "./listener.js";
+import { type Listener, listen, type StreamHandler } from "./listener.js";
 
 export interface RunningServer {
   /** Base URL for clients, e.g. http://127.0.0.1:7070 */
@@ -43,6 +43,8 @@ export interface HostedServices {
   maxStreamsPerConnection?: number;
   /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
   beginShutdown?: () => void;
+  /** Serves HTTP/2 streams itself before the Connect adapter sees them (the native gRPC path). */
+  streamHandler?: StreamHandler;
   /** Answers requests for paths that are not RPCs (the lease server's web page). */
   fallback?: ConnectNodeAdapterOptions["fallback"];
   /** Stops the services' own work; runs after requests drain, before the pool closes. */
@@ -113,6 +115,7 @@ export async function startHost(
       port: config.listenPort,
       handler: services.http ? services.http(handler) : handler,
       maxConcurrentStreams: services.maxStreamsPerConnection,
+      streamHandler: services.streamHandler,
       tls: config.tls,
     });
     const host = listener.host.includes(":") ? `[${listener.host}]` : listener.host;

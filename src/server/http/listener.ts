@@ -1,19 +1,29 @@
-// One port for every protocol: gRPC clients speak HTTP/2 without TLS (h2c),
-// browsers and curl speak HTTP/1.1. Node's cleartext http2 server does not
-// fall back to HTTP/1.1, so a plain TCP server peeks at the first bytes and
-// hands the socket to the HTTP/2 server when they are the connection preface,
-// else to the HTTP/1.1 server. Both run the same request handler. With TLS,
-// ALPN chooses the protocol instead: one secure HTTP/2 server that accepts
-// HTTP/1.1 too (allowHTTP1).
+// One port for every protocol: gRPC clients speak HTTP/2 (h2c, or h2 over
+// TLS), browsers and curl speak HTTP/1.1. Node's cleartext http2 server does
+// not fall back to HTTP/1.1, so a plain TCP server peeks at the first bytes
+// and hands the socket to the HTTP/2 server when they are the connection
+// preface, else to the HTTP/1.1 server. With TLS, a TLS server in front does
+// the same by ALPN. One HTTP/2 server and one HTTP/1.1 server serve both.
+//
+// Each HTTP/2 stream is offered to `streamHandler` first (the native gRPC
+// path serves the calls it has there); any other goes to `handler` through
+// Node's compatibility objects, as http2.createServer(handler) would.
 
 import http from "node:http";
 import http2 from "node:http2";
 import net from "node:net";
+import tls from "node:tls";
 
 type Handler = (
   req: http.IncomingMessage | http2.Http2ServerRequest,
   res: http.ServerResponse | http2.Http2ServerResponse,
 ) => void;
+
+/** Serves an HTTP/2 stream itself and returns true, or returns false to leave it to `handler`. */
+export type StreamHandler = (
+  stream: http2.ServerHttp2Stream,
+  headers: http2.IncomingHttpHeaders,
+) => boolean;
 
 const preface = Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
 
@@ -32,6 +42,7 @@ export interface ListenerOptions {
   host: string;
   port: number;
   handler: Handler;
+  streamHandler?: StreamHandler;
   /** Upper bound on concurrent streams per HTTP/2 connection. */
   maxConcurrentStreams?: number;
   /** Largest accepted request body, in bytes (HTTP/2 frames and headers). */
@@ -41,57 +52,89 @@ export interface ListenerOptions {
 }
 
 export async function listen(options: ListenerOptions): Promise<Listener> {
-  if (options.tls) return listenTls(options, options.tls);
   const h1 = http.createServer(options.handler as http.RequestListener);
   // Long-lived streams (KeepAlive, Watch) must not be cut by Node's defaults.
   h1.requestTimeout = 0;
   h1.headersTimeout = 30_000;
   h1.keepAliveTimeout = 65_000;
-  const h2 = http2.createServer(
-    {
-      settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
-      maxSessionMemory: options.maxSessionMemoryMb ?? 32,
+  const h2 = http2.createServer({
+    settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
+    maxSessionMemory: options.maxSessionMemoryMb ?? 32,
+  });
+  h2.on(
+    "stream",
+    (
+      stream: http2.ServerHttp2Stream,
+      headers: http2.IncomingHttpHeaders,
+      _flags: number,
+      rawHeaders: string[],
+    ) => {
+      if (options.streamHandler?.(stream, headers)) return;
+      compat(options.handler, stream, headers, rawHeaders);
     },
-    options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
   );
   const connections = trackConnections(h2);
-  const tcp = net.createServer((socket) => {
-    connections.add(socket);
-    // Read the first bytes in paused mode and put them back: both servers
-    // then find them in the socket's buffer (Node's HTTP/2 session feeds
-    // already-buffered bytes to nghttp2 before reading from the handle).
-    socket.once("readable", () => {
-      const chunk = socket.read() as Buffer | null;
-      if (chunk === null) return;
-      const n = Math.min(chunk.length, preface.length);
-      const isH2 = chunk.subarray(0, n).equals(preface.subarray(0, n));
-      socket.unshift(chunk);
-      (isH2 ? h2 : h1).emit("connection", socket);
-    });
-    socket.once("error", () => socket.destroy());
-  });
-  return serveOn(tcp, options, connections, () => h1.closeIdleConnections());
+
+  const front = options.tls
+    ? tls.createServer(
+        { cert: options.tls.cert, key: options.tls.key, ALPNProtocols: ["h2", "http/1.1"] },
+        (socket) => {
+          connections.add(socket);
+          (socket.alpnProtocol === "h2" ? h2 : h1).emit("connection", socket);
+        },
+      )
+    : net.createServer((socket) => {
+        connections.add(socket);
+        // Read the first bytes in paused mode and put them back: both servers
+        // then find them in the socket's buffer (Node's HTTP/2 session feeds
+        // already-buffered bytes to nghttp2 before reading from the handle).
+        socket.once("readable", () => {
+          const chunk = socket.read() as Buffer | null;
+          if (chunk === null) return;
+          const n = Math.min(chunk.length, preface.length);
+          const isH2 = chunk.subarray(0, n).equals(preface.subarray(0, n));
+          socket.unshift(chunk);
+          (isH2 ? h2 : h1).emit("connection", socket);
+        });
+      });
+  // A client that fails the handshake, or resets its socket, must not leave
+  // an error unhandled.
+  front.on("tlsClientError", () => {});
+  return serveOn(front, options, connections, () => h1.closeIdleConnections());
 }
 
-async function listenTls(
-  options: ListenerOptions,
-  tls: { cert: Buffer; key: Buffer },
-): Promise<Listener> {
-  const server = http2.createSecureServer(
-    {
-      cert: tls.cert,
-      key: tls.key,
-      allowHTTP1: true,
-      settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
-      maxSessionMemory: options.maxSessionMemoryMb ?? 32,
-    },
-    options.handler as (req: http2.Http2ServerRequest, res: http2.Http2ServerResponse) => void,
-  );
-  const connections = trackConnections(server);
-  server.on("connection", (socket: net.Socket) => connections.add(socket));
-  // A client that fails the handshake must not leave an error unhandled.
-  server.on("tlsClientError", () => {});
-  return serveOn(server, options, connections);
+/** Hands a stream to a compatibility-API handler, as Node's http2 server does for 'request'. */
+function compat(
+  handler: Handler,
+  stream: http2.ServerHttp2Stream,
+  headers: http2.IncomingHttpHeaders,
+  rawHeaders: string[],
+): void {
+  const Request = http2.Http2ServerRequest as unknown as new (
+    stream: http2.ServerHttp2Stream,
+    headers: http2.IncomingHttpHeaders,
+    options: undefined,
+    rawHeaders: string[],
+  ) => http2.Http2ServerRequest;
+  const Response = http2.Http2ServerResponse as unknown as new (
+    stream: http2.ServerHttp2Stream,
+  ) => http2.Http2ServerResponse;
+  const request = new Request(stream, headers, undefined, rawHeaders);
+  const response = new Response(stream);
+  if (headers[":method"] === "CONNECT") {
+    response.statusCode = 405;
+    response.end();
+    return;
+  }
+  if (headers.expect !== undefined) {
+    if (headers.expect !== "100-continue") {
+      response.statusCode = 417;
+      response.end();
+      return;
+    }
+    response.writeContinue();
+  }
+  handler(request, response);
 }
 
 interface Connections {
@@ -102,7 +145,7 @@ interface Connections {
 
 // The sockets and HTTP/2 sessions of a server, so that close() can let
 // in-flight calls finish before it cuts what is left.
-function trackConnections(h2: http2.Http2Server | http2.Http2SecureServer): Connections {
+function trackConnections(h2: http2.Http2Server): Connections {
   const sessions = new Set<http2.ServerHttp2Session>();
   const sockets = new Set<net.Socket>();
   let onDrained: (() => void) | undefined;
@@ -114,6 +157,7 @@ function trackConnections(h2: http2.Http2Server | http2.Http2SecureServer): Conn
     add: (socket) => {
       sockets.add(socket);
       socket.setNoDelay(true);
+      socket.once("error", () => socket.destroy());
       socket.once("close", () => {
         sockets.delete(socket);
         if (sockets.size === 0) onDrained?.();
@@ -136,7 +180,7 @@ async function serveOn(
   server: net.Server,
   options: ListenerOptions,
   connections: Connections,
-  closeIdle?: () => void,
+  closeIdle: () => void,
 ): Promise<Listener> {
   await new Promise<void>((resolve, reject) => {
     server.once("error", reject);
@@ -151,7 +195,7 @@ async function serveOn(
     port: address.port,
     close: async (graceMs) => {
       const closed = new Promise<void>((resolve) => server.close(() => resolve()));
-      closeIdle?.();
+      closeIdle();
       await connections.drain(graceMs);
       await closed;
     },

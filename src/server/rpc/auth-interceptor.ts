@@ -1,131 +1,38 @@
-// Authentication and authorization of every LeaseService call, streams
-// included, as one Connect interceptor: handlers stay free of it. It throws
-// domain errors; the error interceptor outside it gives them their codes. Order:
-// the bearer token (UNAUTHENTICATED), the method's scope (Revoke needs the
-// admin scope), the account named in each request message (it must be the
-// caller's), then the session authorizer, before any lease logic runs. One
-// exception to the account rule: a guarded resource's token (the fence
-// scope) may call CheckFence on any account's sessions, since the resource
-// serves writers of every account; it reaches nothing else.
-// Denials say which rule failed and never anything about another account.
+// The Connect adapter's side of access control (access.ts): one interceptor
+// that checks every LeaseService call, streams included, before any handler
+// runs. It throws domain errors; the error interceptor outside it gives them
+// their codes.
 
-import type { DescMessage } from "@bufbuild/protobuf";
 import { createContextKey, type Interceptor, type StreamRequest } from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
-import type { Authenticator, Principal } from "../auth/authn.js";
-import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
-import { PermissionDeniedError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { checkId } from "../lease/validation.js";
+import type { Principal } from "../auth/authn.js";
+import type { Access } from "./access.js";
 
 /** The authenticated caller of the current call; undefined outside protected services. */
 export const principalKey = createContextKey<Principal | undefined>(undefined, {
   description: "leasehold principal",
 });
 
-/** Every method of LeaseService and the session action it performs. */
-const actions: Record<string, SessionAction> = {
-  Acquire: "acquire",
-  Renew: "renew",
-  KeepAlive: "renew",
-  Release: "release",
-  Get: "read",
-  List: "read",
-  History: "read",
-  CheckFence: "read",
-  Watch: "watch",
-  RequestHandoff: "handoff",
-  Revoke: "revoke",
-};
-
-// Methods whose request may name every session of an account at once.
-const accountWide = new Set(["List", "Watch"]);
-
-// A KeepAlive stream asks the authorizer once per session, then trusts the
-// answer this long: a renewal every few seconds must not cost a query each.
-const streamDecisionMs = 30_000;
-
-export interface AuthInterceptorOptions {
-  /** Services whose calls need a token, by full name. */
-  protectedServices: ReadonlySet<string>;
-  /** Undefined: development mode, every call is an anonymous principal. */
-  authenticator: Authenticator | undefined;
-  authorizer: SessionAuthorizer;
-  adminScope: string;
-  /** The scope that opens CheckFence on every account (and nothing else). */
-  fenceScope: string;
-  limits: Limits;
-}
-
-export function authInterceptor(options: AuthInterceptorOptions): Interceptor {
-  const { authenticator, authorizer, adminScope, fenceScope, limits } = options;
-
+export function authInterceptor(access: Access): Interceptor {
   return (next) => async (req) => {
-    if (!options.protectedServices.has(req.service.typeName)) return next(req);
+    if (!access.protects(req.service.typeName)) return next(req);
     const methodName = req.method.name;
-    const action = actions[methodName];
-    if (action === undefined) {
-      throw new PermissionDeniedError(`${methodName} is not open to callers`);
-    }
-    const caller: Principal | undefined = authenticator
-      ? await authenticator.authenticate(req.header.get("authorization"))
-      : undefined;
-    if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
-      throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
-    }
+    const caller = await access.caller(methodName, req.header.get("authorization"));
     req.contextValues.set(principalKey, caller);
-
-    // Checks one request message; returns the principal it acts as.
-    const check = async (
-      message: object,
-      decided?: Map<string, number>,
-    ): Promise<Principal | undefined> => {
-      const target = targetOf(message, req.method.input);
-      if (target === undefined || target.accountId === "") return caller;
-      checkId(target.accountField, target.accountId, limits);
-      if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
-        // A resource checking a writer's token: not a user of the account,
-        // so neither the account rule nor the session authorizer applies.
-        if (target.sessionId !== "") checkId(target.sessionField, target.sessionId, limits);
-        return caller;
-      }
-      if (caller && target.accountId !== caller.account) {
-        throw new PermissionDeniedError(
-          `${target.accountField} is not the account of the caller's token`,
-        );
-      }
-      const principal = caller ?? anonymous(target.accountId);
-      const sessionId = target.sessionId;
-      // An empty session is "every session" only where the method allows
-      // it; elsewhere the handler rejects it as INVALID_ARGUMENT.
-      if (sessionId === "" && !accountWide.has(methodName)) return principal;
-      if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
-      const until = decided?.get(sessionId);
-      if (until !== undefined && until > performance.now()) return principal;
-      if (!(await authorizer.allows(principal, sessionId, action))) {
-        throw new PermissionDeniedError(
-          sessionId === ""
-            ? `not allowed to ${action} every session of the account`
-            : `not allowed to ${action} this session`,
-        );
-      }
-      decided?.set(sessionId, performance.now() + streamDecisionMs);
-      return principal;
+    const check = async (message: object, decided?: Map<string, number>) => {
+      const principal = await access.check(methodName, req.method.input, message, caller, decided);
+      if (!caller) req.contextValues.set(principalKey, principal);
     };
 
     if (!req.stream) {
-      const principal = await check(req.message);
-      if (!caller) req.contextValues.set(principalKey, principal);
+      await check(req.message);
       return await next(req);
     }
     if (req.method.methodKind === "server_streaming") {
       // One request message: check it before the handler starts.
       const messages: object[] = [];
       for await (const m of req.message) messages.push(m);
-      for (const m of messages) {
-        const principal = await check(m);
-        if (!caller) req.contextValues.set(principalKey, principal);
-      }
+      for (const m of messages) await check(m);
       return await next({
         ...req,
         message: createAsyncIterable(messages),
@@ -137,44 +44,10 @@ export function authInterceptor(options: AuthInterceptorOptions): Interceptor {
     const source = req.message;
     async function* checked() {
       for await (const m of source) {
-        const principal = await check(m, decided);
-        if (!caller) req.contextValues.set(principalKey, principal);
+        await check(m, decided);
         yield m;
       }
     }
     return await next({ ...req, message: checked() } as StreamRequest);
   };
-}
-
-interface Target {
-  accountId: string;
-  accountField: string;
-  sessionId: string;
-  sessionField: string;
-}
-
-/** The account and session a request message names: its `key`, or List's `account_id`. */
-function targetOf(message: object, input: DescMessage): Target | undefined {
-  const m = message as { key?: { accountId?: string; sessionId?: string }; accountId?: unknown };
-  if (input.fields.some((f) => f.localName === "key")) {
-    return {
-      accountId: m.key?.accountId ?? "",
-      accountField: "key.account_id",
-      sessionId: m.key?.sessionId ?? "",
-      sessionField: "key.session_id",
-    };
-  }
-  if (input.fields.some((f) => f.localName === "accountId") && typeof m.accountId === "string") {
-    return {
-      accountId: m.accountId,
-      accountField: "account_id",
-      sessionId: "",
-      sessionField: "",
-    };
-  }
-  return undefined;
-}
-
-function anonymous(account: string): Principal {
-  return { account, subject: "", scopes: new Set(), anonymous: true };
 }

@@ -1,19 +1,27 @@
-// Routes of the lease server: one plain function from a router to services.
+// Routes of the lease server: one plain function from a router to services,
+// over the one service implementation that the native gRPC path serves too.
 
-import type { ConnectRouter } from "@connectrpc/connect";
+import type { ConnectRouter, ServiceImpl } from "@connectrpc/connect";
 import { LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
 import { type AuditServiceDeps, createAuditService } from "./audit-service.js";
 import { createFenceService } from "./fence-service.js";
 import { createLeaseService, type LeaseServiceDeps } from "./lease-service.js";
 import { createStreamService, type StreamServiceDeps } from "./stream-service.js";
 
-export function leaseRoutes(deps: LeaseServiceDeps & AuditServiceDeps & StreamServiceDeps) {
+export type LeaseServiceImplDeps = LeaseServiceDeps & AuditServiceDeps & StreamServiceDeps;
+
+/** The one implementation of LeaseService, behind the Connect adapter and the native gRPC path. */
+export function leaseServiceImpl(deps: LeaseServiceImplDeps): ServiceImpl<typeof LeaseService> {
+  return {
+    ...createLeaseService(deps),
+    ...createFenceService(deps),
+    ...createAuditService(deps),
+    ...createStreamService(deps),
+  };
+}
+
+export function leaseRoutes(impl: ServiceImpl<typeof LeaseService>) {
   return (router: ConnectRouter) => {
-    router.service(LeaseService, {
-      ...createLeaseService(deps),
-      ...createFenceService(deps),
-      ...createAuditService(deps),
-      ...createStreamService(deps),
-    });
+    router.service(LeaseService, impl);
   };
 }

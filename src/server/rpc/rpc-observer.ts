@@ -1,58 +1,30 @@
-// One JSON log line and one latency observation per RPC: request id,
-// account, method, code and latency. The outermost interceptor, so it sees
-// every answer, authentication failures included. It logs chosen fields
-// only, never headers: a bearer token cannot reach the log.
+// The Connect adapter's side of the call observer (call-observer.ts): the
+// outermost interceptor, so it sees every answer, authentication failures
+// included, with the code the error interceptor gave it.
 
-import { randomUUID } from "node:crypto";
 import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
-import { codeToString } from "@connectrpc/connect/protocol-connect";
 import { requestIdHeader } from "../../protocol/headers.js";
-import type { Logger } from "../observability/logger.js";
-import type { LeaseMetrics } from "../observability/metrics.js";
 import { principalKey } from "./auth-interceptor.js";
+import type { CallObserver } from "./call-observer.js";
 
 /** The request id of the current call (from x-request-id, else generated). */
 export const requestIdKey = createContextKey("", { description: "leasehold request id" });
 
-const requestIdPattern = /^[A-Za-z0-9._:-]{1,128}$/;
-
-// Probes arrive every few seconds from every load balancer: logged at debug.
-const quietServices = new Set(["grpc.health.v1.Health"]);
-
-export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor {
+export function rpcObserver(observer: CallObserver): Interceptor {
   return (next) => async (req) => {
-    const started = performance.now();
-    const given = req.header.get(requestIdHeader);
-    const requestId = given !== null && requestIdPattern.test(given) ? given : randomUUID();
-    req.contextValues.set(requestIdKey, requestId);
-    const method = `${req.service.typeName}/${req.method.name}`;
-    let recorded = false;
-    const record = (code: Code | undefined, error?: ConnectError) => {
-      if (recorded) return;
-      recorded = true;
-      const seconds = (performance.now() - started) / 1000;
-      const codeName = code === undefined ? "ok" : codeToString(code);
-      metrics.rpcDuration.observe({ method, code: codeName }, seconds);
-      const principal = req.contextValues.get(principalKey);
-      const fields = {
-        requestId,
-        method,
-        account: principal?.account,
-        subject: principal?.subject || undefined,
-        code: codeName,
-        latencyMs: Math.round(seconds * 1e6) / 1e3,
-        // The message of a client error helps; a server error's cause goes
-        // to the log, never to the client.
-        error: error?.rawMessage,
-        err: code === Code.Internal || code === Code.Unknown ? error?.cause : undefined,
-      };
-      if (code === Code.Internal || code === Code.Unknown) logger.error(fields, "rpc failed");
-      else if (quietServices.has(req.service.typeName)) logger.debug(fields, "rpc");
-      else logger.info(fields, "rpc");
+    const call = observer.begin(
+      req.service.typeName,
+      req.method.name,
+      req.header.get(requestIdHeader),
+    );
+    req.contextValues.set(requestIdKey, call.requestId);
+    const record = (code?: Code, error?: ConnectError) => {
+      call.principal = req.contextValues.get(principalKey);
+      call.end(code, error);
     };
     const fail = (error: unknown): ConnectError => {
       const ce = ConnectError.from(error);
-      ce.metadata.set(requestIdHeader, requestId);
+      ce.metadata.set(requestIdHeader, call.requestId);
       record(ce.code, ce);
       return ce;
     };
@@ -63,9 +35,9 @@ export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor 
     } catch (error) {
       throw fail(error);
     }
-    res.header.set(requestIdHeader, requestId);
+    res.header.set(requestIdHeader, call.requestId);
     if (!res.stream) {
-      record(undefined);
+      record();
       return res;
     }
     // A client that leaves, a deadline or a shutdown aborts the call, and the
@@ -82,7 +54,7 @@ export function rpcObserver(logger: Logger, metrics: LeaseMetrics): Interceptor 
     async function* observed() {
       try {
         yield* source;
-        record(undefined);
+        record();
       } catch (error) {
         throw fail(error);
       } finally {

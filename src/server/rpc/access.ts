@@ -1,0 +1,162 @@
+// Authentication and authorization of LeaseService calls, the same for every
+// path that serves them (the Connect adapter's interceptor, the native gRPC
+// path). Order: the bearer token (UNAUTHENTICATED), the method's scope
+// (Revoke needs the admin scope), the account named in each request message
+// (it must be the caller's), then the session authorizer, before any lease
+// logic runs. One exception to the account rule: a guarded resource's token
+// (the fence scope) may call CheckFence on any account's sessions, since the
+// resource serves writers of every account; it reaches nothing else.
+// Denials say which rule failed and never anything about another account.
+// It throws domain errors; the error table gives them their codes.
+
+import type { DescMessage } from "@bufbuild/protobuf";
+import type { Authenticator, Principal } from "../auth/authn.js";
+import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
+import { PermissionDeniedError } from "../lease/errors.js";
+import type { Limits } from "../lease/limits.js";
+import { checkId } from "../lease/validation.js";
+
+/** Every method of LeaseService and the session action it performs. */
+const actions: Record<string, SessionAction> = {
+  Acquire: "acquire",
+  Renew: "renew",
+  KeepAlive: "renew",
+  Release: "release",
+  Get: "read",
+  List: "read",
+  History: "read",
+  CheckFence: "read",
+  Watch: "watch",
+  RequestHandoff: "handoff",
+  Revoke: "revoke",
+};
+
+// Methods whose request may name every session of an account at once.
+const accountWide = new Set(["List", "Watch"]);
+
+// A KeepAlive stream asks the authorizer once per session, then trusts the
+// answer this long: a renewal every few seconds must not cost a query each.
+const streamDecisionMs = 30_000;
+
+export interface AccessOptions {
+  /** Services whose calls need a token, by full name. */
+  protectedServices: ReadonlySet<string>;
+  /** Undefined: development mode, every call is an anonymous principal. */
+  authenticator: Authenticator | undefined;
+  authorizer: SessionAuthorizer;
+  adminScope: string;
+  /** The scope that opens CheckFence on every account (and nothing else). */
+  fenceScope: string;
+  limits: Limits;
+}
+
+export interface Access {
+  /** Whether calls of this service are checked at all. */
+  protects(serviceName: string): boolean;
+  /**
+   * The caller of a call of `methodName`, from its authorization header;
+   * undefined in development mode. Refuses a bad token and a method the
+   * caller's scopes do not open.
+   */
+  caller(methodName: string, authorization: string | null): Promise<Principal | undefined>;
+  /**
+   * Checks one request message of the call: its account, then the session
+   * authorizer. Returns the principal the call acts as (an anonymous one for
+   * the request's account in development mode). `decided` remembers a
+   * stream's session decisions for a while.
+   */
+  check(
+    methodName: string,
+    input: DescMessage,
+    message: object,
+    caller: Principal | undefined,
+    decided?: Map<string, number>,
+  ): Promise<Principal | undefined>;
+}
+
+export function createAccess(options: AccessOptions): Access {
+  const { authenticator, authorizer, adminScope, fenceScope, limits } = options;
+  return {
+    protects: (serviceName) => options.protectedServices.has(serviceName),
+
+    async caller(methodName, authorization) {
+      const action = actions[methodName];
+      if (action === undefined) {
+        throw new PermissionDeniedError(`${methodName} is not open to callers`);
+      }
+      const caller = authenticator ? await authenticator.authenticate(authorization) : undefined;
+      if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
+        throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
+      }
+      return caller;
+    },
+
+    async check(methodName, input, message, caller, decided) {
+      const action = actions[methodName] as SessionAction;
+      const target = targetOf(message, input);
+      if (target === undefined || target.accountId === "") return caller;
+      checkId(target.accountField, target.accountId, limits);
+      if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
+        // A resource checking a writer's token: not a user of the account,
+        // so neither the account rule nor the session authorizer applies.
+        if (target.sessionId !== "") checkId(target.sessionField, target.sessionId, limits);
+        return caller;
+      }
+      if (caller && target.accountId !== caller.account) {
+        throw new PermissionDeniedError(
+          `${target.accountField} is not the account of the caller's token`,
+        );
+      }
+      const principal = caller ?? anonymous(target.accountId);
+      const sessionId = target.sessionId;
+      // An empty session is "every session" only where the method allows
+      // it; elsewhere the handler rejects it as INVALID_ARGUMENT.
+      if (sessionId === "" && !accountWide.has(methodName)) return principal;
+      if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
+      const until = decided?.get(sessionId);
+      if (until !== undefined && until > performance.now()) return principal;
+      if (!(await authorizer.allows(principal, sessionId, action))) {
+        throw new PermissionDeniedError(
+          sessionId === ""
+            ? `not allowed to ${action} every session of the account`
+            : `not allowed to ${action} this session`,
+        );
+      }
+      decided?.set(sessionId, performance.now() + streamDecisionMs);
+      return principal;
+    },
+  };
+}
+
+interface Target {
+  accountId: string;
+  accountField: string;
+  sessionId: string;
+  sessionField: string;
+}
+
+/** The account and session a request message names: its `key`, or List's `account_id`. */
+function targetOf(message: object, input: DescMessage): Target | undefined {
+  const m = message as { key?: { accountId?: string; sessionId?: string }; accountId?: unknown };
+  if (input.fields.some((f) => f.localName === "key")) {
+    return {
+      accountId: m.key?.accountId ?? "",
+      accountField: "key.account_id",
+      sessionId: m.key?.sessionId ?? "",
+      sessionField: "key.session_id",
+    };
+  }
+  if (input.fields.some((f) => f.localName === "accountId") && typeof m.accountId === "string") {
+    return {
+      accountId: m.accountId,
+      accountField: "account_id",
+      sessionId: "",
+      sessionField: "",
+    };
+  }
+  return undefined;
+}
+
+function anonymous(account: string): Principal {
+  return { account, subject: "", scopes: new Set(), anonymous: true };
+}
