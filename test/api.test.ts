@@ -10,28 +10,13 @@ import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import * as grpc from "@grpc/grpc-js";
 import * as protoLoader from "@grpc/proto-loader";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey, untilExpired } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = grpcClient(server.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
+const { db, server, client } = useTestServer();
 
 describe("Connect client over gRPC (h2c)", () => {
   it("S3, S5, S6: acquire, a blocked second acquire, renew, get, list, release", async () => {

@@ -5,42 +5,27 @@
 // about the account it tried to reach.
 
 import { randomBytes, randomUUID } from "node:crypto";
-import { create } from "@bufbuild/protobuf";
-import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseClient, UnauthenticatedError } from "../src/client/index.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { storedState } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
-import { adminScope, bearer, createTestKeys, signToken, type TestKeys } from "./support/tokens.js";
+import { adminScope, bearer, signToken } from "./support/tokens.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-let keys: TestKeys;
+const { db, server, client, keys } = useTestServer({ keys: true });
 let held: { key: { accountId: string; sessionId: string }; runId: string; token: bigint };
 
 const account = "alice";
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  keys = await createTestKeys();
-  server = await startTestServer(db.url, keys.args);
-  client = grpcClient(server.url);
   const key = { accountId: account, sessionId: "held" };
   const a = await client.acquire(
     { key, ttl: seconds(600), holder: "desktop" },
     bearer(await keys.token(account)),
   );
   held = { key, runId: a.lease?.runId ?? "", token: a.lease?.fencingToken ?? 0n };
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
 });
 
 type Options = { headers?: Record<string, string>; signal?: AbortSignal };

@@ -5,30 +5,19 @@ import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { BadRequestSchema } from "../src/gen/google/rpc/error_details_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { storedState } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
+// Production TTL bounds (1s to 1h), so the bound checks are the real ones.
+const { db, client } = useTestServer({ args: ["--min-ttl", "1s", "--max-ttl", "1h"] });
 let held: { key: { accountId: string; sessionId: string }; runId: string };
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  // Production TTL bounds (1s to 1h), so the bound checks are the real ones.
-  server = await startTestServer(db.url, ["--min-ttl", "1s", "--max-ttl", "1h"]);
-  client = grpcClient(server.url);
   const key = { accountId: "acct", sessionId: "held" };
   const a = await client.acquire({ key, ttl: create(DurationSchema, { seconds: 600n }) });
   held = { key, runId: a.lease?.runId ?? "" };
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
 });
 
 const ttl = (seconds: bigint, nanos = 0) => create(DurationSchema, { seconds, nanos });

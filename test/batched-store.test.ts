@@ -7,21 +7,15 @@
 // and a row lock on one key that holds up no other key (S8).
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/server/lease/errors.js";
 import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
-import { freshKey, untilExpired } from "./support/leases.js";
+import { openTransaction } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
+import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
+const { db } = useTestDatabase();
 
 interface Grant {
   key: string;
@@ -179,30 +173,7 @@ describe("group-committed acquire and release", () => {
 });
 
 describe("S8 in a batch", () => {
-  async function holdRowLock(key: SessionKey): Promise<{ release(): Promise<void> }> {
-    let release!: () => void;
-    const holding = new Promise<void>((r) => {
-      release = r;
-    });
-    let taken!: () => void;
-    const lockTaken = new Promise<void>((r) => {
-      taken = r;
-    });
-    const blocker = db.connect(1, { lockTimeoutMs: 10_000 });
-    const tx = blocker.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${key.accountId}
-              AND session_id = ${key.sessionId} FOR UPDATE`;
-      taken();
-      await holding;
-    });
-    await lockTaken;
-    return {
-      release: async () => {
-        release();
-        await tx;
-      },
-    };
-  }
+  const holdRowLock = (key: SessionKey) => lockLeaseRow(db, key, { lockTimeoutMs: 10_000 });
 
   it("S8: a row lock on one key fails that key after lock_timeout; the keys batched with it are decided without waiting", async () => {
     // Long enough that "decided before one lock_timeout" cannot be luck: a
@@ -237,7 +208,7 @@ describe("S8 in a batch", () => {
       expect(Math.max(...decided)).toBeLessThan(lockTimeoutMs);
       expect(await stuckCall).toBeInstanceOf(DatabaseUnavailableError);
     } finally {
-      await lock.release();
+      await lock.end();
     }
     const after = await store.acquire({
       ...stuck,
@@ -252,23 +223,15 @@ describe("S8 in a batch", () => {
     const store = createLeaseStore(db.connect(3, { lockTimeoutMs: 300 }));
     const stuck = freshKey("s8new");
     const others = Array.from({ length: 4 }, () => freshKey("s8new"));
-    let release!: () => void;
-    const holding = new Promise<void>((r) => {
-      release = r;
-    });
-    let taken!: () => void;
-    const inserted = new Promise<void>((r) => {
-      taken = r;
-    });
-    const blocker = db.connect(1, { lockTimeoutMs: 10_000 });
-    const tx = blocker.begin(async (t) => {
-      await t`INSERT INTO leases (account_id, session_id, run_id, fencing_token, ttl, acquired_at, expires_at)
+    const blocker = await openTransaction(
+      db,
+      (
+        t,
+      ) => t`INSERT INTO leases (account_id, session_id, run_id, fencing_token, ttl, acquired_at, expires_at)
               VALUES (${stuck.accountId}, ${stuck.sessionId}, ${randomUUID()}, 1, interval '1 s',
-                      clock_timestamp(), clock_timestamp())`;
-      taken();
-      await holding;
-    });
-    await inserted;
+                      clock_timestamp(), clock_timestamp())`,
+      { lockTimeoutMs: 10_000 },
+    );
     try {
       const calls = [stuck, ...others].map((k) =>
         store.acquire({ ...k, runId: randomUUID(), ttlMs: 30_000, holder: "o" }).then(
@@ -280,8 +243,7 @@ describe("S8 in a batch", () => {
       expect(stuckOutcome).toBeInstanceOf(DatabaseUnavailableError);
       expect(rest).toEqual([true, true, true, true]);
     } finally {
-      release();
-      await tx.catch(() => undefined);
+      await blocker.end().catch(() => undefined);
     }
   });
 
@@ -310,7 +272,7 @@ describe("S8 in a batch", () => {
       expect(released.every((r) => r !== undefined)).toBe(true);
       expect(await lockedRenew).toBeInstanceOf(DatabaseUnavailableError);
     } finally {
-      await lock.release();
+      await lock.end();
     }
   });
 });

@@ -4,20 +4,16 @@
 // Figures are never asserted here; they belong to `npm run bench`.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import type { CycleOptions, CycleResult } from "../bench/load-cycles.js";
 import { runLoad } from "../bench/load-protocol.js";
 import { countOverlappingGrants, createSeedTable } from "../bench/postgres.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   await createSeedTable(db.sql);
-});
-afterAll(async () => {
-  await db.close();
 });
 
 describe("benchmark S1 check on the audit trail", () => {

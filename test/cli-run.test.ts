@@ -2,30 +2,15 @@
 // server: the child command holds the lease, is stopped when the lease is
 // lost (L2), and the watcher prints changes made by another client.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createLeaseClient, durationFromMs, type LeaseClient } from "../src/client/index.js";
+import { describe, expect, it } from "vitest";
+import { createLeaseClient, durationFromMs } from "../src/client/index.js";
 import { freePort } from "../src/server/db/embedded-postgres.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { RunningServer } from "../src/server/server.js";
 import { runCli, startCli } from "./support/cli.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = createLeaseClient({ baseUrl: server.url });
-});
-afterAll(async () => {
-  client?.close();
-  await server?.close();
-  await db?.close();
-});
+const { db, server, library: client, startServer } = useTestServer();
 
 async function storedLease(key: { accountId: string; sessionId: string }) {
   const [row] = await db.sql<{ fencingToken: bigint; runId: string; ended: string | null }[]>`
@@ -43,17 +28,17 @@ function isAlive(pid: number): boolean {
   }
 }
 
+/** `leasehold run` on the test server, for one session. */
+const runOn = (key: { accountId: string; sessionId: string }) => [
+  ...["run", "--server", server.url],
+  ...["--account", key.accountId, "--session", key.sessionId],
+];
+
 describe("leasehold run", () => {
   it("S6: CMD runs holding the lease with its token and run id, the lease is released when it ends, and its exit code passes through", async () => {
     const key = freshKey("run");
     const result = await runCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--ttl",
       "5s",
       "--",
@@ -70,13 +55,7 @@ describe("leasehold run", () => {
   it("L2: when the lease is lost, CMD gets SIGTERM, then SIGKILL after the grace; run exits with CMD's code", async () => {
     const key = freshKey("lost");
     const run = startCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--ttl",
       "2s",
       "--grace",
@@ -107,13 +86,7 @@ describe("leasehold run", () => {
     const key = freshKey("held");
     const held = await client.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });
     const result = await runCli([
-      "run",
-      "--server",
-      server.url,
-      "--account",
-      key.accountId,
-      "--session",
-      key.sessionId,
+      ...runOn(key),
       "--",
       process.execPath,
       "-e",
@@ -151,7 +124,7 @@ describe("leasehold watch", () => {
   it("L1: when its server restarts, watch says so and watches again: a fresh snapshot, then changes", async () => {
     const port = await freePort();
     const listen = ["--listen", `127.0.0.1:${port}`];
-    let restarting = await startTestServer(db.url, listen);
+    let restarting = await startServer(listen);
     const key = freshKey("rewatched");
     const watch = startCli([
       ...["watch", "--server", restarting.url],
@@ -161,7 +134,7 @@ describe("leasehold watch", () => {
       await watch.line(/SNAPSHOT/);
       const before = watch.lines.length;
       await restarting.close();
-      restarting = await startTestServer(db.url, listen);
+      restarting = await startServer(listen);
       await watch.line(/SNAPSHOT/, before);
       const other = createLeaseClient({ baseUrl: restarting.url });
       const grant = await other.acquire({ key, ttl: durationFromMs(30_000), holder: "desktop" });

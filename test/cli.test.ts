@@ -2,24 +2,12 @@
 // server: readable output, --json, exit codes, --help, and one clear line
 // when the server cannot be reached.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import type { RunningServer } from "../src/server/server.js";
+import { describe, expect, it } from "vitest";
 import { runCli } from "./support/cli.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
+const { server } = useTestServer();
 
 const commands = [
   "acquire",

@@ -11,12 +11,10 @@ import os from "node:os";
 import path from "node:path";
 import { createInterface } from "node:readline";
 import { promisify } from "node:util";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
 import { repoRoot } from "./support/server-process.js";
 
 const run = promisify(execFile);
@@ -46,15 +44,10 @@ try {
 }
 `;
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
+const { server, client } = useTestServer();
 let project: string;
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = grpcClient(server.url);
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-client-package-"));
   const { stdout } = await run("npm", ["pack", "./packages/client", "--pack-destination", dir], {
     cwd: repoRoot,
@@ -71,11 +64,6 @@ beforeAll(async () => {
   });
   await writeFile(path.join(project, "worker.mjs"), script);
 }, 120_000);
-
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
 
 /** Starts the packaged worker; yields its JSON lines as they come. */
 function startWorker(key: { accountId: string; sessionId: string }, mode: "finish" | "hold") {

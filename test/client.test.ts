@@ -14,17 +14,15 @@ import {
   createContextValues,
 } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import {
   type ClientEvent,
   createEndpoint,
-  createLeaseClient,
   durationFromMs,
   fencingContextKey,
   fencingHeaderNames,
   fencingInterceptor,
   InvalidArgumentError,
-  type LeaseClient,
   LeaseholdError,
   LeaseLostError,
   LeaseNotHeldError,
@@ -45,30 +43,10 @@ import {
   fencingInterceptor as serverFencingInterceptor,
 } from "../src/guarded/interceptor.js";
 import { listen } from "../src/server/http/listener.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-const clients: LeaseClient[] = [];
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-});
-afterAll(async () => {
-  for (const c of clients) c.close();
-  await server?.close();
-  await db?.close();
-});
-
-function client(options: Partial<Parameters<typeof createLeaseClient>[0]> = {}): LeaseClient {
-  const c = createLeaseClient({ baseUrl: server.url, ...options });
-  clients.push(c);
-  return c;
-}
+const { db, server, libraryClient: client } = useTestServer();
 
 /** A port nothing listens on: bound, then closed. */
 async function deadUrl(): Promise<string> {

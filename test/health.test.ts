@@ -17,22 +17,13 @@ import {
   startEmbeddedPostgres,
 } from "../src/server/db/embedded-postgres.js";
 import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { startTestServer } from "./support/server.js";
 
 const healthClient = (url: string) => createClient(Health, createGrpcTransport({ baseUrl: url }));
 
 describe("grpc.health.v1 on a healthy server", () => {
-  let db: TestDatabase;
-  let server: RunningServer;
-  beforeAll(async () => {
-    db = await createTestDatabase();
-    server = await startTestServer(db.url);
-  });
-  afterAll(async () => {
-    await server?.close();
-    await db?.close();
-  });
+  const { server } = useTestServer();
 
   it("Check answers SERVING for the server and for LeaseService, NOT_FOUND for others", async () => {
     const health = healthClient(server.url);
@@ -61,13 +52,11 @@ describe("grpc.health.v1 on a healthy server", () => {
 });
 
 describe("health follows the database", () => {
-  let db: TestDatabase;
   let dir: string;
   let pg: EmbeddedDatabase;
   let server: RunningServer | undefined;
 
   beforeAll(async () => {
-    db = await createTestDatabase();
     dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-health-"));
     pg = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata") });
   });
@@ -75,7 +64,6 @@ describe("health follows the database", () => {
     await server?.close();
     await pg?.stop().catch(() => {});
     await rm(dir, { recursive: true, force: true });
-    await db?.close();
   });
 
   it("NOT_SERVING while PostgreSQL is stopped, SERVING again when it returns", async () => {

@@ -4,39 +4,15 @@
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { Code } from "@connectrpc/connect";
+import { describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { failure, seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey, untilExpired } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = grpcClient(server.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
-
-async function failure(call: Promise<unknown>): Promise<ConnectError> {
-  try {
-    await call;
-  } catch (error) {
-    return ConnectError.from(error);
-  }
-  throw new Error("the call succeeded");
-}
+const { db, client } = useTestServer();
 
 describe("History", () => {
   it("S6: lists acquired, released, expired and revoked events newest first, with tokens in grant order", async () => {

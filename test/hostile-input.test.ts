@@ -9,22 +9,18 @@ import http2 from "node:http2";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
 import fc from "fast-check";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import {
   Health,
   HealthCheckResponse_ServingStatus as Status,
 } from "../src/gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { storedState } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
-import { adminScope, createTestKeys, type TestKeys } from "./support/tokens.js";
+import { adminScope } from "./support/tokens.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-let keys: TestKeys;
+// A short wait bound: a valid random wait on a held session cannot stall a run.
+const { db, server, client, keys } = useTestServer({ keys: true, args: ["--max-wait", "200ms"] });
 const tokens: Record<string, string | undefined> = {};
 const unimplemented = new Set<string>();
 
@@ -37,11 +33,6 @@ const documented = new Set([
 ]);
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  keys = await createTestKeys();
-  // A short wait bound: a valid random wait on a held session cannot stall a run.
-  server = await startTestServer(db.url, [...keys.args, "--max-wait", "200ms"]);
-  client = grpcClient(server.url);
   tokens.none = undefined;
   tokens.garbage = "Bearer \u00ffgarbage.\u00e9";
   tokens.fuzz = `Bearer ${await keys.token("fuzz")}`;
@@ -60,10 +51,6 @@ beforeAll(async () => {
     const error = await callMethod(method.localName, {}, tokens.admin).catch((e) => e);
     if (ConnectError.from(error).code === Code.Unimplemented) unimplemented.add(method.localName);
   }
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
 });
 
 // ---- values ---------------------------------------------------------------

@@ -2,23 +2,19 @@
 // over independent connections.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { Sql } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
-import { freshKey, untilExpired } from "./support/leases.js";
+import { useTestDatabase } from "./support/fixture.js";
+import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 let store: LeaseStore;
 
-beforeAll(async () => {
-  db = await createTestDatabase();
+beforeAll(() => {
   store = createLeaseStore(db.sql);
-});
-afterAll(async () => {
-  await db.close();
 });
 
 const acquire = (s: LeaseStore, key: { accountId: string; sessionId: string }, ttlMs = 30_000) =>
@@ -244,29 +240,13 @@ describe("S8 independence", () => {
     await untilExpired(db.sql, locked);
     const fast = createLeaseStore(db.connect(2, { lockTimeoutMs: 200 }));
 
-    let release!: () => void;
-    const holding = new Promise<void>((r) => {
-      release = r;
-    });
-    let lockTaken!: () => void;
-    const taken = new Promise<void>((r) => {
-      lockTaken = r;
-    });
-    const blocker = db.connect(1, { lockTimeoutMs: 5_000 });
-    const tx = blocker.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${locked.accountId}
-              AND session_id = ${locked.sessionId} FOR UPDATE`;
-      lockTaken();
-      await holding;
-    });
-    await taken;
+    const lock = await lockLeaseRow(db, locked, { lockTimeoutMs: 5_000 });
     try {
       await expect(acquire(fast, locked)).rejects.toBeInstanceOf(DatabaseUnavailableError);
       const free = await acquire(fast, other);
       expect(free.acquired).toBe(true);
     } finally {
-      release();
-      await tx;
+      await lock.end();
     }
     expect((await acquire(fast, locked)).acquired).toBe(true);
   });

@@ -8,43 +8,18 @@ import net from "node:net";
 import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import type { RunningServer } from "../src/server/server.js";
 import { createAccountSlots, createStreamLeases } from "../src/server/streams/stream-limits.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { failure, seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { storedState, untilExpired } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
+import { grpcClient } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
 const quota = 5;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url, [
-    "--max-leases-per-account",
-    String(quota),
-    "--max-message-bytes",
-    "4096",
-  ]);
-  client = grpcClient(server.url);
+const { db, client, startServer } = useTestServer({
+  args: ["--max-leases-per-account", String(quota), "--max-message-bytes", "4096"],
 });
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
-
-async function failure(call: Promise<unknown>): Promise<ConnectError> {
-  try {
-    await call;
-  } catch (error) {
-    return ConnectError.from(error);
-  }
-  throw new Error("the call succeeded");
-}
 
 describe("message size", () => {
   it("a request above --max-message-bytes is RESOURCE_EXHAUSTED and changes nothing", async () => {
@@ -135,10 +110,7 @@ describe("per-account lease quota", () => {
 describe("concurrent streams per connection", () => {
   let narrow: RunningServer;
   beforeAll(async () => {
-    narrow = await startTestServer(db.url, ["--max-streams-per-connection", "2"]);
-  });
-  afterAll(async () => {
-    await narrow?.close();
+    narrow = await startServer(["--max-streams-per-connection", "2"]);
   });
 
   it("the server advertises --max-streams-per-connection; a peer that opens more gets REFUSED_STREAM", async () => {
@@ -237,10 +209,7 @@ async function rawHttp2(url: URL) {
 describe("watchers per account over the wire", () => {
   let narrow: RunningServer;
   beforeAll(async () => {
-    narrow = await startTestServer(db.url, ["--max-watchers-per-account", "1"]);
-  });
-  afterAll(async () => {
-    await narrow?.close();
+    narrow = await startServer(["--max-watchers-per-account", "1"]);
   });
 
   it("a second Watch of the same account is RESOURCE_EXHAUSTED; another account is not; ending the first frees the slot", async () => {

@@ -7,25 +7,12 @@ import { once } from "node:events";
 import { createInterface } from "node:readline";
 import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { describe, expect, it, vi } from "vitest";
+import { useTestServer } from "./support/fixture.js";
 import { untilExpired } from "./support/leases.js";
-import { grpcClient, type LeaseClient, repoRoot, startTestServer } from "./support/server.js";
+import { repoRoot } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  client = grpcClient(server.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
+const { db, server, client } = useTestServer();
 
 describe("L1 crash liveness", () => {
   it("L1: a process killed after acquiring leaves a lease that expires; then the session is free and another run takes it", async () => {

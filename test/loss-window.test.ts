@@ -5,14 +5,14 @@
 // converge: through its deadline timers (confirmed by the database) and its
 // periodic re-check, never by polling in between.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { grpcClient, type LeaseClient, type ServerProcess, spawnServer } from "./support/server.js";
+import { grpcClient, type LeaseClient, type ServerProcess } from "./support/server.js";
 import { logLine, ms, openWatch } from "./support/streams.js";
 
-let db: TestDatabase;
+const { spawnServer } = useTestDatabase();
 let silent: ServerProcess;
 let watching: ServerProcess;
 let timerOnly: ServerProcess;
@@ -21,19 +21,14 @@ let reader: LeaseClient;
 let timerReader: LeaseClient;
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   [silent, watching, timerOnly] = await Promise.all([
-    spawnServer(db.url, ["--notifications", "off"]),
-    spawnServer(db.url, ["--recheck-interval", "500ms"], { LEASEHOLD_LOG_LEVEL: "debug" }),
-    spawnServer(db.url, ["--recheck-interval", "10m"]),
+    spawnServer(["--notifications", "off"]),
+    spawnServer(["--recheck-interval", "500ms"], { LEASEHOLD_LOG_LEVEL: "debug" }),
+    spawnServer(["--recheck-interval", "10m"]),
   ]);
   writer = grpcClient(silent.url);
   reader = grpcClient(watching.url);
   timerReader = grpcClient(timerOnly.url);
-});
-afterAll(async () => {
-  await Promise.all([silent?.stop(), watching?.stop(), timerOnly?.stop()]);
-  await db?.close();
 });
 
 describe("changes whose notification was lost", () => {

@@ -8,20 +8,21 @@
 import { randomUUID } from "node:crypto";
 import { Code } from "@connectrpc/connect";
 import postgres from "postgres";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import {
   type AcquireResponse,
   EventType,
   KeepAliveRequestSchema,
   LossReason,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
-import { grpcClient, type LeaseClient, type ServerProcess, spawnServer } from "./support/server.js";
+import { grpcClient, type LeaseClient, type ServerProcess } from "./support/server.js";
 import { answerFor, logLine, ms, openKeepAlive, openWatch } from "./support/streams.js";
+import { waitFor, within } from "./support/wait.js";
 
-let db: TestDatabase;
+const { db, spawnServer } = useTestDatabase();
 let one: ServerProcess;
 let two: ServerProcess;
 let c1: LeaseClient;
@@ -29,14 +30,9 @@ let c2: LeaseClient;
 const args = ["--recheck-interval", "10m", "--listen-check-interval", "10m"];
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  [one, two] = await Promise.all([spawnServer(db.url, args), spawnServer(db.url, args)]);
+  [one, two] = await Promise.all([spawnServer(args), spawnServer(args)]);
   c1 = grpcClient(one.url);
   c2 = grpcClient(two.url);
-});
-afterAll(async () => {
-  await Promise.all([one?.stop(), two?.stop()]);
-  await db?.close();
 });
 
 /** A series' value on an instance's /metrics (0 when absent). */
@@ -95,7 +91,7 @@ describe("two server processes on one database", () => {
   it("L1: a waiter on instance 1 gets the lease as soon as it is released through instance 2", async () => {
     // An instance of its own that logs at debug level says when the
     // acquire has found the session held and started waiting.
-    const waiterSide = await spawnServer(db.url, args, { LEASEHOLD_LOG_LEVEL: "debug" });
+    const waiterSide = await spawnServer(args, { LEASEHOLD_LOG_LEVEL: "debug" });
     try {
       const cw = grpcClient(waiterSide.url);
       const key = freshKey("cross-wait");
@@ -136,7 +132,11 @@ describe("two server processes on one database", () => {
       });
     });
     const nth = async (n: number) => {
-      while (order.length < n) await new Promise<void>((r) => onSettle.push(r));
+      while (order.length < n) {
+        await within(new Promise<void>((r) => onSettle.push(r)), {
+          what: `waiter number ${n} to be answered`,
+        });
+      }
       return order[n - 1] ?? -1;
     };
     let current = { runId: first.lease?.runId ?? "", token: first.lease?.fencingToken ?? 0n };
@@ -277,11 +277,12 @@ describe("two server processes on one database", () => {
         WHERE application_name = 'leasehold-listen' AND datname = ${name}`;
       // The instance tried to LISTEN again and was refused: the moment a
       // one-shot re-listen would have given up for good.
-      for (;;) {
-        const failures = await metricValue(two.url, "leasehold_notification_listen_failures_total");
-        if (failures > failuresBefore) break;
-        await new Promise((resolve) => setTimeout(resolve, 50));
-      }
+      await waitFor(
+        async () =>
+          (await metricValue(two.url, "leasehold_notification_listen_failures_total")) >
+          failuresBefore,
+        { what: "instance two to be refused a LISTEN connection", intervalMs: 50 },
+      );
       expect(await metricValue(two.url, "leasehold_notification_listening")).toBe(0);
     } finally {
       await admin.unsafe(`ALTER DATABASE "${name}" ALLOW_CONNECTIONS true`);
@@ -299,7 +300,7 @@ describe("two server processes on one database", () => {
 
 describe("an instance dies", () => {
   it("L1, S1: killing the instance that carries a KeepAlive stream loses no lease when the client continues on the other one within the TTL", async () => {
-    const doomed = await spawnServer(db.url, args);
+    const doomed = await spawnServer(args);
     const cd = grpcClient(doomed.url);
     const key = freshKey("kill");
     const a = await cd.acquire({ key, ttl: ms(3_000), holder: "desktop" });

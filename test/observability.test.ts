@@ -5,60 +5,24 @@
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { parseServerConfig } from "../src/server/config/server-config.js";
+import { Code } from "@connectrpc/connect";
+import { describe, expect, it } from "vitest";
 import { createLogger } from "../src/server/observability/logger.js";
-import { type RunningServer, startServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { failure, seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { untilExpired } from "./support/leases.js";
-import { grpcClient, type LeaseClient, testServerArgs } from "./support/server.js";
-import { adminScope, bearer, createTestKeys, type TestKeys } from "./support/tokens.js";
+import { grpcClient } from "./support/server.js";
+import { adminScope, bearer } from "./support/tokens.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-let keys: TestKeys;
 const lines: string[] = [];
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  keys = await createTestKeys();
-  const config = parseServerConfig(
-    [
-      ...testServerArgs,
-      "--database-url",
-      db.url,
-      ...keys.args,
-      "--max-leases-per-account",
-      "3",
-      "--access-log-sample",
-      "1",
-    ],
-    {},
-  );
-  const logger = createLogger({
+const { db, server, client, keys, startServer } = useTestServer({
+  keys: true,
+  args: ["--max-leases-per-account", "3", "--access-log-sample", "1"],
+  logger: createLogger({
     level: "debug",
     destination: { write: (line: string) => void lines.push(line) },
-  });
-  server = await startServer(config, logger);
-  client = grpcClient(server.url);
+  }),
 });
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
-
-async function failure(call: Promise<unknown>): Promise<ConnectError> {
-  try {
-    await call;
-  } catch (error) {
-    return ConnectError.from(error);
-  }
-  throw new Error("the call succeeded");
-}
 
 const logged = () => lines.map((l) => JSON.parse(l) as Record<string, unknown>);
 
@@ -124,7 +88,8 @@ describe("request log sampling", () => {
   it("by default a successful call writes no line and a failed one does", async () => {
     const quietLines: string[] = [];
     const quiet = await startServer(
-      parseServerConfig([...testServerArgs, "--database-url", db.url], {}),
+      [],
+      {},
       createLogger({
         level: "debug",
         destination: { write: (line: string) => void quietLines.push(line) },

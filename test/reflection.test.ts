@@ -10,25 +10,13 @@ import {
 } from "@bufbuild/protobuf/wkt";
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { ServerReflection as V1 } from "../src/gen/grpc/reflection/v1/reflection_pb.js";
 import { ServerReflection as V1alpha } from "../src/gen/grpc/reflection/v1alpha/reflection_pb.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { startTestServer } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
+const { db, server } = useTestServer();
 
 type Request = {
   host?: string;

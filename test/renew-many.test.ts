@@ -3,20 +3,17 @@
 // a locked row skipped instead of holding up the batch (S8).
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
+import { lockLeaseRow, untilExpired } from "./support/leases.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 let store: LeaseStore;
 
-beforeAll(async () => {
-  db = await createTestDatabase();
+beforeAll(() => {
   store = createLeaseStore(db.sql);
-});
-afterAll(async () => {
-  await db.close();
 });
 
 const account = "acct-batch";
@@ -60,7 +57,9 @@ describe("renewMany", () => {
     const revoked = await grant("cause-revoked");
     const takenOver = await grant("cause-taken", 50);
     const kept = await grant("cause-kept");
-    await db.sql`SELECT pg_sleep(0.1)`;
+    // On the database clock, past both 50 ms deadlines.
+    await untilExpired(db.sql, expired);
+    await untilExpired(db.sql, takenOver);
     await store.release(released, released.runId);
     await store.revoke(revoked, "test");
     const newRun = randomUUID();
@@ -91,21 +90,7 @@ describe("renewMany", () => {
   it("S8: a row locked by a stuck transaction is skipped, the rest of the batch renews", async () => {
     const stuck = await grant("stuck-row");
     const free = await grant("free-row");
-    const other = db.connect(1);
-    let release!: () => void;
-    const holding = new Promise<void>((r) => {
-      release = r;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((r) => {
-      locked = r;
-    });
-    const tx = other.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${account} AND session_id = 'stuck-row' FOR UPDATE`;
-      locked();
-      await holding;
-    });
-    await isLocked;
+    const lock = await lockLeaseRow(db, stuck);
     const results = await store.renewMany(
       [stuck, free].map((l) => ({
         accountId: l.accountId,
@@ -117,8 +102,7 @@ describe("renewMany", () => {
       { wait: false },
     );
     expect(results.map((r) => r.outcome)).toEqual(["busy", "renewed"]);
-    release();
-    await tx;
+    await lock.end();
     const retried = await store.renewMany([{ ...stuck, ttlMs: undefined, lookupHandoff: false }], {
       wait: true,
     });

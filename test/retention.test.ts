@@ -3,26 +3,23 @@
 // row an acquire is working on, and keeps S6 for the keys it deleted.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
 import { createLogger } from "../src/server/observability/logger.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { openTransaction } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 let store: LeaseStore;
 let retention: Retention;
 const day = 86_400_000;
 
-beforeAll(async () => {
-  db = await createTestDatabase();
+beforeAll(() => {
   store = createLeaseStore(db.sql);
   retention = createRetention(db.sql, { eventRetentionMs: 30 * day, tombstoneHorizonMs: day });
-});
-afterAll(async () => {
-  await db?.close();
 });
 
 // Moves a row's times into the past, as if it ended `ageMs` ago.
@@ -72,28 +69,16 @@ describe("tombstone collector", () => {
     await store.release(key, a.lease.runId);
     await age(key, 2 * day);
 
-    const other = db.connect(1);
-    let regranted!: () => void;
-    const granted = new Promise<void>((resolve) => {
-      regranted = resolve;
-    });
-    let commit!: () => void;
-    const committing = new Promise<void>((resolve) => {
-      commit = resolve;
-    });
     // A transaction that re-grants the row and holds its lock, as an
     // acquire does between its row lock and its commit.
-    const tx = other.begin(async (t) => {
-      await t`UPDATE leases SET expires_at = clock_timestamp() + interval '1 minute'
-        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
-      regranted();
-      await committing;
-    });
-    await granted;
+    const regrant = await openTransaction(
+      db,
+      (t) => t`UPDATE leases SET expires_at = clock_timestamp() + interval '1 minute'
+        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`,
+    );
     await retention.collectTombstones();
     expect(await rowExists(key)).toBe(true);
-    commit();
-    await tx;
+    await regrant.end();
     await retention.collectTombstones();
     expect(await rowExists(key)).toBe(true);
   });
@@ -119,21 +104,10 @@ describe("audit trail retention", () => {
   });
 
   it("one instance works at a time: a round finds the lock taken and deletes nothing", async () => {
-    const holder = db.connect(1);
-    let release!: () => void;
-    const held = new Promise<void>((resolve) => {
-      release = resolve;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((resolve) => {
-      locked = resolve;
-    });
-    const tx = holder.begin(async (t) => {
-      await t`SELECT pg_advisory_xact_lock(7140241817205312)`;
-      locked();
-      await held;
-    });
-    await isLocked;
+    const holder = await openTransaction(
+      db,
+      (t) => t`SELECT pg_advisory_xact_lock(7140241817205312)`,
+    );
     const key = freshKey("locked");
     const a = await store.acquire({ ...key, runId: randomUUID(), ttlMs: 60_000, holder: "" });
     if (!a.acquired) throw new Error("not acquired");
@@ -141,8 +115,7 @@ describe("audit trail retention", () => {
     await age(key, 2 * day);
     const maintenance = startMaintenance(retention, 3_600_000, createLogger({ level: "silent" }));
     expect(await maintenance.runOnce()).toEqual({ events: 0, tombstones: 0 });
-    release();
-    await tx;
+    await holder.end();
     expect((await maintenance.runOnce()).tombstones).toBeGreaterThanOrEqual(1);
     await maintenance.stop();
   });

@@ -5,16 +5,14 @@
 
 import { once } from "node:events";
 import { createClient } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import {
   type ClientEvent,
   createEndpoint,
-  createLeaseClient,
   durationFromMs,
   fencingInterceptor,
   LateGrantError,
   type LeaseClient,
-  type LeaseClientOptions,
   LeaseLostError,
   StaleFencingTokenError,
   toLeaseholdError,
@@ -23,35 +21,24 @@ import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.
 import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { SessionKey } from "../src/server/lease/types.js";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { spawnServer, startTestGuardedServer, startTestServer } from "./support/server.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
+import { waitFor } from "./support/wait.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-const cleanups: (() => unknown)[] = [];
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-});
-afterAll(async () => {
-  for (const cleanup of cleanups.reverse()) await cleanup();
-  await server?.close();
-  await db?.close();
-});
-
-function client(options: Partial<LeaseClientOptions> = {}): LeaseClient {
-  const c = createLeaseClient({ baseUrl: server.url, ...options });
-  cleanups.push(() => c.close());
-  return c;
-}
+const {
+  db,
+  server,
+  libraryClient: client,
+  defer,
+  startServer,
+  spawnServer,
+  startGuardedServer,
+} = useTestServer();
 
 async function proxyTo(url: string): Promise<TcpProxy> {
   const proxy = await startTcpProxy(url);
-  cleanups.push(() => proxy.close());
+  defer(() => proxy.close());
   return proxy;
 }
 
@@ -164,8 +151,7 @@ describe("L2: the signal aborts before the server-side deadline", () => {
   });
 
   it("L2: when the server process is killed (SIGKILL)", async () => {
-    const other = await spawnServer(db.url);
-    cleanups.push(() => other.kill());
+    const other = await spawnServer();
     const c = client({ baseUrl: other.url, protocol: "grpc" });
     const key = freshKey("killed");
     const result = await abortedWhen(c, key, 2_000, () => other.kill(), { safetyMarginMs: 800 });
@@ -184,8 +170,7 @@ describe("L2: the signal aborts before the server-side deadline", () => {
 
 describe("reconnecting", () => {
   it("L2: a dropped instance is replaced by the next base URL; the lease outlives its TTL", async () => {
-    const second = await startTestServer(db.url);
-    cleanups.push(() => second.close());
+    const second = await startServer();
     const proxy = await proxyTo(server.url);
     const events: ClientEvent[] = [];
     const c = client({ baseUrls: [proxy.url, second.url], onEvent: (e) => events.push(e) });
@@ -311,9 +296,10 @@ describe("handoff", () => {
         // Ask once the stream has renewed this run (the server then knows
         // which stream to tell); ctx.lease is replaced by every renewal.
         const granted = ctx.lease;
-        while (ctx.lease === granted && !ctx.signal.aborted) {
-          await new Promise((r) => setTimeout(r, 5));
-        }
+        await waitFor(() => ctx.lease !== granted || ctx.signal.aborted, {
+          what: "the KeepAlive stream to renew the run",
+          intervalMs: 5,
+        });
         const answer = await other.requestHandoff({
           key,
           requesterHolder: "browser",
@@ -331,10 +317,9 @@ describe("handoff", () => {
 
 describe("writing to the guarded store", () => {
   it("S7, L2: a run writes with its token; once revoked it stops, its context sends nothing, and its late raw write is refused", async () => {
-    const guarded = await startTestGuardedServer(db.url);
-    cleanups.push(() => guarded.close());
+    const guarded = await startGuardedServer();
     const endpoint = createEndpoint(guarded.url, { interceptors: [fencingInterceptor()] });
-    cleanups.push(() => endpoint.close());
+    defer(() => endpoint.close());
     const store = createClient(GuardedStoreService, endpoint.transport);
     const text = (s: string) => new TextEncoder().encode(s);
     const key = freshKey("agent");

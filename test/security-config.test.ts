@@ -8,44 +8,28 @@ import { mkdtemp, readFile, writeFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
-import { create } from "@bufbuild/protobuf";
-import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { Code, ConnectError, createClient } from "@connectrpc/connect";
+import { Code, createClient } from "@connectrpc/connect";
 import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect-node";
 import { exportJWK, generateKeyPair, SignJWT } from "jose";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { isLoopback } from "../src/server/config/ops-config.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import { ConfigError } from "../src/server/config/settings.js";
 import { createLogger } from "../src/server/observability/logger.js";
-import { type RunningServer, startServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import type { RunningServer } from "../src/server/server.js";
+import { failure, seconds } from "./support/calls.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { grpcClient, spawnServer, startTestServer, testServerArgs } from "./support/server.js";
+import { grpcClient } from "./support/server.js";
 import { bearer, createTestKeys } from "./support/tokens.js";
 
-let db: TestDatabase;
+const { startServer, spawnServer } = useTestDatabase();
 let dir: string;
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-security-"));
 });
-afterAll(async () => {
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
-
-async function failure(call: Promise<unknown>): Promise<ConnectError> {
-  try {
-    await call;
-  } catch (error) {
-    return ConnectError.from(error);
-  }
-  throw new Error("the call succeeded");
-}
 
 function configError(argv: string[], env: NodeJS.ProcessEnv = {}): string {
   try {
@@ -77,16 +61,16 @@ describe("development mode", () => {
   });
 
   it("`leasehold serve` exits with status 2 and the explanation", async () => {
-    const error = await spawnServer(db.url, ["--listen", "0.0.0.0:0"]).catch((e: Error) => e);
+    const error = await spawnServer(["--listen", "0.0.0.0:0"]).catch((e: Error) => e);
     expect(String(error)).toMatch(/server exited with 2/);
     expect(String(error)).toMatch(/refusing to listen on 0\.0\.0\.0 without authentication keys/);
   });
 
   it("on loopback without keys, calls need no token and a warning is logged", async () => {
     const lines: string[] = [];
-    const config = parseServerConfig([...testServerArgs, "--database-url", db.url], {});
     const server = await startServer(
-      config,
+      [],
+      {},
       createLogger({ destination: { write: (l: string) => void lines.push(l) } }),
     );
     try {
@@ -101,7 +85,7 @@ describe("development mode", () => {
 
   it("with keys, the server listens beyond loopback and requires tokens", async () => {
     const keys = await createTestKeys();
-    const server = await startTestServer(db.url, [...keys.args, "--listen", "0.0.0.0:0"]);
+    const server = await startServer([...keys.args, "--listen", "0.0.0.0:0"]);
     try {
       const url = `http://127.0.0.1:${server.port}`;
       const error = await failure(grpcClient(url).get({ key: freshKey() }));
@@ -162,7 +146,7 @@ describe("JWKS keys, issuer, audience and a custom account claim", () => {
     }
     const jwksFile = path.join(dir, "jwks.json");
     await writeFile(jwksFile, JSON.stringify({ keys }));
-    server = await startTestServer(db.url, [
+    server = await startServer([
       "--jwks-file",
       jwksFile,
       "--jwt-issuer",
@@ -172,9 +156,6 @@ describe("JWKS keys, issuer, audience and a custom account claim", () => {
       "--account-claim",
       "org",
     ]);
-  });
-  afterAll(async () => {
-    await server?.close();
   });
 
   const sign = (
@@ -237,15 +218,12 @@ describe("TLS", () => {
 
   beforeAll(async () => {
     ca = await readFile(path.join(fixtures, "cert.pem"), "utf8");
-    server = await startTestServer(db.url, [
+    server = await startServer([
       "--tls-cert",
       path.join(fixtures, "cert.pem"),
       "--tls-key",
       path.join(fixtures, "key.pem"),
     ]);
-  });
-  afterAll(async () => {
-    await server?.close();
   });
 
   it("serves gRPC over h2 and Connect over HTTP/1.1 on one TLS port", async () => {

@@ -3,35 +3,21 @@
 // any lease logic. A denial is PERMISSION_DENIED and changes nothing (S3).
 
 import { randomUUID } from "node:crypto";
-import { create } from "@bufbuild/protobuf";
-import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { Code } from "@connectrpc/connect";
+import { beforeAll, describe, expect, it } from "vitest";
+import { failure, seconds } from "./support/calls.js";
+import { useTestServer } from "./support/fixture.js";
 import { storedState } from "./support/leases.js";
-import { grpcClient, type LeaseClient, startTestServer } from "./support/server.js";
-import { bearer, createTestKeys, type TestKeys } from "./support/tokens.js";
+import { bearer } from "./support/tokens.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let client: LeaseClient;
-let keys: TestKeys;
+const { db, client, keys } = useTestServer({
+  keys: true,
+  args: ["--account-claim", "org", "--session-authorizer", "acl-table"],
+});
 
 const account = "acme";
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  keys = await createTestKeys();
-  server = await startTestServer(db.url, [
-    ...keys.args,
-    "--account-claim",
-    "org",
-    "--session-authorizer",
-    "acl-table",
-  ]);
-  client = grpcClient(server.url);
   await db.sql`
     INSERT INTO session_acl (account_id, subject, session_id, actions) VALUES
       (${account}, 'ann', 'shared', ARRAY['acquire', 'renew', 'release', 'read']),
@@ -39,21 +25,8 @@ beforeAll(async () => {
       (${account}, 'bob', '*', ARRAY['watch']),
       (${account}, '*', 'public', ARRAY['*'])`;
 });
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
 
 const tokenFor = (subject: string) => keys.token(subject, { claims: { org: account } });
-
-async function failure(call: Promise<unknown>): Promise<ConnectError> {
-  try {
-    await call;
-  } catch (error) {
-    return ConnectError.from(error);
-  }
-  throw new Error("the call succeeded");
-}
 
 describe("acl-table session authorizer", () => {
   it("S3: a subject with the action on the session is served; one without it is denied before any lease logic", async () => {

@@ -3,29 +3,22 @@
 // inside the database finishes, leases stay, and the pool closes. Also for
 // `leasehold serve` on SIGTERM, which exits with status 0.
 
-import { create } from "@bufbuild/protobuf";
-import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import {
   Health,
   HealthCheckResponse_ServingStatus as Status,
 } from "../src/gen/grpc/health/v1/health_pb.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
-import { freshKey } from "./support/leases.js";
-import { grpcClient, spawnServer, startTestServer } from "./support/server.js";
+import { seconds } from "./support/calls.js";
+import { useTestDatabase } from "./support/fixture.js";
+import { freshKey, lockLeaseRow } from "./support/leases.js";
+import { grpcClient } from "./support/server.js";
+import { waitFor } from "./support/wait.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
-
-const seconds = (s: number) => create(DurationSchema, { seconds: BigInt(s) });
+// Each test closes its own server, the event under test; the fixture's
+// teardown closes them again only if a test failed before it could.
+const { db, startServer, spawnServer } = useTestDatabase();
 
 /** Statuses of a health Watch until the stream ends, and how it ended. */
 function watchHealth(url: string) {
@@ -51,7 +44,7 @@ function watchHealth(url: string) {
 
 describe("graceful shutdown", () => {
   it("S1: NOT_SERVING, streams end UNAVAILABLE, an in-flight acquire completes, the lease stays", async () => {
-    const server = await startTestServer(db.url, ["--lock-timeout", "10s"]);
+    const server = await startServer(["--lock-timeout", "10s"]);
     const client = grpcClient(server.url);
     const kept = freshKey("kept");
     const a = await client.acquire({ key: kept, ttl: seconds(600) });
@@ -63,32 +56,17 @@ describe("graceful shutdown", () => {
     await client
       .acquire({ key: busy, ttl: seconds(600) })
       .then((r) => client.release({ key: busy, runId: r.lease?.runId ?? "" }));
-    const locker = db.connect(1);
-    let unlock!: () => void;
-    const unlocked = new Promise<void>((resolve) => {
-      unlock = resolve;
-    });
-    let locked!: () => void;
-    const isLocked = new Promise<void>((resolve) => {
-      locked = resolve;
-    });
-    const tx = locker.begin(async (t) => {
-      await t`SELECT 1 FROM leases WHERE account_id = ${busy.accountId}
-        AND session_id = ${busy.sessionId} FOR UPDATE`;
-      locked();
-      await unlocked;
-    });
-    await isLocked;
+    const lock = await lockLeaseRow(db, busy);
     const inFlight = client.acquire({ key: busy, ttl: seconds(60) });
-    // Wait until the server's statement is blocked on our lock.
-    await db.sql`
-      DO $$ BEGIN
-        WHILE NOT EXISTS (SELECT 1 FROM pg_stat_activity
-          WHERE datname = current_database() AND application_name = 'leasehold'
-            AND wait_event_type = 'Lock') LOOP
-          PERFORM pg_sleep(0.01);
-        END LOOP;
-      END $$`;
+    await waitFor(
+      async () =>
+        (
+          await db.sql`SELECT 1 FROM pg_stat_activity
+            WHERE datname = current_database() AND application_name = 'leasehold'
+              AND wait_event_type = 'Lock'`
+        ).length > 0,
+      { what: "the server's statement to block on the test's row lock" },
+    );
 
     const closing = server.close();
     const ended = await watch.ended;
@@ -96,8 +74,7 @@ describe("graceful shutdown", () => {
     expect(ended?.code).toBe(Code.Unavailable);
     expect(ended?.rawMessage).toMatch(/shutting down/);
 
-    unlock();
-    await tx;
+    await lock.end();
     const done = await inFlight;
     expect(done.acquired).toBe(true);
     await closing;
@@ -112,7 +89,7 @@ describe("graceful shutdown", () => {
   });
 
   it("`leasehold serve` on SIGTERM ends streams with UNAVAILABLE and exits with status 0", async () => {
-    const proc = await spawnServer(db.url);
+    const proc = await spawnServer();
     const watch = watchHealth(proc.url);
     await watch.started;
     const exited = new Promise<number | null>((resolve) => proc.child.once("exit", resolve));

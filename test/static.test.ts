@@ -7,11 +7,11 @@ import { mkdir, mkdtemp, rm, writeFile } from "node:fs/promises";
 import http from "node:http";
 import os from "node:os";
 import path from "node:path";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import type { RunningServer } from "../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { connectClient, startTestServer } from "./support/server.js";
+import { connectClient } from "./support/server.js";
 
 interface Answer {
   status: number;
@@ -44,9 +44,9 @@ function request(
 
 const secret = "database password: hunter2";
 let dir: string;
-let db: TestDatabase;
 let server: RunningServer;
 let unbuilt: RunningServer;
+const { startServer, defer } = useTestDatabase();
 
 beforeAll(async () => {
   // <dir>/secret.txt and <dir>/site/.env lie outside what may be served.
@@ -58,15 +58,9 @@ beforeAll(async () => {
   await writeFile(path.join(site, "index.html"), "<!doctype html><title>page</title>");
   await writeFile(path.join(site, "assets", "index-AbC123.js"), "console.log('page');");
   await writeFile(path.join(site, "assets", "index-AbC123.css"), "body{}");
-  db = await createTestDatabase();
-  server = await startTestServer(db.url, ["--web-dir", site]);
-  unbuilt = await startTestServer(db.url, ["--web-dir", path.join(dir, "missing")]);
-});
-afterAll(async () => {
-  await server?.close();
-  await unbuilt?.close();
-  await db?.close();
-  await rm(dir, { recursive: true, force: true });
+  defer(() => rm(dir, { recursive: true, force: true }));
+  server = await startServer(["--web-dir", site]);
+  unbuilt = await startServer(["--web-dir", path.join(dir, "missing")]);
 });
 
 describe("the web page on the RPC port", () => {

@@ -2,32 +2,20 @@
 // against real servers: List, then Watch, and both again after the server
 // it talks to goes away and comes back.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { RunningServer } from "../src/server/server.js";
 import { type FeedStatus, loadHistory, runAccountFeed } from "../web/src/account-feed.js";
 import { AccountView } from "../web/src/account-view.js";
 import { createLeaseClient } from "../web/src/api.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { connectClient, startTestServer } from "./support/server.js";
 import { ms } from "./support/streams.js";
 
-let db: TestDatabase;
-let other: RunningServer;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  other = await startTestServer(db.url);
-});
-afterAll(async () => {
-  await other?.close();
-  await db?.close();
-});
+const { server: other, connect: api, startServer } = useTestServer();
 
 describe("the page's account feed", () => {
   it("L1: after its server restarts, the feed lists and watches again: a grant made meanwhile appears, later ones stream in", async () => {
-    let server = await startTestServer(db.url);
+    let server = await startServer();
     const port = server.port;
     const view = new AccountView();
     const statuses: FeedStatus["kind"][] = [];
@@ -54,7 +42,6 @@ describe("the page's account feed", () => {
         for (const wake of waiters) wake();
       },
     });
-    const api = connectClient(other.url);
     try {
       await until(() => statuses.at(-1) === "live");
 
@@ -66,7 +53,7 @@ describe("the page's account feed", () => {
         ttl: { seconds: 60n },
         holder: "desktop",
       });
-      server = await startTestServer(db.url, ["--listen", `127.0.0.1:${port}`]);
+      server = await startServer(["--listen", `127.0.0.1:${port}`]);
       await until(() => view.sessions.has("meanwhile") && statuses.at(-1) === "live");
       expect(view.sessions.get("meanwhile")?.lease.runId).toBe(meanwhile.lease?.runId);
 
@@ -87,10 +74,9 @@ describe("the page's account feed", () => {
 
   it("a page opened after a session's runs shows them, from History, newest first", async () => {
     const key = freshKey("history");
-    const leases = connectClient(other.url);
-    const first = await leases.acquire({ key, ttl: ms(30_000), holder: "desktop" });
-    await leases.release({ key, runId: first.lease?.runId ?? "" });
-    const second = await leases.acquire({ key, ttl: ms(30_000), holder: "browser" });
+    const first = await api.acquire({ key, ttl: ms(30_000), holder: "desktop" });
+    await api.release({ key, runId: first.lease?.runId ?? "" });
+    const second = await api.acquire({ key, ttl: ms(30_000), holder: "browser" });
     const view = new AccountView();
     await loadHistory(
       createLeaseClient(other.url, () => ""),

@@ -2,27 +2,16 @@
 // server: connect-web's transport runs on Node's fetch, so this is the code
 // the browser runs, with the same wire protocol.
 
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import type { Lease } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { RunningServer } from "../src/server/server.js";
 import { createLeaseClient } from "../web/src/api.js";
 import { Device, type DeviceState } from "../web/src/device.js";
 import { timestampDate } from "../web/src/durations.js";
-import { createTestDatabase, type TestDatabase } from "./support/db.js";
+import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
-import { connectClient, startTestServer } from "./support/server.js";
+import { connectClient } from "./support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-});
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
+const { db, server, connect, startServer } = useTestServer();
 
 /** A device whose state changes can be awaited. */
 function makeDevice(baseUrl: string) {
@@ -109,7 +98,7 @@ describe("the page as a device", () => {
     const state = device.state;
     if (state.kind !== "running") throw new Error(`not running: ${device.note}`);
     // Another client ends the run (release is owner-checked by run id).
-    await connectClient(server.url).release({ key, runId: state.runId });
+    await connect.release({ key, runId: state.runId });
     await until((s) => s.kind === "idle");
     expect(device.note).toBe("Lease lost: released.");
     expect(state.signal.aborted).toBe(true);
@@ -117,7 +106,7 @@ describe("the page as a device", () => {
 
   it("L2: with the server gone, the device stops presenting itself as the holder before the database expires its lease", async () => {
     // A server of its own, so that closing it leaves the other tests alone.
-    const own = await startTestServer(db.url);
+    const own = await startServer();
     const key = freshKey();
     const { device, until } = makeDevice(own.url);
     await device.start({ key, holder: "browser", ttlMs: 5000 });

@@ -49,28 +49,43 @@ export async function screenshot(page: Page, name: string): Promise<string> {
 }
 
 /**
- * Records, in the page, every change of whether it shows itself as running,
- * with the wall clock of this machine (every page shares it), so a test can
- * order what two devices showed.
+ * Records, in the page, what it shows as it changes: whether this device
+ * runs (`running`: "true" or "false"), the start button (`start`: "enabled:
+ * Start run", "disabled: Running on desktop — 2 s left", …) and each entry
+ * of the recent changes as it first appears (`transition`: "EXPIRED <run
+ * id>"). Every entry carries this machine's wall clock, which every page
+ * shares, so a test can put what two devices showed in order.
  */
-export const runningLogScript = `
-  window.__running = [];
+export const pageLogScript = `
+  window.__log = [];
+  const last = new Map();
+  const note = (what, value) => {
+    if (last.get(what) === value) return;
+    last.set(what, value);
+    window.__log.push({ what, value, at: Date.now() });
+  };
+  const seen = new Set();
   new MutationObserver(() => {
-    const el = document.getElementById("device-status");
-    if (!el) return;
-    const running = el.dataset.running === "true";
-    const log = window.__running;
-    if (log.length === 0 ? running : log[log.length - 1].running !== running) {
-      log.push({ running, at: Date.now() });
+    const status = document.getElementById("device-status");
+    if (status?.dataset.running) note("running", status.dataset.running);
+    const start = document.getElementById("start");
+    if (start) note("start", (start.disabled ? "disabled: " : "enabled: ") + start.textContent);
+    for (const li of document.querySelectorAll("#transitions li")) {
+      const id = li.dataset.type + " " + li.dataset.run;
+      if (seen.has(id)) continue;
+      seen.add(id);
+      window.__log.push({ what: "transition", value: id, at: Date.now() });
     }
-  }).observe(document, { subtree: true, attributes: true, attributeFilter: ["data-running"] });
+  }).observe(document, { subtree: true, childList: true, attributes: true, characterData: true });
 `;
 
-export interface RunningChange {
-  running: boolean;
+export interface PageLogEntry {
+  what: "running" | "start" | "transition";
+  value: string;
+  /** Date.now() in the page. */
   at: number;
 }
 
-export function runningLog(page: Page): Promise<RunningChange[]> {
-  return page.evaluate(() => (globalThis as unknown as { __running: RunningChange[] }).__running);
+export function pageLog(page: Page): Promise<PageLogEntry[]> {
+  return page.evaluate(() => (globalThis as unknown as { __log: PageLogEntry[] }).__log);
 }

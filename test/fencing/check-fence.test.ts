@@ -2,30 +2,14 @@
 // server, over a real socket with both gRPC (h2c) and Connect (HTTP/1.1).
 
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import type { SessionKey } from "../../src/server/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
-import type { RunningServer } from "../../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestServer } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";
-import { connectClient, grpcClient, type LeaseClient, startTestServer } from "../support/server.js";
+import type { LeaseClient } from "../support/server.js";
 
-let db: TestDatabase;
-let server: RunningServer;
-let grpc: LeaseClient;
-let connect: LeaseClient;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-  server = await startTestServer(db.url);
-  grpc = grpcClient(server.url);
-  connect = connectClient(server.url);
-});
-
-afterAll(async () => {
-  await server?.close();
-  await db?.close();
-});
+const { db, client: grpc, connect } = useTestServer();
 
 async function acquire(client: LeaseClient, key: SessionKey) {
   const res = await client.acquire({ key, ttl: durationFromMillis(30_000), holder: "test" });

@@ -4,16 +4,16 @@
 
 import { randomUUID } from "node:crypto";
 import fc from "fast-check";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { fence, highestToken, type Transaction } from "../../src/guarded/fence.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import { InvalidArgumentError, StaleFencingTokenError } from "../../src/server/lease/errors.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
+import { waitFor } from "../support/wait.js";
 
-let db: TestDatabase;
+const { db } = useTestDatabase();
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   // The resource's own data: one row per accepted write, in commit order.
   await db.sql`
     CREATE TABLE resource_writes (
@@ -22,10 +22,6 @@ beforeAll(async () => {
       session_id text NOT NULL,
       token bigint NOT NULL
     )`;
-});
-
-afterAll(async () => {
-  await db?.close();
 });
 
 const newKey = () => ({ accountId: "acct", sessionId: `s-${randomUUID()}` });
@@ -231,11 +227,12 @@ function max(tokens: bigint[], i: number): bigint {
 
 // Waits on the database's own view of the backend, not on a guessed sleep.
 async function waitUntilBlockedOnLock(pid: number): Promise<void> {
-  for (let seen = 0; seen < 2000; seen++) {
-    const rows = await db.sql<{ waitEventType: string | null }[]>`
-      SELECT wait_event_type FROM pg_stat_activity WHERE pid = ${pid}`;
-    if (rows[0]?.waitEventType === "Lock") return;
-    await new Promise((resolve) => setTimeout(resolve, 5));
-  }
-  throw new Error(`backend ${pid} never waited on a lock`);
+  await waitFor(
+    async () => {
+      const rows = await db.sql<{ waitEventType: string | null }[]>`
+        SELECT wait_event_type FROM pg_stat_activity WHERE pid = ${pid}`;
+      return rows[0]?.waitEventType === "Lock";
+    },
+    { what: `backend ${pid} to wait on a lock`, intervalMs: 5 },
+  );
 }

@@ -14,19 +14,17 @@ import { parseGuardedConfig } from "../../src/guarded/config.js";
 import { defaultGuardedLimits } from "../../src/guarded/guarded-service.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";
 import {
   type GuardedClient,
   grpcClient,
   guardedConnectClient,
   guardedGrpcClient,
-  startTestGuardedServer,
-  startTestServer,
 } from "../support/server.js";
 import { bearer, createTestKeys, type TestKeys } from "../support/tokens.js";
 
-let db: TestDatabase;
+const { db, startServer, startGuardedServer } = useTestDatabase();
 let store: RunningServer;
 let grpc: GuardedClient;
 let connect: GuardedClient;
@@ -35,19 +33,13 @@ const text = (s: string) => new TextEncoder().encode(s);
 const read = (b: Uint8Array) => new TextDecoder().decode(b);
 
 beforeAll(async () => {
-  db = await createTestDatabase();
-  store = await startTestGuardedServer(db.url, [], {
+  store = await startGuardedServer([], {
     ...defaultGuardedLimits,
     maxValueBytes: 1024,
     maxDocumentsPerSession: 3,
   });
   grpc = guardedGrpcClient(store.url);
   connect = guardedConnectClient(store.url);
-});
-
-afterAll(async () => {
-  await store?.close();
-  await db?.close();
 });
 
 async function refusal(call: Promise<unknown>): Promise<ConnectError> {
@@ -187,18 +179,9 @@ describe("guarded store, live mode", () => {
   let live: GuardedClient;
 
   beforeAll(async () => {
-    leaseServer = await startTestServer(db.url);
-    liveStore = await startTestGuardedServer(db.url, [
-      "--fence-mode",
-      "live",
-      "--lease-url",
-      leaseServer.url,
-    ]);
+    leaseServer = await startServer();
+    liveStore = await startGuardedServer(["--fence-mode", "live", "--lease-url", leaseServer.url]);
     live = guardedGrpcClient(liveStore.url);
-  });
-  afterAll(async () => {
-    await liveStore?.close();
-    await leaseServer?.close();
   });
 
   it("S4, S7 live: the valid lease's token writes; the same token after expiry is refused, unreplaced", async () => {
@@ -229,7 +212,7 @@ describe("guarded store, live mode", () => {
   });
 
   it("live mode with the lease server unreachable is UNAVAILABLE, and nothing is written", async () => {
-    const down = await startTestGuardedServer(db.url, [
+    const down = await startGuardedServer([
       "--fence-mode",
       "live",
       "--lease-url",
@@ -258,11 +241,10 @@ describe("guarded store, live mode against a lease server with keys", () => {
 
   beforeAll(async () => {
     keys = await createTestKeys();
-    leaseServer = await startTestServer(db.url, keys.args);
+    leaseServer = await startServer(keys.args);
     tokenDir = await mkdtemp(path.join(os.tmpdir(), "leasehold-lease-token-"));
   });
   afterAll(async () => {
-    await leaseServer?.close();
     await rm(tokenDir, { recursive: true, force: true });
   });
 
@@ -270,7 +252,7 @@ describe("guarded store, live mode against a lease server with keys", () => {
   async function liveStoreWith(token: string): Promise<RunningServer> {
     const file = path.join(tokenDir, `${randomUUID()}.jwt`);
     await writeFile(file, `${token}\n`, { mode: 0o600 });
-    return startTestGuardedServer(db.url, [
+    return startGuardedServer([
       ...["--fence-mode", "live", "--lease-url", leaseServer.url],
       ...["--lease-token-file", file],
     ]);

@@ -23,7 +23,7 @@ import {
   createConnectTransport,
   createGrpcTransport,
 } from "@connectrpc/connect-node";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { BadRequestSchema, ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { highestToken } from "../../src/guarded/fence.js";
 import { fenceClaimHeaders } from "../../src/guarded/headers.js";
@@ -31,12 +31,11 @@ import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor
 import { createLiveCheck } from "../../src/guarded/live-check.js";
 import { fencingHeaderNames as fencingHeaders } from "../../src/protocol/headers.js";
 import type { Sql } from "../../src/server/db/pool.js";
-import { type Listener, listen } from "../../src/server/http/listener.js";
+import { listen } from "../../src/server/http/listener.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
-import type { RunningServer } from "../../src/server/server.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestServer } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";
-import { grpcClient, startTestServer } from "../support/server.js";
+import { grpcClient } from "../support/server.js";
 
 const { INT64, STRING } = FieldDescriptorProto_Type;
 const { OPTIONAL, REPEATED } = FieldDescriptorProto_Label;
@@ -104,11 +103,8 @@ const registry = createFileRegistry(
 const LedgerService = registry.getService("test.ledger.v1.LedgerService") as DescService;
 const message = (name: string) => registry.getMessage(`test.ledger.v1.${name}`) as DescMessage;
 
-let db: TestDatabase;
-let ledger: Listener;
+const { db, server: leaseServer, client: leases, defer } = useTestServer();
 let ledgerUrl: string;
-let leaseServer: RunningServer;
-let liveLedger: Listener;
 let liveLedgerUrl: string;
 
 function ledgerRoutes(sql: Sql) {
@@ -160,38 +156,30 @@ const ledgerClient = (transport: Transport) =>
 
 async function serve(handler: Parameters<typeof listen>[0]["handler"]) {
   const l = await listen({ host: "127.0.0.1", port: 0, handler });
-  return { listener: l, url: `http://127.0.0.1:${l.port}` };
+  defer(() => l.close(0));
+  return `http://127.0.0.1:${l.port}`;
 }
 
 beforeAll(async () => {
-  db = await createTestDatabase();
   await db.sql`
     CREATE TABLE ledger_lines (
       id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
       account_id text NOT NULL, session_id text NOT NULL, token bigint NOT NULL, line text NOT NULL
     )`;
   const fenced = (m: { name: string }) => m.name !== "Read";
-  ({ listener: ledger, url: ledgerUrl } = await serve(
+  ledgerUrl = await serve(
     connectNodeAdapter({
       routes: ledgerRoutes(db.sql),
       interceptors: [fencingInterceptor({ sql: db.sql, fenced })],
     }),
-  ));
-  leaseServer = await startTestServer(db.url);
-  const live = createLiveCheck(grpcClient(leaseServer.url), { timeoutMs: 2_000 });
-  ({ listener: liveLedger, url: liveLedgerUrl } = await serve(
+  );
+  const live = createLiveCheck(leases, { timeoutMs: 2_000 });
+  liveLedgerUrl = await serve(
     connectNodeAdapter({
       routes: ledgerRoutes(db.sql),
       interceptors: [fencingInterceptor({ sql: db.sql, fenced, live })],
     }),
-  ));
-});
-
-afterAll(async () => {
-  await ledger?.close(0);
-  await liveLedger?.close(0);
-  await leaseServer?.close();
-  await db?.close();
+  );
 });
 
 async function refusal(call: Promise<unknown>): Promise<ConnectError> {

@@ -6,21 +6,15 @@
 // racing fresh acquirers of the same key.
 
 import { randomUUID } from "node:crypto";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../../src/server/db/lease-store.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import type { LeaseStore, SessionKey } from "../../src/server/lease/types.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 import { freshKey } from "../support/leases.js";
+import { waitFor } from "../support/wait.js";
 
-let db: TestDatabase;
-
-beforeAll(async () => {
-  db = await createTestDatabase();
-});
-afterAll(async () => {
-  await db?.close();
-});
+const { db } = useTestDatabase();
 
 interface Grant {
   session: string;
@@ -186,12 +180,15 @@ describe("S6 monotonic fencing under churn", () => {
         ...fresh.map(async ({ store }) => {
           const runId = randomUUID();
           if (together) await releaseCommitted;
-          for (;;) {
-            const r = await store.acquire({ ...key, runId, ttlMs: 30_000, holder: "fresh" });
-            if (r.acquired || (r.current && r.current.runId !== prior.runId)) {
-              return { r, runId, store, how: "race-fresh" as const };
-            }
-          }
+          // Until the prior run's lease is gone: granted, or another run holds it.
+          const r = await waitFor(
+            async () => {
+              const a = await store.acquire({ ...key, runId, ttlMs: 30_000, holder: "fresh" });
+              return a.acquired || (a.current && a.current.runId !== prior.runId) ? a : undefined;
+            },
+            { what: "a fresh acquirer to see the prior run's lease end", intervalMs: 0 },
+          );
+          return { r, runId, store, how: "race-fresh" as const };
         }),
       ]);
       const winners = attempts.filter((a) => a.r.acquired);

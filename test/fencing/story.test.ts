@@ -4,11 +4,11 @@
 // B takes the session over, and A's late write must not land (S6, S7).
 
 import { Code, ConnectError } from "@connectrpc/connect";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import type { SessionKey } from "../../src/server/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";
 import {
   type GuardedClient,
@@ -16,48 +16,31 @@ import {
   guardedConnectClient,
   guardedGrpcClient,
   type LeaseClient,
-  type ServerProcess,
-  spawnGuardedServer,
-  spawnServer,
 } from "../support/server.js";
 
 // The lease server and the live store share one database; the two monotonic
 // stores each have their own, as independent resources would.
-let leaseDb: TestDatabase;
-let storeDb: TestDatabase;
-let otherStoreDb: TestDatabase;
-const processes: ServerProcess[] = [];
+const { db: leaseDb, anotherDatabase, spawnServer, spawnGuardedServer } = useTestDatabase();
 let leases: LeaseClient;
 let store: GuardedClient;
 let liveStore: GuardedClient;
 let otherStore: GuardedClient;
 
 beforeAll(async () => {
-  [leaseDb, storeDb, otherStoreDb] = await Promise.all([
-    createTestDatabase(),
-    createTestDatabase(),
-    createTestDatabase(),
-  ]);
-  const leaseServer = await spawnServer(leaseDb.url);
-  processes.push(leaseServer);
+  const [storeDb, otherStoreDb] = await Promise.all([anotherDatabase(), anotherDatabase()]);
+  const leaseServer = await spawnServer();
   const [monotonic, live, other] = await Promise.all([
-    spawnGuardedServer(storeDb.url, [], { LEASEHOLD_FENCE_MODE: "monotonic" }),
-    spawnGuardedServer(leaseDb.url, [], {
+    spawnGuardedServer([], { LEASEHOLD_FENCE_MODE: "monotonic" }, storeDb.url),
+    spawnGuardedServer([], {
       LEASEHOLD_FENCE_MODE: "live",
       LEASEHOLD_LEASE_URL: leaseServer.url,
     }),
-    spawnGuardedServer(otherStoreDb.url),
+    spawnGuardedServer([], {}, otherStoreDb.url),
   ]);
-  processes.push(monotonic, live, other);
   leases = grpcClient(leaseServer.url);
   store = guardedGrpcClient(monotonic.url);
   liveStore = guardedConnectClient(live.url);
   otherStore = guardedConnectClient(other.url);
-});
-
-afterAll(async () => {
-  await Promise.all(processes.map((p) => p.stop()));
-  await Promise.all([leaseDb, storeDb, otherStoreDb].map((db) => db?.close()));
 });
 
 const text = (s: string) => new TextEncoder().encode(s);

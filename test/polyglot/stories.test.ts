@@ -19,7 +19,8 @@ import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor
 import { type Listener, listen } from "../../src/server/http/listener.js";
 import type { SessionKey } from "../../src/server/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
-import { createTestDatabase, type TestDatabase } from "../support/db.js";
+import type { TestDatabase } from "../support/db.js";
+import { useTestDatabase } from "../support/fixture.js";
 import { freshKey } from "../support/leases.js";
 import {
   type GuardedClient,
@@ -27,8 +28,6 @@ import {
   guardedGrpcClient,
   type LeaseClient,
   type ServerProcess,
-  spawnGuardedServer,
-  spawnServer,
 } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 import {
@@ -49,12 +48,12 @@ const ttlMs = 3_000;
 const marginMs = 1_000;
 const takeoverWaitMs = 30_000;
 
-let leaseDb: TestDatabase;
-let storeDb: TestDatabase;
-let headerDb: TestDatabase;
+const { anotherDatabase, spawnServer, spawnGuardedServer, defer } = useTestDatabase();
 let leaseServer: ServerProcess;
 let guardedServer: ServerProcess;
 let headerStore: Listener;
+/** The header-fenced store's own database. */
+let headerDb: TestDatabase;
 let leases: LeaseClient;
 let store: GuardedClient;
 let running: { workers: WorkerProcess[]; proxies: TcpProxy[] } = { workers: [], proxies: [] };
@@ -88,14 +87,11 @@ function headerFencedRoutes() {
 }
 
 beforeAll(async () => {
-  [leaseDb, storeDb, headerDb] = await Promise.all([
-    createTestDatabase(),
-    createTestDatabase(),
-    createTestDatabase(),
-  ]);
+  let storeDb: TestDatabase;
+  [storeDb, headerDb] = await Promise.all([anotherDatabase(), anotherDatabase()]);
   [leaseServer, guardedServer] = await Promise.all([
-    spawnServer(leaseDb.url),
-    spawnGuardedServer(storeDb.url),
+    spawnServer(),
+    spawnGuardedServer([], {}, storeDb.url),
   ]);
   leases = grpcClient(leaseServer.url);
   store = guardedGrpcClient(guardedServer.url);
@@ -113,6 +109,7 @@ beforeAll(async () => {
       interceptors: [fencingInterceptor({ sql: headerDb.sql })],
     }),
   });
+  defer(() => headerStore.close(0));
 });
 
 afterEach(async () => {
@@ -122,10 +119,7 @@ afterEach(async () => {
   await Promise.all(proxies.map((p) => p.close()));
 });
 
-afterAll(async () => {
-  await headerStore?.close(0);
-  await Promise.all([leaseServer?.stop(), guardedServer?.stop()]);
-  await Promise.all([leaseDb, storeDb, headerDb].map((db) => db?.close()));
+afterAll(() => {
   for (const [story, values] of Object.entries(measured)) {
     console.info(`polyglot ${story}: ${JSON.stringify(values)}`);
   }

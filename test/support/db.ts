@@ -3,7 +3,7 @@
 // the end, and with DATABASE_URL a failed test's data stays for inspection.
 
 import { randomBytes } from "node:crypto";
-import postgres from "postgres";
+import postgres, { type TransactionSql } from "postgres";
 import { inject } from "vitest";
 import { openDatabase, type Sql } from "../../src/server/db/pool.js";
 
@@ -55,6 +55,47 @@ export async function createTestDatabase(): Promise<TestDatabase> {
     connect,
     close: async () => {
       await Promise.all(pools.map((p) => p.end({ timeout: 1 })));
+    },
+  };
+}
+
+/** A transaction left open on purpose: it keeps its locks until `end`. */
+export interface OpenTransaction {
+  /** Commits the transaction and closes its connection. */
+  end(): Promise<void>;
+}
+
+/**
+ * Runs `statements` in a transaction on a connection of its own and returns
+ * once they are done, with the transaction still open: another transaction
+ * holding a row or advisory lock, as a stuck client would.
+ */
+export async function openTransaction(
+  db: TestDatabase,
+  statements: (tx: TransactionSql<{ bigint: bigint }>) => Promise<unknown>,
+  options: { lockTimeoutMs?: number } = {},
+): Promise<OpenTransaction> {
+  const sql = db.connect(1, options);
+  let finish!: () => void;
+  const finished = new Promise<void>((resolve) => {
+    finish = resolve;
+  });
+  let ready!: () => void;
+  const isReady = new Promise<void>((resolve) => {
+    ready = resolve;
+  });
+  const tx = sql.begin(async (t) => {
+    await statements(t);
+    ready();
+    await finished;
+  });
+  // A failed statement ends the transaction before it is ready: report that.
+  await Promise.race([isReady, tx]);
+  return {
+    end: async () => {
+      finish();
+      await tx;
+      await sql.end({ timeout: 1 });
     },
   };
 }

@@ -3,6 +3,7 @@
 import { randomUUID } from "node:crypto";
 import type { Sql } from "../../src/server/db/pool.js";
 import type { SessionKey } from "../../src/server/lease/types.js";
+import { type OpenTransaction, openTransaction, type TestDatabase } from "./db.js";
 
 let counter = 0;
 
@@ -30,4 +31,19 @@ export async function storedState(sql: Sql): Promise<unknown> {
   const leases = await sql`SELECT * FROM leases ORDER BY account_id, session_id`;
   const events = await sql`SELECT * FROM lease_events ORDER BY id`;
   return { leases: [...leases], events: [...events] };
+}
+
+/** Another transaction takes the key's row lock (FOR UPDATE) and holds it until `end`. */
+export function lockLeaseRow(
+  db: TestDatabase,
+  key: SessionKey,
+  options: { lockTimeoutMs?: number } = {},
+): Promise<OpenTransaction> {
+  return openTransaction(
+    db,
+    (tx) => tx`SELECT 1 FROM leases
+               WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}
+               FOR UPDATE`,
+    options,
+  );
 }

@@ -10,7 +10,7 @@ import { parseGuardedConfig } from "../../src/guarded/config.js";
 import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
 import { startGuardedServer } from "../../src/guarded/server.js";
 import { parseServerConfig, type ServerConfig } from "../../src/server/config/server-config.js";
-import { createLogger } from "../../src/server/observability/logger.js";
+import { createLogger, type Logger } from "../../src/server/observability/logger.js";
 import { type LeaseServer, type RunningServer, startServer } from "../../src/server/server.js";
 import { type ServerProcess, spawnLeasehold } from "./server-process.js";
 
@@ -30,9 +30,10 @@ export async function startTestServer(
   databaseUrl: string,
   args: string[] = [],
   overrides: Partial<ServerConfig> = {},
+  logger: Logger = createLogger({ level: "silent" }),
 ): Promise<LeaseServer> {
   const config = parseServerConfig([...testServerArgs, "--database-url", databaseUrl, ...args], {});
-  return startServer({ ...config, ...overrides }, createLogger({ level: "silent" }));
+  return startServer({ ...config, ...overrides }, logger);
 }
 
 export type LeaseClient = Client<typeof LeaseService>;

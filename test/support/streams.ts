@@ -86,47 +86,48 @@ export class StreamReader<T> {
    * (messages skipped on the way are consumed). Rejects when the stream
    * ends first or `timeoutMs` passes.
    */
-  async next(match: (m: T) => boolean = () => true, timeoutMs = 20_000): Promise<T> {
-    const deadline = Date.now() + timeoutMs;
-    for (;;) {
+  next(match: (m: T) => boolean = () => true, timeoutMs = 20_000): Promise<T> {
+    return this.until(() => {
       while (this.cursor < this.received.length) {
         const m = this.received[this.cursor++] as T;
-        if (match(m)) return m;
+        if (match(m)) return { m };
       }
-      if (this.done) {
-        throw new Error(`stream ended before the expected message: ${this.error?.message ?? "ok"}`);
-      }
-      const left = deadline - Date.now();
-      if (left <= 0) throw new Error("timed out waiting for a stream message");
-      await new Promise<void>((resolve) => {
-        const timer = setTimeout(resolve, left);
-        this.waiters.push(() => {
-          clearTimeout(timer);
-          resolve();
-        });
-      });
-    }
+      return undefined;
+    }, timeoutMs);
   }
 
   /**
    * The first message not yet taken that satisfies `match`, leaving the
    * others in place (for multiplexed answers that arrive in any order).
    */
-  async take(match: (m: T) => boolean, timeoutMs = 20_000): Promise<T> {
-    const deadline = Date.now() + timeoutMs;
-    for (;;) {
+  take(match: (m: T) => boolean, timeoutMs = 20_000): Promise<T> {
+    return this.until(() => {
       for (let i = this.cursor; i < this.received.length; i++) {
         const m = this.received[i] as T;
         if (match(m)) {
           this.received.splice(i, 1);
-          return m;
+          return { m };
         }
       }
+      return undefined;
+    }, timeoutMs);
+  }
+
+  /** Runs `find` now and whenever a message arrives, until it finds one, the stream ends or time runs out. */
+  private async until(find: () => { m: T } | undefined, timeoutMs: number): Promise<T> {
+    const deadline = performance.now() + timeoutMs;
+    for (;;) {
+      const found = find();
+      if (found) return found.m;
       if (this.done) {
         throw new Error(`stream ended before the expected message: ${this.error?.message ?? "ok"}`);
       }
-      const left = deadline - Date.now();
-      if (left <= 0) throw new Error("timed out waiting for a stream message");
+      const left = deadline - performance.now();
+      if (left <= 0) {
+        throw new Error(
+          `timed out after ${timeoutMs} ms waiting for a stream message; ${this.received.length} received`,
+        );
+      }
       await new Promise<void>((resolve) => {
         const timer = setTimeout(resolve, left);
         this.waiters.push(() => {

@@ -1,0 +1,228 @@
+// The Watch hub (streams/watch-hub.ts) on the in-memory store, the real
+// change feed and expiry tracker, and fake timers: snapshot first, then
+// changes in grant order (its OrderGuard), a fresh snapshot instead of an
+// unbounded buffer, and the re-check that catches what was never
+// published. Over the wire: test/streams.test.ts; the guard's property
+// test: test/change-order.test.ts.
+
+import { randomUUID } from "node:crypto";
+import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
+import { changeFromLease, type LeaseChange } from "../../src/server/lease/lease-change.js";
+import type { LeaseRecord, Scope } from "../../src/server/lease/types.js";
+import {
+  createExpiryTracker,
+  type ExpiryTracker,
+} from "../../src/server/streams/expiry-tracker.js";
+import {
+  createWatchHub,
+  OrderGuard,
+  type WatchHub,
+  type WatchMessage,
+} from "../../src/server/streams/watch-hub.js";
+import { freshKey } from "../support/leases.js";
+import { type MemoryStreaming, memoryStreaming } from "../support/memory-streaming.js";
+
+const recheckIntervalMs = 30_000;
+const recheckGraceMs = 1_000;
+const bufferLength = 4;
+let mem: MemoryStreaming;
+let tracker: ExpiryTracker;
+let hub: WatchHub;
+const stop = new AbortController();
+
+beforeEach(async () => {
+  vi.useFakeTimers();
+  mem = memoryStreaming();
+  tracker = createExpiryTracker({ store: mem.store, feed: mem.feed, logger: mem.logger });
+  await tracker.start();
+  hub = createWatchHub({
+    store: mem.store,
+    feed: mem.feed,
+    tracker,
+    logger: mem.logger,
+    bufferLength,
+    recheckIntervalMs,
+    recheckGraceMs,
+  });
+  hub.start();
+});
+afterEach(() => {
+  hub.close();
+  tracker.close();
+  vi.useRealTimers();
+});
+
+/** Lets every change, timer due now and reading run. */
+const settle = () => vi.advanceTimersByTimeAsync(0);
+
+/** A watcher whose messages are collected as they are read, or only when `read` is called. */
+function watch(scope: Scope, options: { includeRenewals?: boolean; reading?: boolean } = {}) {
+  const watcher = hub.open(scope, { includeRenewals: options.includeRenewals ?? false });
+  const messages: WatchMessage[] = [];
+  const it = watcher.messages(stop.signal);
+  const read = async () => {
+    const next = await it.next();
+    if (!next.done) messages.push(next.value);
+    return next.value as WatchMessage;
+  };
+  if (options.reading ?? true) {
+    void (async () => {
+      for (;;) {
+        const next = await it.next();
+        if (next.done) return;
+        messages.push(next.value);
+      }
+    })();
+  }
+  return { watcher, messages, read };
+}
+
+const shown = (messages: WatchMessage[]) =>
+  messages.map((m) =>
+    m.kind === "snapshot"
+      ? `snapshot:${m.leases.map((l) => l.fencingToken).join(",")}`
+      : `${m.change.type}:${m.change.fencingToken}`,
+  );
+
+describe("Watch hub", () => {
+  it("L1: a watcher gets a snapshot of the valid leases in scope first, then every change to them", async () => {
+    const accountId = `acct-${randomUUID()}`;
+    const held = await mem.grant({ key: { accountId, sessionId: "a" } });
+    const released = await mem.grant({ key: { accountId, sessionId: "b" } });
+    await mem.store.release(released, released.runId);
+    const { messages } = watch({ accountId, sessionId: "" });
+    await settle();
+    expect(shown(messages)).toEqual([`snapshot:${held.fencingToken}`]);
+
+    const other = await mem.grant({ key: { accountId, sessionId: "c" } });
+    await mem.grant({ key: { accountId: `elsewhere-${randomUUID()}`, sessionId: "c" } });
+    await mem.store.release(held, held.runId);
+    await settle();
+    expect(shown(messages).slice(1)).toEqual([
+      `acquired:${other.fencingToken}`,
+      `released:${held.fencingToken}`,
+    ]);
+    expect(hub.stats.watchers).toBe(1);
+  });
+
+  it("S6: what is older than what the watcher was shown is dropped: changes about an earlier grant, repeats, anything about a grant after its end", async () => {
+    const key = freshKey("order");
+    const first = await mem.grant({ key, ttlMs: 1_000 });
+    await mem.store.release(first, first.runId);
+    const second = await mem.grant({ key });
+    const { messages } = watch(key);
+    await settle();
+    expect(shown(messages)).toEqual([`snapshot:${second.fencingToken}`]);
+
+    // Deliveries from other instances, late and twice.
+    for (const [type, lease] of [
+      ["acquired", first],
+      ["released", first],
+      ["acquired", second],
+      ["expired", second],
+      ["expired", second],
+      ["released", second],
+    ] as const) {
+      mem.feed.deliverLocal(changeFromLease(type, lease));
+      await settle();
+    }
+    expect(shown(messages).slice(1)).toEqual([`expired:${second.fencingToken}`]);
+  });
+
+  it("S6: the order guard shows one handoff request per audit row, only for the grant it asked", () => {
+    const key = freshKey("guard");
+    const lease = (token: bigint): LeaseRecord => ({
+      ...key,
+      runId: `run-${token}`,
+      fencingToken: token,
+      holder: "desktop",
+      ttlMs: 1_000n,
+      acquiredAtUs: 0n,
+      expiresAtUs: 1_000_000n,
+      remainingUs: 1_000_000n,
+    });
+    const handoff = (token: bigint, eventId: bigint): LeaseChange =>
+      changeFromLease("handoff_requested", lease(token), { eventId, requesterHolder: "browser" });
+    const guard = new OrderGuard();
+    guard.seed([{ ...key, fencingToken: 7n, valid: true }]);
+    expect(guard.accept(handoff(7n, 10n))).toBe(true);
+    expect(guard.accept(handoff(7n, 10n))).toBe(false);
+    expect(guard.accept(handoff(7n, 9n))).toBe(false);
+    expect(guard.accept(handoff(7n, 11n))).toBe(true);
+    expect(guard.accept(handoff(6n, 12n))).toBe(false);
+    expect(guard.accept(changeFromLease("released", lease(7n)))).toBe(true);
+    expect(guard.accept(handoff(7n, 13n))).toBe(false);
+  });
+
+  it("a consumer that falls behind gets, once its buffer is full, a fresh snapshot instead of the changes it missed", async () => {
+    const accountId = `acct-${randomUUID()}`;
+    const { messages, read } = watch({ accountId, sessionId: "" }, { reading: false });
+    await read();
+    expect(shown(messages)).toEqual(["snapshot:"]);
+    const leases: LeaseRecord[] = [];
+    for (let i = 0; i <= bufferLength; i++) {
+      leases.push(await mem.grant({ key: { accountId, sessionId: `s${i}` } }));
+    }
+    expect(hub.stats.overflows).toBe(1);
+    await read();
+    expect(shown(messages)[1]).toBe(`snapshot:${leases.map((l) => l.fencingToken).join(",")}`);
+    // After the snapshot, changes flow again.
+    await mem.store.release(leases[0] as LeaseRecord, leases[0]?.runId ?? "");
+    await read();
+    expect(shown(messages)[2]).toBe(`released:${leases[0]?.fencingToken}`);
+  });
+
+  it("renewals reach only watchers that asked for them", async () => {
+    const key = freshKey("renewals");
+    const lease = await mem.grant({ key });
+    const plain = watch(key);
+    const renewals = watch(key, { includeRenewals: true });
+    await settle();
+    await mem.store.renew(key, lease.runId, 30_000);
+    await settle();
+    expect(shown(plain.messages)).toEqual([`snapshot:${lease.fencingToken}`]);
+    expect(shown(renewals.messages)).toEqual([
+      `snapshot:${lease.fencingToken}`,
+      `renewed:${lease.fencingToken}`,
+    ]);
+  });
+
+  it("L1: the watcher learns of an expiry at the deadline, once the database confirms it", async () => {
+    const key = freshKey("expiry");
+    const lease = await mem.grant({ key, ttlMs: 5_000 });
+    const { messages } = watch(key);
+    await settle();
+    await vi.advanceTimersByTimeAsync(4_999);
+    expect(shown(messages)).toEqual([`snapshot:${lease.fencingToken}`]);
+    await vi.advanceTimersByTimeAsync(10);
+    expect(shown(messages)).toEqual([
+      `snapshot:${lease.fencingToken}`,
+      `expired:${lease.fencingToken}`,
+    ]);
+  });
+
+  it("a change that was never published is caught by the periodic re-check: a fresh snapshot, after the grace period", async () => {
+    const key = freshKey("recheck");
+    const { messages } = watch(key);
+    await settle();
+    // Granted where no notification reaches this instance.
+    const lost = await mem.raw.acquire({ ...key, runId: randomUUID(), ttlMs: 60_000, holder: "x" });
+    if (!lost.acquired) throw new Error("the key must be free");
+    await vi.advanceTimersByTimeAsync(recheckIntervalMs + recheckGraceMs - 1);
+    expect(shown(messages)).toEqual(["snapshot:"]);
+    await vi.advanceTimersByTimeAsync(1);
+    expect(shown(messages)).toEqual(["snapshot:", `snapshot:${lost.lease.fencingToken}`]);
+    expect(hub.stats.resnapshots).toBe(2);
+  });
+
+  it("closing a watcher ends its messages and gives back what it held", async () => {
+    const key = freshKey("close");
+    const { watcher, read } = watch(key, { reading: false, includeRenewals: true });
+    await read();
+    expect(mem.feed.renewalsWanted(key)).toBe(true);
+    watcher.close();
+    expect(await read()).toBeUndefined();
+    expect(hub.stats.watchers).toBe(0);
+    expect(mem.feed.renewalsWanted(key)).toBe(false);
+  });
+});
