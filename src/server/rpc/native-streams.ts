@@ -16,7 +16,6 @@
 // KeepAlive stream ends with RESOURCE_EXHAUSTED, a watcher gets a fresh
 // snapshot instead of the changes it missed).
 
-import type { Message } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
   type KeepAliveRequest,
