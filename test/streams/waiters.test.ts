@@ -195,6 +195,25 @@ describe("waiting acquire", () => {
     expect(await mem.store.get(holder)).toBeUndefined();
   });
 
+  it("S5: when the wait runs out while an attempt is deciding, that attempt's grant is the answer; nothing is granted and then released", async () => {
+    const holder = await mem.grant({ ttlMs: 5_000 });
+    const late = input(holder, "late");
+    const waiter = wait(late, 5_005);
+    await settle();
+    // The waiter's attempt at the deadline waits on a row lock; the wait
+    // runs out meanwhile.
+    const unlock = mem.raw.lockRow(holder);
+    await vi.advanceTimersByTimeAsync(5_010);
+    expect(waiter.settled).toBe(false);
+    unlock();
+    await settle();
+    expect(waiter.value?.acquired && waiter.value.lease.runId).toBe(late.runId);
+    // One attempt at first, one at the deadline: no second "last" attempt.
+    expect(attempts.filter((runId) => runId === late.runId)).toHaveLength(2);
+    const trail = mem.raw.events.filter((e) => e.runId === late.runId).map((e) => e.type);
+    expect(trail).toEqual(["acquired"]);
+  });
+
   it("a release this instance never heard of is found by the periodic re-check, and not before it", async () => {
     const holder = await mem.grant();
     const waiter = wait(input(holder));

@@ -43,6 +43,10 @@ interface Waiter {
   /** The lease that blocked the last attempt. */
   current: LeaseRecord | undefined;
   done: boolean;
+  /** An attempt for this waiter is in flight. */
+  attempting: boolean;
+  /** The wait ran out during an attempt: that attempt's answer is the final one. */
+  waitOver: boolean;
 }
 
 interface KeyQueue {
@@ -101,14 +105,22 @@ export function createWaiters(options: WaitersOptions): Waiters {
         if (!head) break;
         stats.attempts += 1;
         let result: AcquireResult;
+        head.attempting = true;
         try {
           result = await store.acquire(head.input);
         } catch (error) {
+          head.attempting = false;
+          if (head.waitOver) {
+            finish(k, head);
+            head.reject(error);
+            continue;
+          }
           // The database could not decide; the next trigger (a change, the
           // deadline timer, the re-check or the end of the wait) tries again.
           logger.warn({ err: error }, "a waiting acquire attempt failed");
           break;
         }
+        head.attempting = false;
         if (result.acquired && head.done) {
           // The caller gave up while the grant was being made: nobody will
           // use or release this lease, so end it now and let the next go.
@@ -123,6 +135,13 @@ export function createWaiters(options: WaitersOptions): Waiters {
           // The winner's lease now blocks the rest; its deadline is tracked.
           tracker.learn(result.lease);
           break;
+        }
+        if (head.waitOver) {
+          // The wait ran out while this attempt was deciding: it is the answer.
+          finish(k, head);
+          head.resolve(result);
+          if (result.current) tracker.learn(result.current);
+          continue;
         }
         head.current = result.current;
         if (result.current) tracker.learn(result.current);
@@ -149,6 +168,8 @@ export function createWaiters(options: WaitersOptions): Waiters {
           input,
           current: first.current,
           done: false,
+          attempting: false,
+          waitOver: false,
           resolve,
           reject,
         };
@@ -185,8 +206,16 @@ export function createWaiters(options: WaitersOptions): Waiters {
           reject(error);
         };
         // The wait ran out: one last attempt gives the authoritative answer.
+        // When an attempt for this waiter is already deciding, its answer is
+        // that last attempt: a second one could answer "not acquired" while
+        // the first grants the session (and then, with nobody to take it,
+        // would have to end it).
         const timer = setTimeout(() => {
           if (w.done) return;
+          if (w.attempting) {
+            w.waitOver = true;
+            return;
+          }
           finish(k, w);
           store.acquire(input).then(
             (result) => {
