@@ -104,7 +104,10 @@ function grpcJsTransport(baseUrl: string): { transport: Transport; close: () => 
             signal?.removeEventListener("abort", onAbort);
             if (error || value === undefined) {
               reject(
-                new ConnectError(error?.details ?? "no message", error?.code ?? Code.Internal),
+                new ConnectError(
+                  error?.details ?? "no message",
+                  error ? (error.code as number as Code) : Code.Internal,
+                ),
               );
               return;
             }
