@@ -181,7 +181,7 @@ export function createGrpcTransport(options: GrpcTransportOptions): GrpcTranspor
           attempt.reject = reject;
           attempt.service = r.method.parent;
           attempt.method = r.method;
-          if (attempt.open(connection, path, r.header)) attempt.stream?.end(frame);
+          attempt.open(connection, path, r.header, frame, undefined);
         });
       };
       return runChain(call, interceptors, send, req) as Promise<UnaryResponse<I, O>>;
@@ -232,9 +232,10 @@ export function createGrpcTransport(options: GrpcTransportOptions): GrpcTranspor
           attempt.reject = reject;
           attempt.service = r.method.parent;
           attempt.method = r.method;
-          if (attempt.open(connection, path, r.header)) {
-            void pump(attempt, r.method.input, r.message, limits.writeMaxBytes);
-          }
+          attempt.open(connection, path, r.header, undefined, {
+            desc: r.method.input,
+            iterable: r.message,
+          });
         });
       };
       return runChain(call, interceptors, send, req).then(
@@ -421,6 +422,10 @@ class Attempt {
   stream: CallStream | undefined;
   conn: Conn | undefined;
   done = false;
+  private connection: Connection | undefined;
+  private requestHeaders: http2.OutgoingHttpHeaders | undefined;
+  private frame: Buffer | undefined;
+  private messages: { desc: DescMessage; iterable: AsyncIterable<unknown> } | undefined;
   service: UnaryRequest["service"] | undefined;
   method: UnaryRequest["method"] | StreamRequest["method"] | undefined;
   resolveUnary: ((response: UnaryResponse) => void) | undefined;
@@ -457,22 +462,55 @@ class Attempt {
     call.track(this);
   }
 
-  /** Opens the HTTP/2 stream; false when that failed (the attempt is then failed). */
-  open(connection: Connection, path: string, header: Headers): boolean {
+  /**
+   * Sends the request: `frame` (a unary call's one message, with END_STREAM)
+   * or, for a stream, the messages of `messages` as they come. The HTTP/2
+   * stream opens once the connection is up, as connect-node's does: a
+   * refused or reset connection then fails the call with the same error.
+   */
+  open(
+    connection: Connection,
+    path: string,
+    header: Headers,
+    frame: Buffer | undefined,
+    messages: { desc: DescMessage; iterable: AsyncIterable<unknown> } | undefined,
+  ): void {
     const h: http2.OutgoingHttpHeaders = { ":method": "POST", ":path": path };
     header.forEach((value, name) => {
       h[name] = value;
     });
-    let opened: { stream: http2.ClientHttp2Stream; conn: Conn };
+    this.connection = connection;
+    this.requestHeaders = h;
+    this.frame = frame;
+    this.messages = messages;
+    connection.whenReady(this);
+  }
+
+  /** The connection is up: open the stream on it. */
+  connected(conn: Conn, retried = false): void {
+    if (this.done) return;
+    const session = conn.session;
+    let stream: CallStream;
     try {
-      opened = connection.request(h);
+      stream = session.request(this.requestHeaders) as CallStream;
     } catch (error) {
+      // The session closed between the check and the request (a GOAWAY just
+      // read), or ran out of stream ids: once more, on a new connection.
+      if (
+        !retried &&
+        (session.closed || session.destroyed || hasNodeCode(error, "ERR_HTTP2_OUT_OF_STREAMS"))
+      ) {
+        if (!session.closed && !session.destroyed) session.close();
+        this.connection?.whenReady(this, true);
+        return;
+      }
       this.fail(connectErrorFromNodeReason(error));
-      return false;
+      return;
     }
-    const stream = opened.stream as CallStream;
+    conn.acquired();
     this.stream = stream;
-    this.conn = opened.conn;
+    this.conn = conn;
+    this.requestHeaders = undefined;
     stream[kAttempt] = this;
     stream.on("response", onResponse);
     stream.on("trailers", onTrailers);
@@ -480,7 +518,17 @@ class Attempt {
     stream.on("end", onEnd);
     stream.on("error", onError);
     stream.on("close", onClose);
-    return true;
+    const frame = this.frame;
+    if (frame !== undefined) {
+      this.frame = undefined;
+      stream.end(frame);
+      return;
+    }
+    const messages = this.messages;
+    this.messages = undefined;
+    if (messages !== undefined) {
+      void pump(this, messages.desc, messages.iterable, this.limits.writeMaxBytes);
+    }
   }
 
   onHeaders(headers: http2.IncomingHttpHeaders): void {
@@ -627,11 +675,25 @@ class Attempt {
   /** The response ended (END_STREAM): decide the call from what arrived. */
   onEnd(): void {
     if (this.done) return;
+    const stream = this.stream;
+    // Node also ends the readable side of a stream closed under the call (a
+    // connection lost: RST CANCEL). Without a status, that close is the
+    // answer, as connect-node reads it.
+    if (
+      stream?.closed === true &&
+      this.trailers === undefined &&
+      this.headers?.["grpc-status"] === undefined
+    ) {
+      const reset = connectErrorFromH2ResetCode(stream.rstCode);
+      if (reset !== undefined) {
+        this.fail(reset);
+        return;
+      }
+    }
     if (this.headFill !== 0 || this.body !== undefined) {
       this.fail(new ConnectError("protocol error: incomplete envelope", Code.InvalidArgument));
       return;
     }
-    const stream = this.stream;
     // The server has answered; a request side still open has nothing more
     // to say (a bidi stream the server ended): free the stream.
     if (stream !== undefined && !stream.writableEnded && !stream.closed) {
@@ -882,7 +944,7 @@ function onError(this: CallStream, error: Error): void {
   // A server that answered and closed while the request was still being
   // written: its answer (or the close) decides, not this write (as connect-node).
   if (this.writableEnded && hasNodeCode(error, "ERR_STREAM_WRITE_AFTER_END")) return;
-  attempt.fail(connectErrorFromNodeReason(pendingCause(error)));
+  attempt.fail(connectErrorFromNodeReason(error));
 }
 
 function onClose(this: CallStream): void {
@@ -930,9 +992,7 @@ async function pump(
       }
     }
   } catch (error) {
-    attempt.fail(
-      error instanceof ConnectError ? error : connectErrorFromNodeReason(pendingCause(error)),
-    );
+    attempt.fail(error instanceof ConnectError ? error : connectErrorFromNodeReason(error));
   }
 }
 
@@ -1046,23 +1106,6 @@ function webHeaders(nodeHeaders: http2.IncomingHttpHeaders): Headers {
   return header;
 }
 
-/**
- * A stream that never got to start because its connection failed reports
- * "the pending stream has been canceled" with the connection's error as
- * its cause; connect-node, which waits for the connection first, reports
- * the connection's error itself (ECONNREFUSED: UNAVAILABLE).
- */
-function pendingCause(error: unknown): unknown {
-  if (
-    error instanceof Error &&
-    (error as { code?: unknown }).code === "ERR_HTTP2_STREAM_CANCEL" &&
-    error.cause instanceof Error
-  ) {
-    return error.cause;
-  }
-  return error;
-}
-
 function hasNodeCode(error: unknown, code: string): boolean {
   const seen = new Set<unknown>();
   for (let e: unknown = error; e instanceof Error && !seen.has(e); e = e.cause) {
@@ -1142,6 +1185,9 @@ function connectErrorFromH2ResetCode(rstCode: number): ConnectError | undefined 
 
 /** One HTTP/2 session and the streams open on it. */
 class Conn {
+  connected = false;
+  /** Calls waiting for the session to connect. */
+  waiting: { attempt: Attempt; retried: boolean }[] = [];
   active = 0;
   idleSince = 0;
   idleTimer: NodeJS.Timeout | undefined;
@@ -1150,6 +1196,12 @@ class Conn {
     readonly session: http2.ClientHttp2Session,
     private readonly idleMs: number,
   ) {}
+
+  failWaiting(error: ConnectError): void {
+    const waiting = this.waiting;
+    this.waiting = [];
+    for (const w of waiting) w.attempt.fail(error);
+  }
 
   acquired(): void {
     // A session with calls keeps the process alive; an idle one does not.
@@ -1188,30 +1240,15 @@ class Connection {
     private readonly idleMs: number,
   ) {}
 
-  /** Opens a stream, on a new session when the current one is gone or going. */
-  request(headers: http2.OutgoingHttpHeaders): { stream: http2.ClientHttp2Stream; conn: Conn } {
+  /**
+   * Hands `attempt` a connected session: at once when the current one is up,
+   * once it connects, or a new one when the current one is gone or going.
+   */
+  whenReady(attempt: Attempt, retried = false): void {
     let conn = this.current;
     if (conn === undefined || conn.session.closed || conn.session.destroyed) conn = this.open();
-    let stream: http2.ClientHttp2Stream;
-    try {
-      stream = conn.session.request(headers);
-    } catch (error) {
-      // The session closed between the check and the request (a GOAWAY
-      // just read), or ran out of stream ids: one more try on a new one.
-      if (
-        conn.session.closed ||
-        conn.session.destroyed ||
-        hasNodeCode(error, "ERR_HTTP2_OUT_OF_STREAMS")
-      ) {
-        if (!conn.session.closed) conn.session.close();
-        conn = this.open();
-        stream = conn.session.request(headers);
-      } else {
-        throw error;
-      }
-    }
-    conn.acquired();
-    return { stream, conn };
+    if (conn.connected) attempt.connected(conn, retried);
+    else conn.waiting.push({ attempt, retried });
   }
 
   close(reason: ConnectError): void {
@@ -1225,13 +1262,26 @@ class Connection {
   private open(): Conn {
     const session = http2.connect(this.authority, this.nodeOptions);
     const conn = new Conn(session, this.idleMs);
-    // The calls on the session see its errors through their streams.
-    session.on("error", () => {});
+    session.once("connect", () => {
+      conn.connected = true;
+      const waiting = conn.waiting;
+      conn.waiting = [];
+      for (const w of waiting) w.attempt.connected(conn, w.retried);
+    });
+    // Before it connects, the session's error is every waiting call's (as
+    // connect-node: ECONNREFUSED is UNAVAILABLE); after, the calls see it
+    // through their streams.
+    session.on("error", (error: Error) => {
+      if (!conn.connected) conn.failWaiting(connectErrorFromNodeReason(error));
+    });
     session.on("goaway", () => {
       if (this.current === conn) this.current = undefined;
     });
     session.on("close", () => {
       if (this.current === conn) this.current = undefined;
+      conn.failWaiting(
+        new ConnectError("the connection closed before it was established", Code.Unavailable),
+      );
       this.all.delete(conn);
       if (conn.idleTimer !== undefined) clearTimeout(conn.idleTimer);
     });
