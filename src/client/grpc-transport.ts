@@ -1209,7 +1209,11 @@ class Conn {
   }
 
   released(): void {
-    if (--this.active > 0) return;
+    if (--this.active === 0) this.idle();
+  }
+
+  /** No stream is open: let the process exit, and close after idleMs without one. */
+  idle(): void {
     if (!this.session.destroyed) this.session.unref();
     this.idleSince = performance.now();
     // One timer per idle period, not per call: it re-arms itself for what is
@@ -1267,6 +1271,8 @@ class Connection {
       const waiting = conn.waiting;
       conn.waiting = [];
       for (const w of waiting) w.attempt.connected(conn, w.retried);
+      // Every waiting call gave up meanwhile: an idle connection.
+      if (conn.active === 0) conn.idle();
     });
     // Before it connects, the session's error is every waiting call's (as
     // connect-node: ECONNREFUSED is UNAVAILABLE); after, the calls see it
@@ -1285,7 +1291,7 @@ class Connection {
       this.all.delete(conn);
       if (conn.idleTimer !== undefined) clearTimeout(conn.idleTimer);
     });
-    session.unref();
+    // Referenced while it connects (calls wait on it), as connect-node's.
     this.current = conn;
     this.all.add(conn);
     return conn;
