@@ -39,6 +39,8 @@ export interface WorkerConfig {
   /** Upper bound of the run; the suite normally ends it earlier by closing stdin. */
   durationMs: number;
   ttlMs: number;
+  /** The client's wire protocol: the suite runs both, so faults reach both transports. */
+  protocol: "connect" | "grpc";
 }
 
 const config = JSON.parse(process.argv[2] ?? "") as WorkerConfig;
@@ -61,6 +63,7 @@ const durationUs = (d: Lease["ttl"]) =>
 let failovers = 0;
 const client = createLeaseClient({
   baseUrls: config.baseUrls,
+  protocol: config.protocol,
   // A stalled connection must not hold a call for long: fail over instead.
   defaultTimeoutMs: 2_000,
   reconnectBackoff: { initialMs: 50, maxMs: 500 },

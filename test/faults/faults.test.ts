@@ -102,6 +102,8 @@ function startWorker(index: number, cluster: Cluster, durationMs: number): Worke
     sessionIds,
     durationMs,
     ttlMs,
+    // Half the clients speak gRPC (the client's own transport), half Connect.
+    protocol: index % 2 === 1 ? "grpc" : "connect",
   };
   const child = spawn(process.execPath, ["--import", "tsx", workerPath, JSON.stringify(config)], {
     cwd: repoRoot,
@@ -209,46 +211,54 @@ describe.sequential("fault injection under a checked history", () => {
   // SIGKILL of one instance: clients go on through the others; it comes back on its port.
   async function killAndRestart() {
     const victim = rng.int(0, 2);
-    const key = probeKey("kill");
     await cluster.killInstance(victim);
+    const keys: ReturnType<typeof probeKey>[] = [];
     try {
       const order = [victim, (victim + 1) % 3, (victim + 2) % 3].map((i) => instance(i).proxy.url);
-      const sentAt = performance.now();
-      const failovers: string[] = [];
-      // What is checked is that the call fails over, not how fast: the
-      // deadline leaves room for a machine loaded by the rest of the suite.
-      const client = createLeaseClient({
-        baseUrls: order,
-        defaultTimeoutMs: 10_000,
-        onEvent: (e) => {
-          if (e.type === "failover") {
-            failovers.push(
-              `${Math.round(performance.now() - sentAt)} ms: ${e.baseUrl} ${e.error.message}`,
-            );
-          }
-        },
-      });
-      try {
-        const granted = await client
-          .acquire({ key, ttl: durationFromMs(ttlMs) })
-          .catch((error: unknown) => {
-            throw new Error(
-              `failover acquire after killing instance ${victim} failed at ${Math.round(performance.now() - sentAt)} ms; failovers: [${failovers.join(" | ")}]`,
-              { cause: error },
-            );
-          });
-        expect(granted.acquired, "a client listing the killed instance first fails over").toBe(
-          true,
-        );
-        await client.release({ key, runId: granted.lease?.runId ?? "" });
-      } finally {
-        client.close();
+      for (const protocol of ["connect", "grpc"] as const) {
+        const sentAt = performance.now();
+        const failovers: string[] = [];
+        // What is checked is that the call fails over, not how fast: the
+        // deadline leaves room for a machine loaded by the rest of the suite.
+        const client = createLeaseClient({
+          baseUrls: order,
+          protocol,
+          defaultTimeoutMs: 10_000,
+          onEvent: (e) => {
+            if (e.type === "failover") {
+              failovers.push(
+                `${Math.round(performance.now() - sentAt)} ms: ${e.baseUrl} ${e.error.message}`,
+              );
+            }
+          },
+        });
+        const key = probeKey("kill");
+        keys.push(key);
+        try {
+          const granted = await client
+            .acquire({ key, ttl: durationFromMs(ttlMs) })
+            .catch((error: unknown) => {
+              throw new Error(
+                `${protocol} failover acquire after killing instance ${victim} failed at ${Math.round(performance.now() - sentAt)} ms; failovers: [${failovers.join(" | ")}]`,
+                { cause: error },
+              );
+            });
+          expect(
+            granted.acquired,
+            `a ${protocol} client listing the killed instance first fails over`,
+          ).toBe(true);
+          await client.release({ key, runId: granted.lease?.runId ?? "" });
+        } finally {
+          client.close();
+        }
       }
     } finally {
       await cluster.restartInstance(victim);
     }
-    const after = await direct(victim).get({ key });
-    expect(after.held, "the restarted instance serves the database's state").toBe(false);
+    for (const key of keys) {
+      const after = await direct(victim).get({ key });
+      expect(after.held, "the restarted instance serves the database's state").toBe(false);
+    }
     return `instance ${victim}`;
   }
 
@@ -258,12 +268,14 @@ describe.sequential("fault injection under a checked history", () => {
     const proxy = instance(victim).proxy;
     proxy.drop();
     try {
-      const only = createLeaseClient({ baseUrl: proxy.url, defaultTimeoutMs: 3_000 });
-      const code = await codeOf(only.get({ key: probeKey("drop") }));
-      only.close();
-      expect(code, "a call through a dropped connection fails as UNAVAILABLE").toBe(
-        Code.Unavailable,
-      );
+      for (const protocol of ["connect", "grpc"] as const) {
+        const only = createLeaseClient({ baseUrl: proxy.url, protocol, defaultTimeoutMs: 3_000 });
+        const code = await codeOf(only.get({ key: probeKey("drop") }));
+        only.close();
+        expect(code, `a ${protocol} call through a dropped connection fails as UNAVAILABLE`).toBe(
+          Code.Unavailable,
+        );
+      }
       const order = [victim, (victim + 1) % 3].map((i) => instance(i).proxy.url);
       const failover = createLeaseClient({ baseUrls: order, defaultTimeoutMs: 10_000 });
       const key = probeKey("drop");
