@@ -5,7 +5,7 @@
 // ignore `wait` and spin.
 
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 
 export async function serverStreams(baseUrl: string): Promise<boolean> {

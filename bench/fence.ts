@@ -8,7 +8,7 @@ import os from "node:os";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
 import { createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseGuardedConfig } from "../src/guarded/config.js";

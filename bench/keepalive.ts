@@ -17,7 +17,7 @@ import { parseArgs } from "node:util";
 import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { type Client, createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import {
   EventType,
   type KeepAliveRequestSchema,

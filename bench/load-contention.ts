@@ -8,7 +8,7 @@
 import { randomUUID } from "node:crypto";
 import { setMaxListeners } from "node:events";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { Latency, type LatencySummary } from "./latency.js";
 import { loadOptions, MeasuredWindow, send, type WindowTiming } from "./load-protocol.js";

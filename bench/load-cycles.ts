@@ -7,9 +7,9 @@
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
 import { Etcd3 } from "etcd3";
 import postgres from "postgres";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService, SessionKeySchema } from "../src/gen/leasehold/v1/lease_pb.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { openDatabase } from "../src/server/db/pool.js";

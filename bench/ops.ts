@@ -10,9 +10,9 @@ import os from "node:os";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
 import { createClient } from "@connectrpc/connect";
-import { createGrpcTransport } from "@connectrpc/connect-node";
 import { SignJWT } from "jose";
 import postgres from "postgres";
+import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import {

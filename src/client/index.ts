@@ -45,6 +45,11 @@ export {
   fencingHeaders,
   fencingInterceptor,
 } from "./fencing.js";
+export {
+  createGrpcTransport,
+  type GrpcTransport,
+  type GrpcTransportOptions,
+} from "./grpc-transport.js";
 export type { KeepAliveEvent } from "./keepalive.js";
 export type { LeaseContext, RunExclusiveOptions, SessionKeyInit } from "./run-exclusive.js";
 export {
