@@ -93,6 +93,12 @@ export async function runContention(ctx: BenchContext): Promise<ScenarioReport> 
         measured: `${twoHolders} overlaps, ${figures.tokenRegressions} regressions`,
         met: twoHolders === 0 && figures.tokenRegressions === 0,
       },
+      {
+        scenario,
+        target: "release → next grant p99 < 10 ms",
+        measured: `${fmtMs(figures.p99Ms)} ms`,
+        met: figures.p99Ms < 10,
+      },
     ],
   };
 }
