@@ -152,9 +152,9 @@ async function main(): Promise<number> {
       String(settings.poolSize),
       "--shutdown-grace",
       "2s",
-      // Scenario 4 opens 1,000 Watch streams on one account (default limit 100).
+      // Scenario 4 opens up to 10,000 Watch streams on one account (default limit 100).
       "--max-watchers-per-account",
-      "1000",
+      "10000",
     ];
     const servers: ServerProcess[] = [];
     for (let i = 0; i < settings.servers; i++) {

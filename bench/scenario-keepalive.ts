@@ -167,20 +167,21 @@ export async function runKeepAlive(
           : undefined,
       },
     );
+    // The targets of the streaming fast path (docs/design.md).
     if (load.leases === 50_000 && load.inflight === 0) {
       targets.push({
         scenario,
-        target: "50,000 leases: p99 < 50 ms and < 100 statements/s",
-        measured: `p99 ${fmtMs(l.p99Ms)} ms, ${fmtRate(l.statementsPerSec)} statements/s`,
-        met: l.p99Ms < 50 && l.statementsPerSec < 100,
+        target: "50,000 leases: p99 < 50 ms, < 100 statements/s, server RSS < 300 MiB",
+        measured: `p99 ${fmtMs(l.p99Ms)} ms, ${fmtRate(l.statementsPerSec)} statements/s, ${l.serverRssMiB} MiB`,
+        met: l.p99Ms < 50 && l.statementsPerSec < 100 && l.serverRssMiB < 300,
       });
     }
-    if (load.inflight > 0 && rate) {
+    if (load.inflight > 0) {
       targets.push({
         scenario,
-        target: "keepalive capacity (saturation renewals/s) ≥ etcd",
-        measured: `${rate.ratio.toFixed(2)}×`,
-        met: rate.ratio >= 1,
+        target: `saturation at ${load.leases.toLocaleString("en-US")} leases ≥ 1.5× etcd`,
+        measured: rate ? `${rate.ratio.toFixed(2)}×` : "etcd not measured",
+        met: rate ? rate.ratio >= 1.5 : null,
       });
     }
   }

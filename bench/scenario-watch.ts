@@ -1,28 +1,28 @@
-// Scenario 4: Watch fan-out. 1,000 watchers on one account; how long from a
-// release until every watcher has the event.
+// Scenario 4: Watch fan-out. 1,000 watchers on one account (and 10,000 in a
+// full run); how long from a release until every watcher has the event.
 
 import { type BenchContext, medianOf, type ScenarioReport } from "./context.js";
 import type { WatchOptions, WatchResult } from "./load-watch.js";
 import { type Measured, measureLoad } from "./measure.js";
-import { fmtMs } from "./report.js";
+import { fmtMs, type Target } from "./report.js";
 
-const watchers = 1_000;
 // 50 streams per connection, well under the server's default cap (100).
-const connections = 20;
+const streamsPerConnection = 50;
 const releasesPerSecond = 5;
 
-export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
+async function measureWatchers(ctx: BenchContext, watchers: number, rounds: number) {
   const { settings, systems } = ctx;
   const runs: Measured<WatchResult>[] = [];
   // Few releases fit in one window: a longer window gives p99 more samples.
   const windowMs = settings.windowMs * 2;
-  for (let round = 1; round <= settings.rounds; round++) {
-    ctx.progress(`4 watch fan-out · ${watchers} watchers · round ${round}/${settings.rounds}`);
+  const connections = Math.ceil(watchers / streamsPerConnection);
+  for (let round = 1; round <= rounds; round++) {
+    ctx.progress(`4 watch fan-out · ${watchers} watchers · round ${round}/${rounds}`);
     const options: WatchOptions = {
       urls: ctx.serverUrls,
       watchers,
       connections,
-      accountId: `bench-watch-${round}`,
+      accountId: `bench-watch-${watchers}-${round}`,
       rate: releasesPerSecond,
       ttlSeconds: settings.ttlSeconds,
       graceMs: 5_000,
@@ -66,13 +66,24 @@ export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
       otherCpu: m.cpu.other ?? Number.NaN,
     })),
   };
+  return { figures, windows: runs.map((m) => m.window) };
+}
+
+export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
+  // 10,000 watchers take half a minute to subscribe: one round there, and
+  // only in a full run.
+  const sizes = ctx.settings.quick ? [1_000] : [1_000, 10_000];
+  const measured = [];
+  for (const watchers of sizes) {
+    const rounds = watchers > 1_000 ? 1 : ctx.settings.rounds;
+    measured.push(await measureWatchers(ctx, watchers, rounds));
+  }
   const scenario = "4 watch fan-out";
-  const load = `${watchers.toLocaleString("en-US")} watchers, 1 account`;
-  return {
-    id: "watch",
-    name: "Watch fan-out: 1,000 watchers on one account",
-    figures,
-    rows: [
+  const rows: ScenarioReport["rows"] = [];
+  const targets: Target[] = [];
+  for (const { figures } of measured) {
+    const load = `${figures.watchers.toLocaleString("en-US")} watchers, 1 account`;
+    rows.push(
       {
         scenario,
         load,
@@ -88,19 +99,37 @@ export async function runWatch(ctx: BenchContext): Promise<ScenarioReport> {
       {
         scenario,
         load,
-        metric: "releases/s; missed deliveries",
-        leasehold: `${figures.releasesPerSec}; ${figures.missing}`,
+        metric: "releases/s; missed deliveries; server CPU cores · RSS",
+        leasehold: `${figures.releasesPerSec}; ${figures.missing}; ${figures.cpuCores.server.toFixed(2)} · ${figures.serverRssMiB} MiB`,
       },
-    ],
-    comparisons: [],
-    profile: { label: `4 watch fan-out, ${watchers} watchers`, windows: runs.map((m) => m.window) },
-    targets: [
-      {
+    );
+    if (figures.watchers === 1_000) {
+      targets.push({
         scenario,
-        target: "release→all watchers p99 < 100 ms",
+        target: "1,000 watchers: release→all watchers p99 < 50 ms",
         measured: `${fmtMs(figures.toAllP99Ms)} ms`,
-        met: figures.toAllP99Ms < 100,
-      },
-    ],
+        met: figures.toAllP99Ms < 50,
+      });
+    } else {
+      // Measured and reported; the issue sets no bound for it.
+      targets.push({
+        scenario,
+        target: `${figures.watchers.toLocaleString("en-US")} watchers: measured and reported`,
+        measured: `p99 ${fmtMs(figures.toAllP99Ms)} ms, ${figures.missing} missed`,
+        met: figures.missing === 0 && figures.errors === 0,
+      });
+    }
+  }
+  const first = measured[0];
+  return {
+    id: "watch",
+    name: `Watch fan-out: ${sizes.map((n) => n.toLocaleString("en-US")).join(" and ")} watchers on one account`,
+    figures: measured.map((m) => m.figures),
+    rows,
+    comparisons: [],
+    profile: first
+      ? { label: `4 watch fan-out, ${first.figures.watchers} watchers`, windows: first.windows }
+      : undefined,
+    targets,
   };
 }
