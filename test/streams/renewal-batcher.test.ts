@@ -44,11 +44,12 @@ const item = (lease: LeaseRecord, extra: Partial<RenewItem> = {}): RenewItem => 
 });
 
 describe("renewal batcher", () => {
-  it("S4: renewals that arrive within one tick share one statement and keep their tokens", async () => {
+  it("S4: renewals that arrive together share one statement and keep their tokens", async () => {
     const batcher = createRenewalBatcher({ store: recording(), tickMs });
     const leases = [await mem.grant(), await mem.grant(), await mem.grant()];
     const answers = leases.map((l) => observe(batcher.renew(item(l))));
-    await vi.advanceTimersByTimeAsync(tickMs - 1);
+    // No statement went out in the last tick: only the gathering window (2 ms) is waited.
+    await vi.advanceTimersByTimeAsync(1);
     expect(statements).toHaveLength(0);
     await vi.advanceTimersByTimeAsync(1);
     expect(statements).toHaveLength(1);
@@ -59,6 +60,24 @@ describe("renewal batcher", () => {
       expect(o.renewed && o.lease.fencingToken).toBe(leases[i]?.fencingToken);
     });
     expect(batcher.stats).toMatchObject({ statements: 1, renewals: 3, pending: 0 });
+  });
+
+  it("at most one statement starts per tick: a renewal after a statement waits until a tick after its start", async () => {
+    const batcher = createRenewalBatcher({ store: recording(), tickMs });
+    const [a, b, c] = [await mem.grant(), await mem.grant(), await mem.grant()];
+    const first = observe(batcher.renew(item(a)));
+    await vi.advanceTimersByTimeAsync(2);
+    expect(statements).toHaveLength(1);
+    expect(first.value?.renewed).toBe(true);
+    // Started at 2 ms: the next statement may start at 22 ms, with both of these in it.
+    const later = [observe(batcher.renew(item(b)))];
+    await vi.advanceTimersByTimeAsync(10);
+    later.push(observe(batcher.renew(item(c))));
+    await vi.advanceTimersByTimeAsync(9);
+    expect(statements).toHaveLength(1);
+    await vi.advanceTimersByTimeAsync(1);
+    expect(statements.map((s) => s.items.length)).toEqual([1, 2]);
+    for (const l of later) expect(l.value?.renewed).toBe(true);
   });
 
   it("one row per key and run per statement: two requests for one lease share it, the later TTL wins, a handoff lookup asked by either is made", async () => {

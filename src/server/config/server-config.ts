@@ -46,7 +46,7 @@ export const serverSettings = {
   ...opsSettings,
   "grpc-path": {
     env: "LEASEHOLD_GRPC_PATH",
-    help: "native (default) or connect: who serves gRPC clients' unary calls",
+    help: "native (default) or connect: what serves gRPC clients' LeaseService calls",
   },
   "web-dir": {
     env: "LEASEHOLD_WEB_DIR",

@@ -8,7 +8,7 @@ import { ConfigError, type SettingsReader } from "./settings.js";
 export interface StreamTuning {
   /** Publish committed changes to other instances; off: each instance sees only its own. */
   notifications: boolean;
-  /** Longest wait of a KeepAlive renewal for its batch statement. */
+  /** Least time between the starts of two KeepAlive renewal statements; the longest a renewal waits for one. */
   renewTickMs: number;
   /** Longest wait of a committed change for its publishing statement. */
   notifyTickMs: number;
@@ -20,7 +20,7 @@ export interface StreamTuning {
 
 export const defaultStreamTuning: StreamTuning = {
   notifications: true,
-  renewTickMs: 20,
+  renewTickMs: 12,
   notifyTickMs: 10,
   recheckIntervalMs: 30_000,
   listenCheckIntervalMs: 15_000,
@@ -33,7 +33,7 @@ export const streamSettings = {
   },
   "renew-tick": {
     env: "LEASEHOLD_RENEW_TICK",
-    help: "longest wait of a KeepAlive renewal for its batch (default 20ms)",
+    help: "KeepAlive renewal statements start at most this often (default 12ms)",
   },
   "notify-tick": {
     env: "LEASEHOLD_NOTIFY_TICK",

@@ -1,8 +1,15 @@
-// Renewals from every KeepAlive stream of this instance, gathered for a short
-// tick and sent as one multi-row statement (DESIGN §3). A commit per renewal
-// would cap throughput at the commit rate (a few thousand per second on a
-// small machine); one UPDATE over a few hundred rows costs about as much as
-// one single-row UPDATE.
+// Renewals from every KeepAlive stream of this instance, gathered and sent
+// as one multi-row statement (DESIGN §3). A commit per renewal would cap
+// throughput at the commit rate (a few thousand per second on a small
+// machine); one UPDATE over a few hundred rows costs about as much as one
+// single-row UPDATE.
+//
+// Statements are paced, not delayed: at most one starts per tick, and a
+// renewal that arrives when the last one started a tick ago or more waits
+// only for a short gathering window (what arrives with it, e.g. the next
+// wave of a stream's renewals read from one socket). So the statement rate
+// stays bounded by the tick while a renewal waits for the tick only when
+// a statement went out less than a tick ago.
 //
 // The batch never waits on a row lock (SKIP LOCKED): a row held by another
 // transaction is retried alone with an ordinary lock wait, so a stuck
@@ -26,7 +33,7 @@ export interface RenewalBatcher {
 
 export interface RenewalBatcherOptions {
   store: LeaseStore;
-  /** Longest time a renewal waits for its batch. */
+  /** Least time between the starts of two statements; the longest a renewal waits for its batch. */
   tickMs: number;
   /** Rows per statement; a fuller batch goes at once. */
   maxBatch?: number;
@@ -51,6 +58,10 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
   // (an UPDATE … FROM must not meet the same target row twice).
   let pending = new Map<string, Pending>();
   let timer: NodeJS.Timeout | undefined;
+  let lastStartedAt = Number.NEGATIVE_INFINITY;
+  // Long enough to take in the renewals that arrive together (one socket
+  // read, one wave of answers), short next to the tick.
+  const gatherMs = Math.min(2, tickMs);
   let inFlight = 0;
   let closed = false;
   const stats = { statements: 0, renewals: 0, pending: 0 };
@@ -63,10 +74,13 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       void flush();
       return;
     }
-    timer ??= setTimeout(() => {
-      timer = undefined;
-      void flush();
-    }, tickMs);
+    timer ??= setTimeout(
+      () => {
+        timer = undefined;
+        void flush();
+      },
+      Math.max(gatherMs, lastStartedAt + tickMs - performance.now()),
+    );
   }
 
   async function flush(): Promise<void> {
@@ -84,6 +98,7 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       }
     }
     stats.pending = pending.size;
+    lastStartedAt = performance.now();
     inFlight += 1;
     try {
       stats.statements += 1;
