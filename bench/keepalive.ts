@@ -509,9 +509,23 @@ async function compareNotifications(db: BenchDatabase, o: KeepAliveBenchOptions)
   return out;
 }
 
+const usage = `usage: npx tsx bench/keepalive.ts [options]
+
+  --leases N             leases kept alive (default ${defaults.leases}; 1,000 with --quick)
+  --streams M            KeepAlive streams they are spread over (default ${defaults.streams})
+  --inflight K           saturate: each stream keeps K renewals in flight (default: steady renewals every 5 s)
+  --measure DURATION     measured window, e.g. 30s (default ${defaults.measureMs / 1000}s; 10s with --quick)
+  --acquire-seconds N    length of each acquire-throughput round (default ${defaults.acquireSeconds})
+  --acquire-rounds N     rounds per notification mode (default ${defaults.acquireRounds})
+  --quick                a short run
+  --json                 print the figures as JSON at the end
+  --help                 this text
+`;
+
 async function main() {
   const { values } = parseArgs({
     options: {
+      help: { type: "boolean" },
       leases: { type: "string" },
       streams: { type: "string" },
       inflight: { type: "string" },
@@ -522,6 +536,10 @@ async function main() {
       json: { type: "boolean" },
     },
   });
+  if (values.help) {
+    process.stdout.write(usage);
+    return;
+  }
   const quick = values.quick === true;
   const number = (text: string | undefined, fallback: number) => {
     if (text === undefined) return fallback;
@@ -551,9 +569,16 @@ async function main() {
 
 if (process.argv[1] && import.meta.url === new URL(`file://${process.argv[1]}`).href) {
   main().catch((error: unknown) => {
+    // A bad flag is a usage error, not a crash: say which, and how to call it.
+    const badFlag =
+      error instanceof TypeError &&
+      "code" in error &&
+      String(error.code).startsWith("ERR_PARSE_ARGS");
     process.stderr.write(
-      `${error instanceof Error ? (error.stack ?? error.message) : String(error)}\n`,
+      badFlag
+        ? `${error.message}\n${usage}`
+        : `${error instanceof Error ? (error.stack ?? error.message) : String(error)}\n`,
     );
-    process.exitCode = 1;
+    process.exitCode = badFlag ? 2 : 1;
   });
 }
