@@ -16,7 +16,6 @@ import { once } from "node:events";
 import { mkdtemp, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
-import { parseArgs } from "node:util";
 import { createLeaseClient } from "../src/client/index.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
@@ -24,12 +23,21 @@ import { parseDuration } from "../src/server/lease/limits.js";
 import { createLogger } from "../src/server/observability/logger.js";
 import { startServer } from "../src/server/server.js";
 import { startTcpProxy } from "../test/support/tcp-proxy.js";
+import { benchArgs, usageError } from "./support/arguments.js";
 
-const { values } = parseArgs({
-  options: { runs: { type: "string" }, ttl: { type: "string" } },
-});
+const usage = `usage: npx tsx bench/client-loss.ts [--runs 10] [--ttl 2s]
+
+  --runs N        leases per fault (default 10)
+  --ttl DURATION  the leases' TTL (default 2s)
+`;
+const { values } = benchArgs({ runs: { type: "string" }, ttl: { type: "string" } }, usage);
 const runs = Number(values.runs ?? "10");
-const ttlMs = parseDuration(values.ttl ?? "2s") ?? 2_000;
+if (!(Number.isInteger(runs) && runs > 0)) {
+  usageError(`--runs must be a positive integer, got ${JSON.stringify(values.runs)}`, usage);
+}
+const ttlMs =
+  parseDuration(values.ttl ?? "2s") ??
+  usageError(`--ttl must be a duration such as 2s, got ${JSON.stringify(values.ttl)}`, usage);
 const repoRoot = path.resolve(import.meta.dirname, "..");
 
 const dataDir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));

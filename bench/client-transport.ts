@@ -14,7 +14,6 @@ import { randomUUID } from "node:crypto";
 import { writeFileSync } from "node:fs";
 import http2 from "node:http2";
 import os from "node:os";
-import { parseArgs } from "node:util";
 import { create, type DescMessage, fromBinary, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError, createClient, type Transport } from "@connectrpc/connect";
 import {
@@ -25,23 +24,40 @@ import {
 import * as grpc from "@grpc/grpc-js";
 import { createLeaseClient, durationFromMs } from "../src/client/index.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { benchArgs, usageError } from "./support/arguments.js";
 import { spawnLeasehold, startBenchDatabase } from "./support/environment.js";
 
 // Absent before the transport of src/client existed: the probe then prices the others.
 const leaseholdGrpc = await import("../src/client/grpc-transport.js").catch(() => undefined);
 
-const { values } = parseArgs({
-  options: {
+const usage = `usage: npx tsx bench/client-transport.ts [options]
+
+  --rounds N        rounds, the options taking turns in each (default 3)
+  --window-ms N     measured window per option and load (default 3000)
+  --warmup-ms N     warm-up before each window (default 700)
+  --only LIST       options to measure, comma-separated
+  --json FILE       also write the figures to FILE
+`;
+const { values } = benchArgs(
+  {
     rounds: { type: "string", default: "3" },
     "window-ms": { type: "string", default: "3000" },
     "warmup-ms": { type: "string", default: "700" },
     only: { type: "string" },
     json: { type: "string" },
   },
-});
-const rounds = Number(values.rounds);
-const windowMs = Number(values["window-ms"]);
-const warmupMs = Number(values["warmup-ms"]);
+  usage,
+);
+const positiveInteger = (flag: string, text: string | undefined): number => {
+  const n = Number(text);
+  if (!(Number.isInteger(n) && n > 0)) {
+    usageError(`--${flag} must be a positive integer, got ${JSON.stringify(text)}`, usage);
+  }
+  return n;
+};
+const rounds = positiveInteger("rounds", values.rounds);
+const windowMs = positiveInteger("window-ms", values["window-ms"]);
+const warmupMs = positiveInteger("warmup-ms", values["warmup-ms"]);
 
 /** The calls a probe makes: the typed surface shared by createClient and createLeaseClient. */
 interface ProbeClient {

@@ -24,8 +24,9 @@ import { openDatabase } from "../src/server/db/pool.js";
 import { createLogger } from "../src/server/observability/logger.js";
 import { durationFromMillis } from "../src/server/rpc/convert.js";
 import { startServer } from "../src/server/server.js";
+import { secondsPerCase } from "./support/arguments.js";
 
-const seconds = Number(process.argv[2] ?? 3);
+const seconds = secondsPerCase("usage: npx tsx bench/fence.ts [seconds per case, default 3]\n", 3);
 const concurrency = 16;
 
 interface Result {
