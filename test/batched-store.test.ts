@@ -9,11 +9,13 @@
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
+import { openDatabase } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/server/lease/errors.js";
 import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
+import { startTcpProxy } from "./support/tcp-proxy.js";
 
 const { db } = useTestDatabase();
 
@@ -333,5 +335,60 @@ describe("quota inside the acquire statement", () => {
       holder: "",
     });
     expect(retry.acquired).toBe(true);
+  });
+});
+
+describe("a database connection that goes quiet", () => {
+  it("S8: a statement left unanswered fails with UNAVAILABLE after the store's bound, and frees its batch for the calls behind it", async () => {
+    const proxy = await startTcpProxy(`http://${new URL(db.url).host}`);
+    const url = new URL(db.url);
+    url.host = new URL(proxy.url).host;
+    const sql = openDatabase({
+      url: url.toString(),
+      maxConnections: 4,
+      statementTimeoutMs: 5_000,
+      lockTimeoutMs: 1_000,
+      idleInTransactionTimeoutMs: 5_000,
+      applicationName: "leasehold-test-quiet",
+    });
+    try {
+      const store = createLeaseStore(sql, { unansweredAfterMs: 300 });
+      const before = freshKey("quiet");
+      const held = await store.acquire({
+        ...before,
+        runId: randomUUID(),
+        ttlMs: 30_000,
+        holder: "",
+      });
+      expect(held.acquired).toBe(true);
+
+      // Every byte held both ways, the connections kept open: the database
+      // never answers, and nothing tells the driver so.
+      proxy.stall();
+      const stalled = [freshKey("quiet"), freshKey("quiet")].map((key) =>
+        store.acquire({ ...key, runId: randomUUID(), ttlMs: 30_000, holder: "" }),
+      );
+      for (const outcome of await Promise.allSettled(stalled)) {
+        expect(outcome.status).toBe("rejected");
+        const reason = (outcome as PromiseRejectedResult).reason;
+        expect(reason).toBeInstanceOf(DatabaseUnavailableError);
+        expect(String(reason.message)).toMatch(/did not answer within 300 ms/);
+      }
+
+      // The connection comes back: the acquire batcher is free (its slot was
+      // not kept by the unanswered statement) and decides the next call.
+      proxy.pass();
+      const after = freshKey("quiet");
+      const next = await store.acquire({
+        ...after,
+        runId: randomUUID(),
+        ttlMs: 30_000,
+        holder: "",
+      });
+      expect(next.acquired).toBe(true);
+    } finally {
+      await sql.end({ timeout: 1 });
+      await proxy.close();
+    }
   });
 });

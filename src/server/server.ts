@@ -159,7 +159,12 @@ async function buildLeaseServer(
   // group-committed; each write published to the change feed once its
   // statement has committed (never inside it, DESIGN §3); outcomes counted
   // for /metrics. Waiting acquires and batched renewals go through all of it.
-  const sqlStore = createLeaseStore(sql, { maxLeasesPerAccount: limits.maxLeasesPerAccount });
+  const sqlStore = createLeaseStore(sql, {
+    maxLeasesPerAccount: limits.maxLeasesPerAccount,
+    // Twice the statement timeout: a statement the database runs (lock
+    // waits included) has answered by then, one on a dead connection has not.
+    unansweredAfterMs: 2 * config.statementTimeoutMs,
+  });
   const store = withMetrics(withPublishing(sqlStore, feed), metrics);
 
   const tracker = createExpiryTracker({ store, feed, logger });

@@ -43,6 +43,14 @@ export interface LeaseStoreOptions {
   maxBatch?: number;
   /** Group-committed statements of one kind in flight at once. */
   maxInFlight?: number;
+  /**
+   * A statement unanswered this long fails with UNAVAILABLE (0: never).
+   * statement_timeout bounds a statement the server runs; this bounds one
+   * whose connection went quiet (a partitioned or failed-over database),
+   * which would otherwise hold its batch slot, and every call queued behind
+   * it, until TCP gives up.
+   */
+  unansweredAfterMs?: number;
 }
 
 /** The statements and rows of each group-committed kind, for tests and benchmarks. */
@@ -77,11 +85,30 @@ export function createLeaseStore(
   const maxInFlight = options.maxInFlight ?? 1;
   const quota = { maxLeasesPerAccount };
 
+  const unansweredAfterMs = options.unansweredAfterMs ?? 0;
+  const unanswered = () =>
+    new DatabaseUnavailableError(
+      `the database did not answer within ${unansweredAfterMs} ms; whether the change was made is unknown: retry (with the same run_id a retry is idempotent)`,
+    );
+
   const run = async <T>(statement: () => Promise<T>): Promise<T> => {
+    let timer: NodeJS.Timeout | undefined;
     try {
-      return await statement();
+      const answer = statement();
+      if (unansweredAfterMs <= 0) return await answer;
+      // The statement goes on if it is still running; its late outcome, if
+      // any, is dropped (a change it made is what a retry finds).
+      answer.catch(() => {});
+      return await Promise.race([
+        answer,
+        new Promise<never>((_, reject) => {
+          timer = setTimeout(() => reject(unanswered()), unansweredAfterMs);
+        }),
+      ]);
     } catch (error) {
       throw classifyDatabaseError(error);
+    } finally {
+      clearTimeout(timer);
     }
   };
 
