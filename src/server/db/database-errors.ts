@@ -16,6 +16,7 @@ const unavailableStates = new Set([
   "57P03", // cannot_connect_now
   "53300", // too_many_connections
   "25P03", // idle_in_transaction_session_timeout
+  "25006", // read_only_sql_transaction: connected to a standby, or to a primary being demoted
 ]);
 const clientCodes = new Set([
   "ECONNREFUSED",

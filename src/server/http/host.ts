@@ -167,6 +167,8 @@ function redact(url: string): string {
     if (u.password) u.password = "***";
     return u.toString();
   } catch {
-    return "(unparseable DATABASE_URL)";
+    // A multi-host URL (h1:p1,h2:p2) is no WHATWG URL: hide its password by hand.
+    const hidden = url.replace(/^([a-z]+:\/\/[^:/@]*:)[^@/]*@/i, "$1***@");
+    return /^[a-z]+:\/\/[^/]*,/i.test(url) ? hidden : "(unparseable DATABASE_URL)";
   }
 }
