@@ -6,7 +6,9 @@ import { defineConfig } from "vitest/config";
 // processes and injects faults into them, so it must not share the machine's
 // two cores with the first project. The browser tests and the polyglot client
 // tests have their own configs (vitest.e2e.config.ts, vitest.polyglot.config.ts):
-// they need Debian's Chromium, and Debian's protoc, grpcio and Go.
+// they need Debian's Chromium, and Debian's protoc, grpcio and Go. So has the
+// hostile volume suite (vitest.hostile.config.ts, npm run test:hostile): it
+// takes minutes and measures its servers' memory.
 export default defineConfig({
   test: {
     projects: [
@@ -14,7 +16,13 @@ export default defineConfig({
         test: {
           name: "unit",
           include: ["test/**/*.test.ts"],
-          exclude: ["test/faults/**", "test/e2e/**", "test/polyglot/**", "node_modules/**"],
+          exclude: [
+            "test/faults/**",
+            "test/e2e/**",
+            "test/polyglot/**",
+            "test/hostile-volume.test.ts",
+            "node_modules/**",
+          ],
           globalSetup: ["test/support/global-setup.ts"],
           pool: "forks",
           testTimeout: 60_000,

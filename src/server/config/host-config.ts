@@ -11,6 +11,16 @@ export const defaultTimeouts = {
   idleInTransactionTimeoutMs: 10_000,
 } as const;
 
+/**
+ * Bounds on connections that carry no calls (docs/security.md, "Hostile input
+ * at volume"). The idle bound is far above a load balancer's usual 60 s, so
+ * the balancer, not the server, closes its idle connections first.
+ */
+export const defaultConnectionTimeouts = {
+  handshakeMs: 10_000,
+  idleMs: 300_000,
+} as const;
+
 /** What every Leasehold server process needs: a database and a port. */
 export interface HostConfig {
   /** Unset: start embedded PostgreSQL under dataDir. */
@@ -23,6 +33,14 @@ export interface HostConfig {
   lockTimeoutMs: number;
   idleInTransactionTimeoutMs: number;
   shutdownGraceMs: number;
+  /**
+   * A connection that has not finished its opening (TLS handshake, HTTP/2
+   * preface and SETTINGS, or its first HTTP/1.1 request) within this long is
+   * closed: a peer that connects and says nothing must not hold a socket.
+   */
+  handshakeTimeoutMs: number;
+  /** An HTTP/2 connection without open streams, or an idle HTTP/1.1 keep-alive connection, is closed after this long. */
+  idleTimeoutMs: number;
   /** Certificate and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
   tls: TlsConfig | undefined;
 }
@@ -69,6 +87,14 @@ export function hostSettings(defaults: HostDefaults) {
       env: "LEASEHOLD_SHUTDOWN_GRACE",
       help: "time to drain on SIGTERM (default 10s)",
     },
+    "handshake-timeout": {
+      env: "LEASEHOLD_HANDSHAKE_TIMEOUT",
+      help: "a connection must finish TLS, the HTTP/2 preface or its first HTTP/1.1 request within this (default 10s)",
+    },
+    "idle-timeout": {
+      env: "LEASEHOLD_IDLE_TIMEOUT",
+      help: "an HTTP/2 connection without open streams, or an idle HTTP/1.1 one, is closed after this (default 5m)",
+    },
     ...tlsSettings,
   } as const satisfies Record<string, Setting>;
 }
@@ -88,6 +114,19 @@ export function parseHostConfig(
   }
   const databaseUrl = read.get("database-url");
   if (databaseUrl !== undefined) checkMultiHostUrl(databaseUrl);
+  const handshakeTimeoutMs = read.duration(
+    "handshake-timeout",
+    defaultConnectionTimeouts.handshakeMs,
+  );
+  if (handshakeTimeoutMs < 100) {
+    throw new ConfigError(
+      "--handshake-timeout (LEASEHOLD_HANDSHAKE_TIMEOUT) must be at least 100ms",
+    );
+  }
+  const idleTimeoutMs = read.duration("idle-timeout", defaultConnectionTimeouts.idleMs);
+  if (idleTimeoutMs < 100) {
+    throw new ConfigError("--idle-timeout (LEASEHOLD_IDLE_TIMEOUT) must be at least 100ms");
+  }
   return {
     databaseUrl,
     dataDir: read.get("data-dir") ?? defaults.dataDir,
@@ -98,6 +137,8 @@ export function parseHostConfig(
     lockTimeoutMs: read.duration("lock-timeout", defaultTimeouts.lockTimeoutMs),
     idleInTransactionTimeoutMs: defaultTimeouts.idleInTransactionTimeoutMs,
     shutdownGraceMs: read.duration("shutdown-grace", 10_000),
+    handshakeTimeoutMs,
+    idleTimeoutMs,
     tls: parseTls(read),
   };
 }

@@ -117,6 +117,8 @@ export async function startHost(
       maxConcurrentStreams: services.maxStreamsPerConnection,
       streamHandler: services.streamHandler,
       tls: config.tls,
+      handshakeTimeoutMs: config.handshakeTimeoutMs,
+      idleTimeoutMs: config.idleTimeoutMs,
     });
     const host = listener.host.includes(":") ? `[${listener.host}]` : listener.host;
     const url = `${config.tls ? "https" : "http"}://${host}:${listener.port}`;

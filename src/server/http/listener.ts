@@ -49,17 +49,40 @@ export interface ListenerOptions {
   maxSessionMemoryMb?: number;
   /** PEM certificate chain and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
   tls?: { cert: Buffer; key: Buffer };
+  /**
+   * Time a connection has to finish its opening: the TLS handshake, then the
+   * HTTP/2 preface and SETTINGS, or its first HTTP/1.1 request. Default 10 s.
+   */
+  handshakeTimeoutMs?: number;
+  /**
+   * An HTTP/2 connection with no open stream for this long is closed with
+   * GOAWAY; an HTTP/1.1 connection between requests likewise. Default 5 min.
+   */
+  idleTimeoutMs?: number;
 }
 
 export async function listen(options: ListenerOptions): Promise<Listener> {
+  const handshakeTimeoutMs = options.handshakeTimeoutMs ?? 10_000;
+  const idleTimeoutMs = options.idleTimeoutMs ?? 300_000;
+  const openings = new Openings(handshakeTimeoutMs);
   const h1 = http.createServer(options.handler as http.RequestListener);
   // Long-lived streams (KeepAlive, Watch) must not be cut by Node's defaults.
   h1.requestTimeout = 0;
   h1.headersTimeout = 30_000;
-  h1.keepAliveTimeout = 65_000;
+  h1.keepAliveTimeout = idleTimeoutMs;
+  h1.on("request", (req: http.IncomingMessage) => openings.opened(req.socket));
   const h2 = http2.createServer({
     settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
     maxSessionMemory: options.maxSessionMemoryMb ?? 32,
+  });
+  h2.on("session", (session: http2.ServerHttp2Session) => {
+    // The socket is being handed over right now (emit is synchronous); the
+    // session's own socket property is a proxy, not that socket.
+    const socket = openings.handingOver;
+    session.once("remoteSettings", () => {
+      if (socket) openings.opened(socket);
+    });
+    closeWhenIdle(session, idleTimeoutMs);
   });
   h2.on(
     "stream",
@@ -77,13 +100,20 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
 
   const front = options.tls
     ? tls.createServer(
-        { cert: options.tls.cert, key: options.tls.key, ALPNProtocols: ["h2", "http/1.1"] },
+        {
+          cert: options.tls.cert,
+          key: options.tls.key,
+          ALPNProtocols: ["h2", "http/1.1"],
+          handshakeTimeout: handshakeTimeoutMs,
+        },
         (socket) => {
+          openings.begin(socket);
           connections.add(socket);
-          (socket.alpnProtocol === "h2" ? h2 : h1).emit("connection", socket);
+          openings.handOver(socket, socket.alpnProtocol === "h2" ? h2 : h1);
         },
       )
     : net.createServer((socket) => {
+        openings.begin(socket);
         connections.add(socket);
         // Read the first bytes in paused mode and put them back: both servers
         // then find them in the socket's buffer (Node's HTTP/2 session feeds
@@ -94,13 +124,80 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
           const n = Math.min(chunk.length, preface.length);
           const isH2 = chunk.subarray(0, n).equals(preface.subarray(0, n));
           socket.unshift(chunk);
-          (isH2 ? h2 : h1).emit("connection", socket);
+          openings.handOver(socket, isH2 ? h2 : h1);
         });
       });
   // A client that fails the handshake, or resets its socket, must not leave
   // an error unhandled.
   front.on("tlsClientError", () => {});
   return serveOn(front, options, connections, () => h1.closeIdleConnections());
+}
+
+/**
+ * Connections that have not finished their opening, each with its deadline.
+ * Neither server bounds this on its own: a socket that never sends a byte is
+ * handed to neither, nghttp2 waits for a preface forever, and Node's
+ * HTTP/1.1 headersTimeout is only checked every 30 s.
+ */
+class Openings {
+  private readonly timers = new Map<net.Socket, NodeJS.Timeout>();
+  /** The socket being handed to a server, for the 'session' listener that runs meanwhile. */
+  handingOver: net.Socket | undefined;
+
+  constructor(private readonly timeoutMs: number) {}
+
+  begin(socket: net.Socket): void {
+    if (this.timers.has(socket)) return;
+    const timer = setTimeout(() => {
+      this.timers.delete(socket);
+      socket.destroy();
+    }, this.timeoutMs);
+    // The listener keeps the process alive, not a pending deadline.
+    timer.unref();
+    this.timers.set(socket, timer);
+    socket.once("close", () => this.opened(socket));
+  }
+
+  handOver(socket: net.Socket, server: net.Server | http2.Http2Server): void {
+    this.handingOver = socket;
+    try {
+      server.emit("connection", socket);
+    } finally {
+      this.handingOver = undefined;
+    }
+  }
+
+  /** The connection finished its opening (or closed): no deadline any more. */
+  opened(socket: net.Socket): void {
+    const timer = this.timers.get(socket);
+    if (timer === undefined) return;
+    clearTimeout(timer);
+    this.timers.delete(socket);
+  }
+}
+
+/**
+ * Closes an HTTP/2 session (GOAWAY, then the socket) once it has had no open
+ * stream for `idleMs`. Node's own session timeout counts frames, so it would
+ * cut a quiet Watch stream; this counts streams instead.
+ */
+function closeWhenIdle(session: http2.ServerHttp2Session, idleMs: number): void {
+  let open = 0;
+  let timer: NodeJS.Timeout | undefined;
+  const arm = () => {
+    timer = setTimeout(() => session.close(), idleMs);
+    timer.unref();
+  };
+  session.on("stream", (stream: http2.ServerHttp2Stream) => {
+    open += 1;
+    clearTimeout(timer);
+    stream.once("close", () => {
+      open -= 1;
+      if (open === 0 && !session.closed && !session.destroyed) arm();
+    });
+  });
+  session.once("close", () => clearTimeout(timer));
+  arm();
 }
 
 /** Hands a stream to a compatibility-API handler, as Node's http2 server does for 'request'. */

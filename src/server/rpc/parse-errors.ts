@@ -1,6 +1,6 @@
-// A request body that is not valid protobuf is the client's mistake, so it
-// gets INVALID_ARGUMENT (never INTERNAL for anything a client sent). connect-es
-// answers it with INTERNAL ("parse binary: …") because clients and servers
+// A request body that is not valid protobuf, or whose compression is broken,
+// is the client's mistake, so it gets INVALID_ARGUMENT (never INTERNAL for
+// anything a client sent). connect-es answers it with INTERNAL ("parse binary: …") because clients and servers
 // share that parser, and for a client a bad response is the server's fault.
 // connect-node offers no hook into request parsing (its serialization is
 // internal), so the error is recognized by that message prefix, here only.
@@ -19,11 +19,15 @@ import type {
   UniversalServerResponse,
 } from "@connectrpc/connect/protocol";
 
-const marker = "parse binary:";
+// A body that does not parse, and one whose compression is broken (connect-node
+// says INTERNAL for a truncated gzip or brotli stream, INVALID_ARGUMENT only
+// for some corrupt ones).
+const markers = ["parse binary:", "decompression failed"];
+const isRequestDecodeFailure = (message: string) => markers.some((m) => message.startsWith(m));
 
 /** A request parse failure becomes INVALID_ARGUMENT; any other error is returned as it is. */
 export function requestParseErrorAsInvalidArgument(error: ConnectError): ConnectError {
-  if (error.code === Code.Internal && error.rawMessage.startsWith(marker)) {
+  if (error.code === Code.Internal && isRequestDecodeFailure(error.rawMessage)) {
     return new ConnectError(`request message: ${error.rawMessage}`, Code.InvalidArgument);
   }
   return error;
@@ -44,7 +48,7 @@ async function rewrite(res: UniversalServerResponse): Promise<UniversalServerRes
   if (type.startsWith("application/grpc")) {
     // The parse failed before any output, so the trailer is already final.
     for (const h of [res.trailer, res.header]) {
-      if (h?.get("grpc-status") === "13" && grpcMessage(h).startsWith(marker)) {
+      if (h?.get("grpc-status") === "13" && isRequestDecodeFailure(grpcMessage(h))) {
         h.set("grpc-status", String(Code.InvalidArgument));
         h.set("grpc-message", encodeURIComponent(`request message: ${grpcMessage(h)}`));
       }
@@ -57,7 +61,7 @@ async function rewrite(res: UniversalServerResponse): Promise<UniversalServerRes
     const bytes = Buffer.concat(chunks);
     try {
       const error = JSON.parse(bytes.toString("utf8")) as { code?: string; message?: string };
-      if (error.code === "internal" && error.message?.startsWith(marker)) {
+      if (error.code === "internal" && isRequestDecodeFailure(error.message ?? "")) {
         const body = Buffer.from(
           JSON.stringify({
             code: "invalid_argument",
@@ -85,7 +89,7 @@ function rewriteGrpcWeb(res: UniversalServerResponse): UniversalServerResponse {
         const text = Buffer.from(chunk.subarray(5)).toString("latin1");
         const status = /grpc-status: ?13\r\n/i.test(text);
         const message = /grpc-message: ?([^\r]*)\r\n/i.exec(text)?.[1] ?? "";
-        if (status && safeDecode(message).startsWith(marker)) {
+        if (status && isRequestDecodeFailure(safeDecode(message))) {
           const fixed = text
             .replace(/grpc-status: ?13\r\n/i, `grpc-status: ${Code.InvalidArgument}\r\n`)
             .replace(
