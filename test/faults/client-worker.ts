@@ -153,6 +153,8 @@ async function write(key: string, sessionId: string, runId: string, token: bigin
     accepted = true;
   } catch (error) {
     if (ConnectError.from(error).code === Code.Aborted) accepted = false;
+    // Why a write's outcome is unknown, by error code, in the counts.
+    else count(`write-unknown-${codeName(error)}`);
   }
   count(
     accepted === true ? "write-accepted" : accepted === false ? "write-refused" : "write-unknown",
@@ -345,6 +347,10 @@ async function rawRun(sessionId: string) {
     }
     lease = answer.lease;
     count(wait > 0 ? "acquire-waited" : "acquire");
+    // Granted after a failover: the instance left behind may have granted
+    // this run just then and released that grant on its behalf (the
+    // client's retry is granted anew, with a new token).
+    if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
   } catch (error) {
     count(`acquire-${codeName(error)}`);
     if (abandonedWait(error)) emit({ type: "release", client: config.client, key, runId });
