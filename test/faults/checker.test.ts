@@ -133,6 +133,16 @@ describe("history checker", () => {
     expect(invariants(records, events)).toEqual([]);
   });
 
+  it("a release recorded before its run's grant is that run's, not an earlier grant", () => {
+    const records: HistoryRecord[] = [
+      { type: "release", client: 0, key, runId: "A" },
+      grant("A", 10, t0),
+      renewed("A", 10, t0 + 300_000),
+    ];
+    const events = [acquiredEvent(1, "A", 10, t0), releasedEvent(2, "A", 10, t0 + 500_000)];
+    expect(checkHistory(records, events).violations).toEqual([]);
+  });
+
   it("S5: flags a release recorded for a run that never released", () => {
     const records = [
       grant("A", 10, t0),

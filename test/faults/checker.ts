@@ -176,6 +176,10 @@ export function checkHistory(
 
   for (const r of records) {
     if (r.type === "grant") {
+      // A run first seen by its release (a release record may come first)
+      // is filled in by its grant, not taken for an earlier grant.
+      const placeholder = runs.get(r.runId);
+      if (placeholder && placeholder.acquiredAt === 0) runs.delete(r.runId);
       const seen = runs.get(r.runId);
       if (seen && seen.token !== r.token) {
         flag(
@@ -191,7 +195,7 @@ export function checkHistory(
           token: r.token,
           acquiredAt: r.acquiredAt,
           expiresAt: r.expiresAt,
-          releaseSent: false,
+          releaseSent: placeholder?.releaseSent ?? false,
         });
       } else {
         seen.expiresAt = Math.max(seen.expiresAt, r.expiresAt);

@@ -347,16 +347,17 @@ async function rawRun(sessionId: string) {
     }
     lease = answer.lease;
     count(wait > 0 ? "acquire-waited" : "acquire");
-    // Granted after a failover: the instance left behind may have granted
-    // this run just then and released that grant on its behalf (the
-    // client's retry is granted anew, with a new token).
-    if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
   } catch (error) {
     count(`acquire-${codeName(error)}`);
     if (abandonedWait(error)) emit({ type: "release", client: config.client, key, runId });
     return;
   }
   emit(grantRecord(key, lease, "acquire"));
+  // Granted after a failover: the instance left behind may have granted
+  // this run just then and released that grant on its behalf (the client's
+  // retry is granted anew, with a new token). After the grant's record, so
+  // the history reads in the order things happened.
+  if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
   let expiresAt = us(lease.expiresAt);
   let deadlineKnown = true;
   const renew = async () => {
