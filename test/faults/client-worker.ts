@@ -357,9 +357,13 @@ async function rawRun(sessionId: string) {
   // this run just then and released that grant on its behalf (the client's
   // retry is granted anew, with a new token). After the grant's record, so
   // the history reads in the order things happened.
-  if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
+  const failedOver = abandonedWait();
+  if (failedOver) emit({ type: "release", client: config.client, key, runId });
   let expiresAt = us(lease.expiresAt);
-  let deadlineKnown = true;
+  // After a failover the call left behind may still be decided for this
+  // run_id (an idempotent re-acquire extends the deadline), so the client
+  // does not know its deadline.
+  let deadlineKnown = !failedOver;
   const renew = async () => {
     operation("renew");
     try {
