@@ -9,6 +9,10 @@
 // deadline the database must have had (a later grant of another run, the
 // run's own release), never against a deadline the client merely last saw.
 //
+// The cost is O(n log n) in the history's size (maps, sorts, binary searches
+// and sweeps; no scan over all records per record), so a soak's history of
+// hundreds of thousands of records is checked in seconds.
+//
 // Times are microseconds since the epoch on the database clock, except the
 // `*Ms` fields of guarded writes (the client's wall clock, used only to
 // order two writes in real time) and the `wallUs` of an abort (the same
@@ -172,6 +176,10 @@ export function checkHistory(
 
   for (const r of records) {
     if (r.type === "grant") {
+      // A run first seen by its release (a release record may come first)
+      // is filled in by its grant, not taken for an earlier grant.
+      const placeholder = runs.get(r.runId);
+      if (placeholder && placeholder.acquiredAt === 0) runs.delete(r.runId);
       const seen = runs.get(r.runId);
       if (seen && seen.token !== r.token) {
         flag(
@@ -187,7 +195,7 @@ export function checkHistory(
           token: r.token,
           acquiredAt: r.acquiredAt,
           expiresAt: r.expiresAt,
-          releaseSent: false,
+          releaseSent: placeholder?.releaseSent ?? false,
         });
       } else {
         seen.expiresAt = Math.max(seen.expiresAt, r.expiresAt);
@@ -280,23 +288,21 @@ export function checkHistory(
     }
   }
 
-  // S4: no confirmed renewal of a run at or after another run's grant of its key.
+  // S4: no confirmed renewal of a run at or after another run's grant of its
+  // key. The key's runs are in grant order (sorted above), so the first grant
+  // after the run's own is found by binary search, not by a scan per renewal.
   for (const r of records) {
     if (r.type !== "renewed") continue;
+    const list = byKey.get(r.key);
+    if (!list) continue;
     const renewedAt = r.expiresAt - r.ttlUs;
-    for (const other of byKey.get(r.key) ?? []) {
-      if (
-        other.runId !== r.runId &&
-        other.acquiredAt <= renewedAt &&
-        other.acquiredAt > (runs.get(r.runId)?.acquiredAt ?? 0)
-      ) {
-        flag(
-          "S4",
-          r.key,
-          `run ${r.runId} was renewed at ${renewedAt}, after run ${other.runId} was granted at ${other.acquiredAt}`,
-        );
-        break;
-      }
+    const next = list[firstGrantAfter(list, runs.get(r.runId)?.acquiredAt ?? 0)];
+    if (next && next.acquiredAt <= renewedAt) {
+      flag(
+        "S4",
+        r.key,
+        `run ${r.runId} was renewed at ${renewedAt}, after run ${next.runId} was granted at ${next.acquiredAt}`,
+      );
     }
   }
 
@@ -327,24 +333,31 @@ export function checkHistory(
     list.push(r);
     writes.set(r.key, list);
   }
+  // One sweep per key: writes in order of their start, and the highest token
+  // among the writes that had finished before the current one started.
   for (const [key, list] of writes) {
+    const byEnd = [...list].sort((a, b) => a.endMs - b.endMs);
     list.sort((a, b) => a.startMs - b.startMs);
+    let finished = 0;
+    let highest: WriteRecord | undefined;
     for (const later of list) {
-      for (const earlier of list) {
-        if (earlier.endMs < later.startMs && later.token < earlier.token) {
-          flag(
-            "S7",
-            key,
-            `write with token ${later.token} accepted after a write with token ${earlier.token} was accepted`,
-          );
-          break;
-        }
+      for (; finished < byEnd.length; finished++) {
+        const earlier = byEnd[finished] as WriteRecord;
+        if (earlier.endMs >= later.startMs) break;
+        if (!highest || earlier.token > highest.token) highest = earlier;
+      }
+      if (highest && later.token < highest.token) {
+        flag(
+          "S7",
+          key,
+          `write with token ${later.token} accepted after a write with token ${highest.token} was accepted`,
+        );
       }
     }
   }
 
   // L2: a run that lost its lease saw its signal abort before the database deadline.
-  const pauses = records.filter((r): r is PauseRecord => r.type === "pause");
+  const pauses = pauseIndex(records.filter((r): r is PauseRecord => r.type === "pause"));
   let l2Excused = 0;
   let l2WithinLatency = 0;
   let l2Checked = 0;
@@ -372,15 +385,14 @@ export function checkHistory(
     // and the abort fired first thing after the pause — even when the
     // deadline itself fell in the moment between the two.
     const localDueUs = r.deadlineUs - (r.marginUs ?? 0);
-    const paused = pauses.some(
-      (p) =>
-        p.client === r.client &&
-        ((p.fromUs <= r.deadlineUs && p.toUs >= r.deadlineUs - 1) ||
-          (r.marginUs !== undefined &&
-            p.fromUs <= localDueUs &&
-            p.toUs >= localDueUs &&
-            earliest - p.toUs <= pauseCatchUpUs)),
-    );
+    // The pause reaching furthest among those begun by an instant answers
+    // both questions: one pause must satisfy every bound on its end.
+    const reach = (atUs: number) =>
+      pauses.get(r.client)?.reachFrom(atUs) ?? Number.NEGATIVE_INFINITY;
+    const paused =
+      reach(r.deadlineUs) >= r.deadlineUs - 1 ||
+      (r.marginUs !== undefined &&
+        reach(localDueUs) >= Math.max(localDueUs, earliest - pauseCatchUpUs));
     if (paused) {
       l2Excused += 1;
       continue;
@@ -443,4 +455,55 @@ export function checkHistory(
     l2Checked,
     unseenGrants: acquiredByGrant.size - seenGrants,
   };
+}
+
+/** The index of the first run in `list` (in grant order) granted after `afterUs`, or its length. */
+function firstGrantAfter(list: readonly RunView[], afterUs: number): number {
+  let low = 0;
+  let high = list.length;
+  while (low < high) {
+    const mid = (low + high) >>> 1;
+    if ((list[mid] as RunView).acquiredAt > afterUs) high = mid;
+    else low = mid + 1;
+  }
+  return low;
+}
+
+interface PauseReach {
+  /** The latest end of a pause that began at or before `atUs`. */
+  reachFrom(atUs: number): number;
+}
+
+/** Each client's pauses by start, with the furthest end reached so far (pauses may overlap). */
+function pauseIndex(pauses: readonly PauseRecord[]): Map<number, PauseReach> {
+  const byClient = new Map<number, PauseRecord[]>();
+  for (const p of pauses) {
+    const list = byClient.get(p.client) ?? [];
+    list.push(p);
+    byClient.set(p.client, list);
+  }
+  const index = new Map<number, PauseReach>();
+  for (const [client, list] of byClient) {
+    list.sort((a, b) => a.fromUs - b.fromUs);
+    const starts = list.map((p) => p.fromUs);
+    const reach: number[] = [];
+    let furthest = Number.NEGATIVE_INFINITY;
+    for (const p of list) {
+      furthest = Math.max(furthest, p.toUs);
+      reach.push(furthest);
+    }
+    index.set(client, {
+      reachFrom(atUs) {
+        let low = 0;
+        let high = starts.length;
+        while (low < high) {
+          const mid = (low + high) >>> 1;
+          if ((starts[mid] as number) <= atUs) low = mid + 1;
+          else high = mid;
+        }
+        return low === 0 ? Number.NEGATIVE_INFINITY : (reach[low - 1] as number);
+      },
+    });
+  }
+  return index;
 }

@@ -1,8 +1,17 @@
 // One client of the fault suite, as its own OS process so that the suite can
 // freeze it (SIGSTOP) without freezing the others. It runs seeded random
 // operations on a few shared keys for a bounded time and writes every
-// request's outcome as one JSON line (a HistoryRecord) on stdout; its last
-// line is its operation counts.
+// request's outcome as one JSON line (a HistoryRecord) on stdout, and about
+// once a second (and last) a line of its counts, which carries its
+// operations so far: the suite runs a soak until the clients made a number
+// of them.
+//
+// An operation is one request this client makes to the lease service or the
+// guarded store, whatever its outcome: an acquire (Acquire, or a
+// runExclusive), a renew (Renew; KeepAlive renewals, which the library makes
+// on its own, are not counted), a release (Release, or the release
+// runExclusive sends for its run) or a write (a guarded Put). Reading the database
+// clock, sleeping on it and Get are not operations.
 //
 // Run: node --import tsx test/faults/client-worker.ts '<WorkerConfig JSON>'
 
@@ -41,6 +50,23 @@ export interface WorkerConfig {
   ttlMs: number;
   /** The client's wire protocol: the suite runs both, so faults reach both transports. */
   protocol: "connect" | "grpc";
+  /**
+   * Scales how long runExclusive's work holds between its steps (1 = as
+   * drawn). A soak shortens it to make more operations per minute; the
+   * draws stay the same, so a seed still replays the same choices.
+   */
+  holdScale?: number;
+}
+
+/** The operations counted towards a soak's target (see the header). */
+export type OperationKind = "acquire" | "renew" | "release" | "write";
+
+/** A worker's counts line: every outcome by name, and its operations by kind. */
+export interface CountsLine {
+  type: "counts";
+  client: number;
+  counts: Record<string, number>;
+  operations: Record<OperationKind, number>;
 }
 
 const config = JSON.parse(process.argv[2] ?? "") as WorkerConfig;
@@ -49,7 +75,13 @@ const counts: Record<string, number> = {};
 const count = (what: string) => {
   counts[what] = (counts[what] ?? 0) + 1;
 };
-const emit = (record: HistoryRecord) => process.stdout.write(`${JSON.stringify(record)}\n`);
+const operations: Record<OperationKind, number> = { acquire: 0, renew: 0, release: 0, write: 0 };
+const operation = (kind: OperationKind) => {
+  operations[kind] += 1;
+};
+const emit = (record: HistoryRecord | CountsLine) =>
+  process.stdout.write(`${JSON.stringify(record)}\n`);
+const emitCounts = () => emit({ type: "counts", client: config.client, counts, operations });
 const wallUs = () => Math.round((performance.timeOrigin + performance.now()) * 1000);
 const wallMs = () => performance.timeOrigin + performance.now();
 const us = (ts: Timestamp | undefined) =>
@@ -110,6 +142,7 @@ function grantRecord(key: string, lease: Lease, via: "acquire" | "exclusive"): H
 async function write(key: string, sessionId: string, runId: string, token: bigint) {
   const startMs = wallMs();
   let accepted: boolean | undefined;
+  operation("write");
   try {
     await guarded.put({
       key: { accountId: config.accountId, sessionId },
@@ -120,6 +153,8 @@ async function write(key: string, sessionId: string, runId: string, token: bigin
     accepted = true;
   } catch (error) {
     if (ConnectError.from(error).code === Code.Aborted) accepted = false;
+    // Why a write's outcome is unknown, by error code, in the counts.
+    else count(`write-unknown-${codeName(error)}`);
   }
   count(
     accepted === true ? "write-accepted" : accepted === false ? "write-refused" : "write-unknown",
@@ -170,7 +205,7 @@ async function exclusiveRun(sessionId: string) {
   const runId = randomUUID();
   const waitMs = rng.chance(0.5) ? rng.int(200, 2 * config.ttlMs) : 0;
   const steps = Array.from({ length: rng.int(1, 4) }, () => rng.next());
-  const holdMs = steps.map(() => rng.int(50, config.ttlMs));
+  const holdMs = steps.map(() => rng.int(50, config.ttlMs) * (config.holdScale ?? 1));
   const pauseMs = rng.int(Math.round(config.ttlMs / 2), 2 * config.ttlMs);
   let workDone = false;
   let releaseSent = false;
@@ -233,6 +268,7 @@ async function exclusiveRun(sessionId: string) {
     }
     noteRenewals();
   };
+  operation("acquire");
   try {
     await client.runExclusive(
       { accountId: config.accountId, sessionId },
@@ -268,12 +304,16 @@ async function exclusiveRun(sessionId: string) {
       count(`exclusive-${codeName(error)}`);
     }
   }
-  if (releaseSent) emit({ type: "release", client: config.client, key, runId });
+  if (releaseSent) {
+    operation("release");
+    emit({ type: "release", client: config.client, key, runId });
+  }
   await Promise.all(pendingAborts);
 }
 
 /** Runs whose lease ended, for late releases (S5). */
 const endedRuns: { sessionId: string; runId: string }[] = [];
+const maxEndedRuns = 1_000;
 
 async function rawRun(sessionId: string) {
   const key = `${config.accountId}/${sessionId}`;
@@ -291,6 +331,7 @@ async function rawRun(sessionId: string) {
   const abandonedWait = (error?: unknown) =>
     wait > 0 &&
     ((error !== undefined && unanswered.has(codeName(error))) || failovers !== failoversBefore);
+  operation("acquire");
   try {
     const answer = await client.acquire({
       key: sessionKey,
@@ -312,9 +353,19 @@ async function rawRun(sessionId: string) {
     return;
   }
   emit(grantRecord(key, lease, "acquire"));
+  // Granted after a failover: the instance left behind may have granted
+  // this run just then and released that grant on its behalf (the client's
+  // retry is granted anew, with a new token). After the grant's record, so
+  // the history reads in the order things happened.
+  const failedOver = abandonedWait();
+  if (failedOver) emit({ type: "release", client: config.client, key, runId });
   let expiresAt = us(lease.expiresAt);
-  let deadlineKnown = true;
+  // After a failover the call left behind may still be decided for this
+  // run_id (an idempotent re-acquire extends the deadline), so the client
+  // does not know its deadline.
+  let deadlineKnown = !failedOver;
   const renew = async () => {
+    operation("renew");
     try {
       const renewed = await client.renew({ key: sessionKey, runId });
       if (!renewed.lease) return;
@@ -363,6 +414,7 @@ async function rawRun(sessionId: string) {
   if (abandon) {
     count("abandoned");
   } else {
+    operation("release");
     emit({ type: "release", client: config.client, key, runId });
     try {
       const answer = await client.release({ key: sessionKey, runId });
@@ -373,12 +425,16 @@ async function rawRun(sessionId: string) {
     }
   }
   endedRuns.push({ sessionId, runId });
+  // A soak ends hundreds of runs per client: late releases pick among the
+  // latest, and the list stays small.
+  if (endedRuns.length > maxEndedRuns) endedRuns.shift();
 }
 
 async function lateRelease() {
   const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
   if (!ended) return;
   const key = `${config.accountId}/${ended.sessionId}`;
+  operation("release");
   emit({ type: "release", client: config.client, key, runId: ended.runId });
   try {
     const answer = await client.release({
@@ -407,10 +463,15 @@ process.stdin
     stopping = true;
   });
 const stopAt = performance.now() + config.durationMs;
+let countsAt = performance.now();
 while (!stopping && performance.now() < stopAt) {
+  if (performance.now() - countsAt >= 1_000) {
+    countsAt = performance.now();
+    emitCounts();
+  }
   const sessionId = rng.pick(config.sessionIds);
   const op = rng.next();
-  count("operations");
+  count("iterations");
   if (op < 0.45) await exclusiveRun(sessionId);
   else if (op < 0.9) await rawRun(sessionId);
   else if (op < 0.95) await lateRelease();
@@ -421,6 +482,6 @@ while (!stopping && performance.now() < stopAt) {
 }
 client.close();
 await sql.end({ timeout: 1 });
-process.stdout.write(`${JSON.stringify({ type: "counts", client: config.client, counts })}\n`);
+emitCounts();
 // Open HTTP/2 sessions to killed instances may linger; the history is complete.
 process.exit(0);

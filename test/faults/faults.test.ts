@@ -10,6 +10,7 @@
 
 import { type ChildProcess, spawn } from "node:child_process";
 import { once } from "node:events";
+import { createWriteStream, type WriteStream } from "node:fs";
 import { mkdir, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { createInterface } from "node:readline";
@@ -31,23 +32,28 @@ import {
   type LeaseEvent,
   type Violation,
 } from "./checker.js";
-import type { WorkerConfig } from "./client-worker.js";
+import type { CountsLine, OperationKind, WorkerConfig } from "./client-worker.js";
 import { type Cluster, startCluster } from "./cluster.js";
-import { createPrng, suiteSeed } from "./prng.js";
+import { createPrng, soakBounds, suiteSeed } from "./prng.js";
 
 const soak = process.env.LEASEHOLD_SOAK === "1";
-const soakMinutes = Number(process.env.LEASEHOLD_SOAK_MINUTES ?? "10");
-if (!(soakMinutes > 0 && Number.isFinite(soakMinutes))) {
-  throw new RangeError(
-    `LEASEHOLD_SOAK_MINUTES must be a positive number, got ${process.env.LEASEHOLD_SOAK_MINUTES}`,
-  );
-}
+const bounds = soakBounds();
 const seed = suiteSeed();
 const rng = createPrng(seed);
 const ttlMs = 1_200;
-const clientCount = 4;
+// A soak runs four times the clients on four times the keys (so about as
+// much contention per key as the default run's four on three), and their
+// work holds a quarter as long, for more operations per minute. The default
+// run keeps its shape and length.
+const clientCount = soak ? 16 : 4;
 const accountId = "faults";
 const sessionIds = ["alpha", "beta", "gamma"];
+if (soak) {
+  sessionIds.push("delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu");
+}
+const holdScale = soak ? 0.25 : 1;
+/** An operations-bounded soak without a time bound gives up after this long. */
+const soakCapMinutes = 6 * 60;
 /** Keys of the suite's own probes: another account, so they stay out of the clients' history. */
 const probeAccount = "faults-probe";
 const workerPath = fileURLToPath(new URL("./client-worker.ts", import.meta.url));
@@ -56,9 +62,25 @@ const wallUs = () => Math.round((performance.timeOrigin + performance.now()) * 1
 interface Worker {
   index: number;
   child: ChildProcess;
-  records: HistoryRecord[];
+  /** Its latest counts line: outcomes by name, operations by kind (cumulative). */
   counts: Record<string, number>;
+  operations: Record<OperationKind, number>;
   exited: Promise<number | null>;
+}
+
+/**
+ * The clients' history: kept parsed for the checker (which needs all of it),
+ * and written to test-results/faults-history.jsonl line by line as it
+ * arrives, so a soak's history is never also built up as one string.
+ */
+interface History {
+  records: HistoryRecord[];
+  out: WriteStream;
+}
+
+function appendToHistory(history: History, record: HistoryRecord, line = JSON.stringify(record)) {
+  history.records.push(record);
+  history.out.write(`${line}\n`);
 }
 
 interface FaultOutcome {
@@ -88,7 +110,12 @@ const invariantChecks: [Invariant, string][] = [
   ["audit", "every grant a client saw is in lease_events exactly once, with its token and time"],
 ];
 
-function startWorker(index: number, cluster: Cluster, durationMs: number): Worker {
+function startWorker(
+  index: number,
+  cluster: Cluster,
+  durationMs: number,
+  history: History,
+): Worker {
   const proxies = cluster.instances.map((i) => i.proxy.url);
   // Each client prefers another instance first, so load spreads over all three.
   const baseUrls = proxies.map((_, i) => proxies[(i + index) % proxies.length] as string);
@@ -104,6 +131,7 @@ function startWorker(index: number, cluster: Cluster, durationMs: number): Worke
     ttlMs,
     // Half the clients speak gRPC (the client's own transport), half Connect.
     protocol: index % 2 === 1 ? "grpc" : "connect",
+    holdScale,
   };
   const child = spawn(process.execPath, ["--import", "tsx", workerPath, JSON.stringify(config)], {
     cwd: repoRoot,
@@ -112,19 +140,40 @@ function startWorker(index: number, cluster: Cluster, durationMs: number): Worke
   const worker: Worker = {
     index,
     child,
-    records: [],
     counts: {},
+    operations: { acquire: 0, renew: 0, release: 0, write: 0 },
     // "close", not "exit": only then has every line of its stdout been read.
     exited: once(child, "close").then(([code]) => code as number | null),
   };
   createInterface({ input: child.stdout as NodeJS.ReadableStream }).on("line", (line) => {
-    const parsed = JSON.parse(line) as
-      | HistoryRecord
-      | { type: "counts"; counts: Record<string, number> };
-    if (parsed.type === "counts") worker.counts = parsed.counts;
-    else worker.records.push(parsed);
+    const parsed = JSON.parse(line) as HistoryRecord | CountsLine;
+    if (parsed.type === "counts") {
+      worker.counts = parsed.counts;
+      worker.operations = parsed.operations;
+    } else appendToHistory(history, parsed, line);
   });
   return worker;
+}
+
+const operationKinds: OperationKind[] = ["acquire", "renew", "release", "write"];
+
+/** The clients' operations so far, by kind and in total. */
+function operationsOf(workers: readonly Worker[]) {
+  const byKind = Object.fromEntries(operationKinds.map((k) => [k, 0])) as Record<
+    OperationKind,
+    number
+  >;
+  for (const w of workers) for (const k of operationKinds) byKind[k] += w.operations[k];
+  return { total: operationKinds.reduce((n, k) => n + byKind[k], 0), byKind };
+}
+
+/** A soak's bounds in words, for test names and the summary. */
+function describeBounds(): string {
+  const parts = [
+    bounds.operations !== undefined ? `${bounds.operations} operations` : undefined,
+    bounds.minutes !== undefined ? `${bounds.minutes} minutes` : undefined,
+  ].filter((p) => p !== undefined);
+  return parts.length > 1 ? `${parts.join(" or ")}, whichever comes first` : (parts[0] as string);
 }
 
 /** The gRPC code of an error of either client: the library's LeaseholdError or a ConnectError. */
@@ -173,7 +222,7 @@ describe.sequential("fault injection under a checked history", () => {
   let cluster: Cluster;
   const workers: Worker[] = [];
   const faults: FaultOutcome[] = [];
-  const pauses: HistoryRecord[] = [];
+  let history: History;
   let startedAt = 0;
   /** Fault cycles run: the first is declared as tests below; a soak adds more. */
   let cycles = 1;
@@ -189,10 +238,15 @@ describe.sequential("fault injection under a checked history", () => {
     console.log(
       `fault suite seed ${seed} (replay: LEASEHOLD_FAULT_SEED=${seed} npm run test:faults)`,
     );
+    const results = path.join(repoRoot, "test-results");
+    await mkdir(results, { recursive: true });
+    history = { records: [], out: createWriteStream(path.join(results, "faults-history.jsonl")) };
     cluster = await startCluster(3);
     startedAt = performance.now();
-    const budgetMs = soak ? soakMinutes * 60_000 : 0;
-    for (let i = 0; i < clientCount; i++) workers.push(startWorker(i, cluster, budgetMs + 600_000));
+    const budgetMs = soak ? (bounds.minutes ?? soakCapMinutes) * 60_000 : 0;
+    for (let i = 0; i < clientCount; i++) {
+      workers.push(startWorker(i, cluster, budgetMs + 600_000, history));
+    }
     // Part of the schedule, not a wait for something: a quiet start, so that
     // every client holds and writes before the first fault.
     await sleep(2 * ttlMs);
@@ -206,6 +260,10 @@ describe.sequential("fault injection under a checked history", () => {
       }
     }
     await cluster?.close();
+    if (history && !history.out.closed) {
+      history.out.end();
+      await once(history.out, "close");
+    }
   });
 
   // SIGKILL of one instance: clients go on through the others; it comes back on its port.
@@ -339,7 +397,7 @@ describe.sequential("fault injection under a checked history", () => {
       await sleep(pauseMs);
     } finally {
       worker.child.kill("SIGCONT");
-      pauses.push({ type: "pause", client: worker.index, fromUs, toUs: wallUs() });
+      appendToHistory(history, { type: "pause", client: worker.index, fromUs, toUs: wallUs() });
     }
     expect(worker.child.exitCode, "the frozen client resumes").toBe(null);
     return `client ${worker.index}, ${pauseMs} ms`;
@@ -578,21 +636,45 @@ describe.sequential("fault injection under a checked history", () => {
   }
 
   if (soak) {
-    const soakMs = soakMinutes * 60_000;
+    const timeBoundMs = (bounds.minutes ?? soakCapMinutes) * 60_000;
+    const reachedTarget = () =>
+      bounds.operations !== undefined && operationsOf(workers).total >= bounds.operations;
+    const timeUp = () => performance.now() - startedAt >= timeBoundMs;
     it(
-      `soak: the fault cycle repeats for ${soakMinutes} minutes, each fault's outcome asserted`,
+      `soak: the fault cycle repeats until ${describeBounds()}, each fault's outcome asserted`,
       async () => {
-        while (performance.now() - startedAt < soakMs) {
+        // Every fault kind in turn, checked after each fault, so the soak ends
+        // within one fault (and its stretch of load) of its bound.
+        cycling: while (!reachedTarget() && !timeUp()) {
           cycles += 1;
+          const before = operationsOf(workers).total;
           for (const fault of shuffled()) {
             await inject(fault).catch((error: unknown) => {
               throw new Error(`fault "${fault.name}" in cycle ${cycles}`, { cause: error });
             });
+            if (reachedTarget() || timeUp()) break cycling;
           }
+          const done = operationsOf(workers).total;
+          const seconds = (performance.now() - startedAt) / 1000;
+          console.log(
+            `soak cycle ${cycles}: ${done} operations in ${Math.round(seconds)} s (${Math.round(done / seconds)}/s)`,
+          );
+          // A cycle lasts tens of seconds: clients that made no operation in
+          // all of it are stuck, and a soak by operations would never end.
+          expect(
+            operationsOf(workers).total,
+            `the clients made operations during cycle ${cycles}`,
+          ).toBeGreaterThan(before);
+        }
+        if (bounds.operations !== undefined && bounds.minutes === undefined) {
+          expect(
+            operationsOf(workers).total,
+            `the clients made ${bounds.operations} operations within ${soakCapMinutes} minutes`,
+          ).toBeGreaterThanOrEqual(bounds.operations);
         }
       },
-      // The soak's own length, and a cycle's worth beyond it.
-      soakMs + 600_000,
+      // The soak's time bound, and a cycle's worth beyond it.
+      timeBoundMs + 600_000,
     );
   }
 
@@ -626,54 +708,82 @@ describe.sequential("fault injection under a checked history", () => {
       token: Number(r.token ?? 0),
       atUs: Number(r.atUs),
     }));
-    const records = [...workers.flatMap((w) => w.records), ...pauses];
+    // The raw history ends with the audit trail, for reading a failure against it.
+    for (const e of events)
+      history.out.write(`${JSON.stringify({ ...e, type: `event:${e.type}` })}\n`);
+    history.out.end();
+    await once(history.out, "close");
+    const records = history.records;
+    const checkStartedAt = performance.now();
     const checked = checkHistory(records, events);
+    const checkMs = Math.round(performance.now() - checkStartedAt);
     result = checked;
 
     const counts: Record<string, number> = {};
     for (const w of workers)
       for (const [k, v] of Object.entries(w.counts)) counts[k] = (counts[k] ?? 0) + v;
-    const grants = records.filter((r) => r.type === "grant").length;
-    const writes = records.filter((r) => r.type === "write");
-    const byInvariant: Record<string, number> = {};
-    for (const v of checked.violations)
-      byInvariant[v.invariant] = (byInvariant[v.invariant] ?? 0) + 1;
-    const summary = {
+    const operations = operationsOf(workers);
+    let grants = 0;
+    let writesAccepted = 0;
+    let writesRefusedStale = 0;
+    let writesUnknown = 0;
+    for (const r of records) {
+      if (r.type === "grant") grants += 1;
+      else if (r.type === "write") {
+        if (r.accepted === true) writesAccepted += 1;
+        else if (r.accepted === false) writesRefusedStale += 1;
+        else writesUnknown += 1;
+      }
+    }
+    const faultsByKind: Record<string, { injected: number; failed: number }> = {};
+    for (const f of faults) {
+      const kind = faultsByKind[f.fault] ?? { injected: 0, failed: 0 };
+      faultsByKind[f.fault] = kind;
+      kind.injected += 1;
+      if (f.asserted !== "ok") kind.failed += 1;
+    }
+    // Every invariant, so a clean run says 0 for each rather than nothing.
+    const byInvariant = Object.fromEntries(invariantChecks.map(([i]) => [i, 0])) as Record<
+      Invariant,
+      number
+    >;
+    for (const v of checked.violations) byInvariant[v.invariant] += 1;
+    const durationS = Math.round((performance.now() - startedAt) / 1000);
+    const summary: Summary = {
       seed,
       soak,
+      soakBounds: soak ? describeBounds() : "none (one fault cycle)",
       cycles,
-      durationS: Math.round((performance.now() - startedAt) / 1000),
+      durationS,
       clients: clientCount,
       keys: sessionIds.length,
       instances: cluster.instances.length,
-      operations: counts.operations ?? 0,
+      operations: operations.total,
+      operationsPerSecond: Math.round((10 * operations.total) / Math.max(durationS, 1)) / 10,
       historyRecords: records.length,
       grants,
       auditEvents: events.length,
       unseenGrants: checked.unseenGrants,
-      writesAccepted: writes.filter((w) => w.type === "write" && w.accepted === true).length,
-      writesRefusedStale: writes.filter((w) => w.type === "write" && w.accepted === false).length,
+      writesAccepted,
+      writesRefusedStale,
+      writesUnknown,
       l2Checked: checked.l2Checked,
       l2WithinLatency: checked.l2WithinLatency,
       l2ExcusedPaused: checked.l2Excused,
+      checkerMs: checkMs,
       faultsInjected: faults.length,
       faultsFailed: faults.filter((f) => f.asserted !== "ok").length,
-      faults,
       violations: checked.violations.length,
+      operationsByKind: operations.byKind,
+      faultsByKind,
       violationsByInvariant: byInvariant,
+      faults,
       counts,
     };
     await writeSummary(summary, checked.violations);
-    // The raw history, for reading a failure against lease_events.
-    await writeFile(
-      path.join(repoRoot, "test-results", "faults-history.jsonl"),
-      [...records, ...events.map((e) => ({ ...e, type: `event:${e.type}` }))]
-        .map((r) => JSON.stringify(r))
-        .join("\n"),
-    );
 
     expect(grants, "the clients were granted leases").toBeGreaterThan(0);
-    expect(summary.writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
+    expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
   });
 
   for (const [invariant, rule] of invariantChecks) {
@@ -688,22 +798,38 @@ describe.sequential("fault injection under a checked history", () => {
   }
 });
 
-async function writeSummary(
-  summary: Record<string, unknown> & { faults: FaultOutcome[] },
-  violations: Violation[],
-) {
+/** Scalar figures first (one table row each), then the breakdowns. */
+interface Summary extends Record<string, unknown> {
+  operationsByKind: Record<OperationKind, number>;
+  faultsByKind: Record<string, { injected: number; failed: number }>;
+  violationsByInvariant: Record<Invariant, number>;
+  faults: FaultOutcome[];
+  counts: Record<string, number>;
+}
+
+async function writeSummary(summary: Summary, violations: Violation[]) {
   const dir = path.join(repoRoot, "test-results");
   await mkdir(dir, { recursive: true });
   await writeFile(
     path.join(dir, "faults-summary.json"),
     `${JSON.stringify({ ...summary, violationList: violations }, null, 2)}\n`,
   );
+  const breakdowns = new Set([
+    "operationsByKind",
+    "faultsByKind",
+    "violationsByInvariant",
+    "faults",
+    "counts",
+  ]);
   const rows = Object.entries(summary)
-    .filter(([k]) => !["faults", "counts", "violationsByInvariant"].includes(k))
+    .filter(([k]) => !breakdowns.has(k))
     .map(([k, v]) => `| ${k} | ${String(v)} |`);
-  const faultRows = summary.faults.map(
-    (f) => `| ${f.fault} | ${f.detail} | ${f.expected} | ${f.asserted} |`,
-  );
+  // A soak injects hundreds of faults: list each one only when it failed, or
+  // when there are few (one cycle); the table by kind counts them all.
+  const listed =
+    summary.faults.length <= 20
+      ? summary.faults
+      : summary.faults.filter((f) => f.asserted !== "ok");
   const md = [
     "# Fault suite summary",
     "",
@@ -711,10 +837,28 @@ async function writeSummary(
     "| --- | --- |",
     ...rows,
     "",
-    "| fault | where | expected outcome | asserted |",
-    "| --- | --- | --- | --- |",
-    ...faultRows,
+    "| operation | count |",
+    "| --- | --- |",
+    ...Object.entries(summary.operationsByKind).map(([k, n]) => `| ${k} | ${n} |`),
     "",
+    "| invariant | violations |",
+    "| --- | --- |",
+    ...Object.entries(summary.violationsByInvariant).map(([k, n]) => `| ${k} | ${n} |`),
+    "",
+    "| fault | injected | failed |",
+    "| --- | --- | --- |",
+    ...Object.entries(summary.faultsByKind).map(
+      ([k, f]) => `| ${k} | ${f.injected} | ${f.failed} |`,
+    ),
+    "",
+    ...(listed.length > 0
+      ? [
+          "| fault | where | expected outcome | asserted |",
+          "| --- | --- | --- | --- |",
+          ...listed.map((f) => `| ${f.fault} | ${f.detail} | ${f.expected} | ${f.asserted} |`),
+          "",
+        ]
+      : []),
     ...(violations.length > 0
       ? ["## Violations", "", ...violations.map((v) => `- ${v.invariant} ${v.key}: ${v.message}`)]
       : []),

@@ -1,5 +1,6 @@
 // A seeded generator for the fault suite: xorshift32, so one printed number
-// replays the same choices of operations, keys and faults.
+// replays the same choices of operations, keys and faults; and the run's
+// other settings from the environment (its seed, a soak's bounds).
 
 export interface Prng {
   /** A float in [0, 1). */
@@ -42,4 +43,52 @@ export function suiteSeed(): number {
     return seed;
   }
   return Math.floor(Math.random() * 0xffff_ffff) >>> 0;
+}
+
+/** When a soak ends: at a number of client operations, after some minutes, or whichever comes first. */
+export interface SoakBounds {
+  /** Client operations (client-worker.ts defines them) the history must hold. */
+  operations?: number;
+  minutes?: number;
+}
+
+/**
+ * A soak's bounds from LEASEHOLD_SOAK_OPS and LEASEHOLD_SOAK_MINUTES; with
+ * neither set, 10 minutes. Both are refused, with the rule, when malformed
+ * or set without LEASEHOLD_SOAK=1 (they would be ignored silently).
+ */
+export function soakBounds(env: NodeJS.ProcessEnv = process.env): SoakBounds {
+  const given = (name: string) => {
+    const value = env[name];
+    if (value === undefined || value === "") return undefined;
+    if (env.LEASEHOLD_SOAK !== "1") {
+      throw new RangeError(
+        `${name} bounds a soak: set LEASEHOLD_SOAK=1 too (npm run test:faults:soak), got ${name}=${value} alone`,
+      );
+    }
+    return value;
+  };
+  const ops = given("LEASEHOLD_SOAK_OPS");
+  const minutes = given("LEASEHOLD_SOAK_MINUTES");
+  const bounds: SoakBounds = {};
+  if (ops !== undefined) {
+    const n = Number(ops);
+    if (!/^[0-9]+$/.test(ops) || !Number.isSafeInteger(n) || n < 1) {
+      throw new RangeError(
+        `LEASEHOLD_SOAK_OPS must be a whole number of operations, at least 1 (e.g. 100000), got ${ops}`,
+      );
+    }
+    bounds.operations = n;
+  }
+  if (minutes !== undefined) {
+    const n = Number(minutes);
+    if (!(Number.isFinite(n) && n > 0)) {
+      throw new RangeError(
+        `LEASEHOLD_SOAK_MINUTES must be a positive number of minutes (e.g. 10 or 0.5), got ${minutes}`,
+      );
+    }
+    bounds.minutes = n;
+  }
+  if (bounds.operations === undefined && bounds.minutes === undefined) bounds.minutes = 10;
+  return bounds;
 }
