@@ -1,24 +1,20 @@
-// The system under fault: a PostgreSQL pair of its own (a primary and a
-// synchronous streaming standby, test/faults/replication.ts), three lease
-// server processes, a guarded store process, and a TCP proxy in front of
-// each lease server. Every process reaches the database through one
-// multi-host URL (target_session_attrs=primary), so after a failover it
-// reconnects to whichever server is the primary. Every fault the suite
-// injects is a method here.
+// The system under fault: a PostgreSQL of its own (embedded, so the suite
+// can stop and restart it on the same port), three lease server processes,
+// a guarded store process, and a TCP proxy in front of each lease server.
+// Every fault the suite injects is a method here.
 
 import { mkdtemp, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
-import { freePort } from "../../src/server/db/embedded-postgres.js";
+import {
+  type EmbeddedDatabase,
+  freePort,
+  startEmbeddedPostgres,
+} from "../../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
-import {
-  type FailoverTimes,
-  type ReplicatedDatabase,
-  startReplicatedDatabase,
-} from "./replication.js";
 
 export interface LeaseInstance {
   readonly index: number;
@@ -30,39 +26,31 @@ export interface LeaseInstance {
 }
 
 export interface Cluster {
-  /** The multi-host URL of the pair: it follows the primary across failovers. */
   readonly databaseUrl: string;
-  readonly database: ReplicatedDatabase;
   readonly instances: LeaseInstance[];
   readonly guardedUrl: string;
   /** SIGKILL of one lease server (no graceful shutdown, streams cut). */
   killInstance(index: number): Promise<void>;
   /** Starts a killed lease server again on its port. */
   restartInstance(index: number): Promise<void>;
-  /** Stops the primary (fast shutdown: every connection is cut); the standby waits. */
+  /** Stops PostgreSQL (fast shutdown: every connection is cut). */
   stopDatabase(): Promise<void>;
-  /** Starts the primary again on the same port and data. */
+  /** Starts PostgreSQL again on the same port and data. */
   startDatabase(): Promise<void>;
-  /**
-   * kill -9 of the primary and promotion of the synchronous standby; resolves
-   * once the new primary accepts writes. It runs without a standby until
-   * rebuildStandby().
-   */
-  failoverDatabase(): Promise<FailoverTimes>;
-  /** A new synchronous standby, copied from the new primary onto the dead one's port. */
-  rebuildStandby(): Promise<void>;
   close(): Promise<void>;
 }
 
-const databaseName = "leasehold_faults";
+const database = "leasehold_faults";
 
 export async function startCluster(instanceCount = 3): Promise<Cluster> {
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-faults-"));
-  const database = await startReplicatedDatabase({ synchronous: true, dir });
-  const admin = postgres(database.directUrlFor("postgres"), { max: 1, onnotice: () => {} });
-  await admin.unsafe(`CREATE DATABASE ${databaseName}`);
+  const dataDir = path.join(dir, "pgdata");
+  const pgPort = await freePort();
+  let pg: EmbeddedDatabase | undefined = await startEmbeddedPostgres({ dataDir, port: pgPort });
+  const admin = postgres(pg.url, { max: 1, onnotice: () => {} });
+  await admin.unsafe(`CREATE DATABASE ${database}`);
   await admin.end();
-  const databaseUrl = database.urlFor(databaseName);
+  const databaseUrl = pg.urlFor(database);
   await migrate(databaseUrl, allMigrationSets);
 
   const startInstance = (port: number) =>
@@ -84,7 +72,6 @@ export async function startCluster(instanceCount = 3): Promise<Cluster> {
 
   return {
     databaseUrl,
-    database,
     instances,
     guardedUrl: guarded.url,
     killInstance: (index) => instance(index).process.kill(),
@@ -92,15 +79,18 @@ export async function startCluster(instanceCount = 3): Promise<Cluster> {
       const target = instance(index);
       target.process = await startInstance(target.port);
     },
-    stopDatabase: () => database.stopPrimary(),
-    startDatabase: () => database.startPrimary(),
-    failoverDatabase: () => database.failover(),
-    rebuildStandby: () => database.rebuildStandby(),
+    stopDatabase: async () => {
+      await pg?.stop();
+      pg = undefined;
+    },
+    startDatabase: async () => {
+      pg = await startEmbeddedPostgres({ dataDir, port: pgPort });
+    },
     close: async () => {
       await Promise.all(instances.map((i) => i.proxy.close()));
       await Promise.all(instances.map((i) => i.process.stop()));
       await guarded.stop();
-      await database.close();
+      await pg?.stop();
       await rm(dir, { recursive: true, force: true });
     },
   };

@@ -112,8 +112,6 @@ export function parseHostConfig(
   if (!Number.isInteger(poolSize) || poolSize < 1 || poolSize > 1000) {
     throw new ConfigError(`--pool-size must be an integer from 1 to 1000, got ${poolText}`);
   }
-  const databaseUrl = read.get("database-url");
-  if (databaseUrl !== undefined) checkMultiHostUrl(databaseUrl);
   const handshakeTimeoutMs = read.duration(
     "handshake-timeout",
     defaultConnectionTimeouts.handshakeMs,
@@ -128,7 +126,7 @@ export function parseHostConfig(
     throw new ConfigError("--idle-timeout (LEASEHOLD_IDLE_TIMEOUT) must be at least 100ms");
   }
   return {
-    databaseUrl,
+    databaseUrl: read.get("database-url"),
     dataDir: read.get("data-dir") ?? defaults.dataDir,
     listenHost,
     listenPort,
@@ -179,25 +177,6 @@ function readSettingFile(name: TlsSettingName, file: string): string {
   } catch (error) {
     throw new ConfigError(
       `--${name} (${tlsSettings[name].env}): cannot read ${file}: ${(error as Error).message}`,
-    );
-  }
-}
-
-// A URL may list several servers (`postgres://u:p@h1:5432,h2:5432/db`) so
-// that after a failover connections go to the promoted standby
-// (docs/failover.md). Without target_session_attrs=primary the driver takes
-// the first server that answers, which may be a standby: every write would
-// fail and reads would be stale.
-function checkMultiHostUrl(url: string): void {
-  const authority = /^[a-z]+:\/\/([^/?]*)/i.exec(url)?.[1] ?? "";
-  const hosts = authority.slice(authority.lastIndexOf("@") + 1);
-  if (!hosts.includes(",")) return;
-  const attrs = /[?&]target_session_attrs=([^&]*)/.exec(url)?.[1];
-  // postgres.js decides read-write on default_transaction_read_only alone,
-  // which a hot standby reports as off: only `primary` skips a standby.
-  if (attrs !== "primary") {
-    throw new ConfigError(
-      `--database-url (DATABASE_URL) lists several hosts (${hosts}): it must also say target_session_attrs=primary, so that only the primary is used, got ${attrs === undefined ? "none" : attrs}`,
     );
   }
 }

@@ -169,8 +169,6 @@ function redact(url: string): string {
     if (u.password) u.password = "***";
     return u.toString();
   } catch {
-    // A multi-host URL (h1:p1,h2:p2) is no WHATWG URL: hide its password by hand.
-    const hidden = url.replace(/^([a-z]+:\/\/[^:/@]*:)[^@/]*@/i, "$1***@");
-    return /^[a-z]+:\/\/[^/]*,/i.test(url) ? hidden : "(unparseable DATABASE_URL)";
+    return "(unparseable DATABASE_URL)";
   }
 }
