@@ -65,6 +65,8 @@ of the RSS by less than ${rssSlopeLimit} MiB per 10 minutes; "growing" otherwise
 `;
 
 const resultsDir = new URL("results/", import.meta.url);
+/** How long the churn loops get to finish their iteration once the run is over. */
+const loopStopGraceMs = 20_000;
 
 interface Options {
   minutes: number;
@@ -268,7 +270,8 @@ async function keepAliveLoop(churn: Churn, worker: number): Promise<void> {
               // Cut after a confirmed renewal, so the stream is well under way.
               while (ctx.lease === first && !ctx.signal.aborted) await sleep(20);
               p.drop();
-              await once(ctx.signal, "abort").catch(() => {});
+              // The signal may have aborted already (a renewal lost before the cut): once() would wait forever.
+              if (!ctx.signal.aborted) await once(ctx.signal, "abort");
               return "cut";
             },
             { ttlMs: 1_500 },
@@ -631,7 +634,13 @@ async function main(): Promise<number> {
       snapshots.push({ at: "end of run", file });
       log(`heap snapshot (end of run): ${file}`);
     }
-    await Promise.all(loops);
+    // A loop stuck on a call must not cost the figures: they are reported whatever the loops do.
+    const settled = await Promise.race([
+      Promise.all(loops).then(() => true),
+      sleep(loopStopGraceMs).then(() => false),
+    ]);
+    if (!settled)
+      tally.error("stop", new Error(`churn loops still busy ${loopStopGraceMs} ms after the stop`));
     const ranSeconds = Math.round(elapsed());
 
     const secondHalfFrom = durationSeconds / 2;
