@@ -19,6 +19,7 @@ import { runContention } from "./scenario-contention.js";
 import { runCycles } from "./scenario-cycles.js";
 import { runKeepAlive } from "./scenario-keepalive.js";
 import { runWatch } from "./scenario-watch.js";
+import { cleanupsOnSignal } from "./support/cleanups.js";
 
 const usage = `Usage: npm run bench -- [flags]
 
@@ -97,16 +98,7 @@ async function main(): Promise<number> {
   const machine = describeMachine();
   log(`machine: ${machineLine(machine)}`);
 
-  const cleanups: (() => Promise<void>)[] = [];
-  const cleanup = async () => {
-    for (const stop of cleanups.splice(0).reverse()) await stop().catch(() => {});
-  };
-  const onSignal = () => {
-    log("interrupted: stopping servers, etcd and PostgreSQL");
-    void cleanup().then(() => process.exit(130));
-  };
-  process.once("SIGINT", onSignal);
-  process.once("SIGTERM", onSignal);
+  const cleanups = cleanupsOnSignal(log, "servers, etcd and PostgreSQL");
 
   try {
     progress("starting embedded PostgreSQL");
@@ -218,7 +210,7 @@ async function main(): Promise<number> {
       }
     }
 
-    await cleanup();
+    await cleanups.run();
     const profiles = values["cpu-prof"] ? await collectProfiles(profileDir, servers, reports) : [];
     machine.loadAverageAtEnd = Math.round((os.loadavg()[0] ?? 0) * 100) / 100;
     const rows = reports.flatMap((r) => r.rows);
@@ -279,7 +271,7 @@ async function main(): Promise<number> {
     }
     return 0;
   } finally {
-    await cleanup();
+    await cleanups.run();
   }
 }
 

@@ -31,6 +31,7 @@ import { startTcpProxy, type TcpProxy } from "../test/support/tcp-proxy.js";
 import { describeMachine, machineLine, packageVersions } from "./machine.js";
 import { type BenchPostgres, startBenchPostgres } from "./postgres.js";
 import { processRssMiB } from "./process-stats.js";
+import { cleanupsOnSignal } from "./support/cleanups.js";
 import { floors, type Point, type SeriesSummary, summarizeSeries } from "./support/memory-trend.js";
 
 /** The verdict's thresholds, in MiB per 10 minutes of the second half's linear fit. */
@@ -532,16 +533,7 @@ async function main(): Promise<number> {
   const machine = describeMachine();
   log(`machine: ${machineLine(machine)}`);
 
-  const cleanups: (() => Promise<void>)[] = [];
-  const cleanup = async () => {
-    for (const stop of cleanups.splice(0).reverse()) await stop().catch(() => {});
-  };
-  const onSignal = () => {
-    log("interrupted: stopping the server and PostgreSQL");
-    void cleanup().then(() => process.exit(130));
-  };
-  process.once("SIGINT", onSignal);
-  process.once("SIGTERM", onSignal);
+  const cleanups = cleanupsOnSignal(log, "the server and PostgreSQL");
 
   try {
     const postgres: BenchPostgres = await startBenchPostgres({ migrate: true });
@@ -752,7 +744,7 @@ async function main(): Promise<number> {
     process.stdout.write(`wrote ${options.out}\n`);
     return verdict === "server died" ? 1 : 0;
   } finally {
-    await cleanup();
+    await cleanups.run();
   }
 }
 

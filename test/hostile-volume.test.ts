@@ -1190,6 +1190,14 @@ const h2Errors = [
 const h2ErrorName = (code: number | undefined) =>
   code === undefined ? "none" : (h2Errors[code] ?? String(code));
 
+/** Waits for the server's first answer on a raw connection (a reset, headers, GOAWAY or a close) and says what it was. */
+async function firstAnswer(conn: RawConnection, what: string) {
+  await waitFor(() => conn.resets > 0 || conn.headers > 0 || conn.goaway || conn.socket.destroyed, {
+    what,
+  });
+  return { reset: conn.resets, headers: conn.headers, goaway: h2ErrorName(conn.goaway?.code) };
+}
+
 /** After an abuse: the process lives, healthy traffic answers, nothing stored changed, no INTERNAL. */
 async function expectServerUnharmed(server: ServerProcess): Promise<void> {
   expectAlive(server);
@@ -1284,17 +1292,7 @@ describe("HTTP/2 abuse", () => {
           ),
         ),
       );
-      await waitFor(
-        () => conn.resets > 0 || conn.headers > 0 || conn.goaway || conn.socket.destroyed,
-        {
-          what: "an answer to a 100 KiB header",
-        },
-      );
-      outcomes.header100KiB = {
-        reset: conn.resets,
-        headers: conn.headers,
-        goaway: h2ErrorName(conn.goaway?.code),
-      };
+      outcomes.header100KiB = await firstAnswer(conn, "an answer to a 100 KiB header");
       conn.socket.destroy();
     }
 
@@ -1310,17 +1308,7 @@ describe("HTTP/2 abuse", () => {
           headerBlock(grpcHeaders(acquirePath, many)),
         ),
       );
-      await waitFor(
-        () => conn.resets > 0 || conn.headers > 0 || conn.goaway || conn.socket.destroyed,
-        {
-          what: "an answer to 1,000 header fields",
-        },
-      );
-      outcomes.headerFields1000 = {
-        reset: conn.resets,
-        headers: conn.headers,
-        goaway: h2ErrorName(conn.goaway?.code),
-      };
+      outcomes.headerFields1000 = await firstAnswer(conn, "an answer to 1,000 header fields");
       conn.socket.destroy();
     }
 
