@@ -14,6 +14,7 @@
 
 import postgres from "postgres";
 import { classifyDatabaseError } from "../db/database-errors.js";
+import { reconnectDelaySeconds } from "../db/pool.js";
 import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
 import type { Scope } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
@@ -93,6 +94,7 @@ export function createNotifier(options: NotifierOptions): Notifier {
   const sql = postgres(options.url, {
     max: 1,
     connect_timeout: 5,
+    backoff: reconnectDelaySeconds,
     onnotice: () => {},
     connection: {
       application_name: "leasehold-publish",
