@@ -20,7 +20,12 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMs } from "../../src/client/index.js";
 import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { grpcClient, type ServerProcess, spawnServer } from "../support/server.js";
-import { type ReplicatedDatabase, startReplicatedDatabase } from "./replication.js";
+import {
+  type PrimaryEndpoint,
+  type ReplicatedDatabase,
+  startPrimaryEndpoint,
+  startReplicatedDatabase,
+} from "./replication.js";
 
 const databaseName = "leasehold_async";
 const account = "async-standby";
@@ -43,19 +48,22 @@ async function untilAvailable<T>(call: () => Promise<T>, boundMs = 30_000): Prom
 describe("failover to an asynchronous standby (what synchronous replication prevents)", () => {
   let database: ReplicatedDatabase;
   let server: ServerProcess;
+  let endpoint: PrimaryEndpoint | undefined;
 
   beforeAll(async () => {
     database = await startReplicatedDatabase({ synchronous: false });
     const admin = postgres(database.directUrlFor("postgres"), { max: 1, onnotice: () => {} });
     await admin.unsafe(`CREATE DATABASE ${databaseName}`);
     await admin.end();
-    const url = database.urlFor(databaseName);
+    endpoint = await startPrimaryEndpoint(database);
+    const url = endpoint.urlFor(databaseName);
     await migrate(url, allMigrationSets);
     server = await spawnServer(url);
   });
 
   afterAll(async () => {
     await server?.stop();
+    await endpoint?.close();
     await database?.close();
   });
 
@@ -85,8 +93,9 @@ describe("failover to an asynchronous standby (what synchronous replication prev
     await database.killPrimary();
     await database.startStandby();
     await database.promoteStandby();
+    endpoint?.follow();
 
-    // The server follows the multi-host URL to the promoted standby…
+    // The server follows the endpoint to the promoted standby…
     const after = await untilAvailable(() => client.get({ key: key("victim") }));
     // …which never heard of the grant the desktop holds for ten minutes.
     expect(after.held, "the acknowledged grant is missing on the new primary").toBe(false);

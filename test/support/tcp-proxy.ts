@@ -1,7 +1,9 @@
 // A TCP proxy for fault tests: forwards connections to a target and can
 // drop them (RST, and refuse new ones), stall them (hold every byte, keep the
-// sockets open: a partition or a frozen peer), or delay them (bytes arrive
-// late, in order). Real sockets end to end; nothing above TCP is faked.
+// sockets open: a partition or a frozen peer), delay them (bytes arrive
+// late, in order), or move to another target (a database endpoint that
+// follows the primary at failover). Real sockets end to end; nothing above
+// TCP is faked.
 
 import { once } from "node:events";
 import net from "node:net";
@@ -25,6 +27,11 @@ export interface TcpProxy {
   stall(): void;
   /** Deliver each byte `ms` after it arrived, in the given directions (default both). */
   delay(ms: number, directions?: Direction[]): void;
+  /**
+   * New connections go to `target` (a URL or host:port); open ones are reset,
+   * as a load balancer does with the sessions of a backend it marks down.
+   */
+  retarget(target: string): void;
   /** Closes the proxy and every connection. */
   close(): Promise<void>;
 }
@@ -75,9 +82,7 @@ interface Connection {
 
 /** Starts a proxy on 127.0.0.1, port 0, to `target` (a URL or host:port). */
 export async function startTcpProxy(target: string): Promise<TcpProxy> {
-  const u = new URL(target.includes("://") ? target : `tcp://${target}`);
-  const targetHost = u.hostname.replace(/^\[|\]$/g, "");
-  const targetPort = Number(u.port);
+  let { host: targetHost, port: targetPort } = hostAndPort(target);
   let mode: Mode = "pass";
   const delays: Record<Direction, number> = { toServer: 0, toClient: 0 };
   const connections = new Set<Connection>();
@@ -120,6 +125,13 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
   await once(server, "listening");
   const port = (server.address() as net.AddressInfo).port;
 
+  const resetAll = () => {
+    for (const c of connections) {
+      c.client.resetAndDestroy();
+      c.upstream.resetAndDestroy();
+      connections.delete(c);
+    }
+  };
   const pumpAll = () => {
     for (const c of connections) {
       c.pipes.toServer.pump();
@@ -142,11 +154,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
     },
     drop: () => {
       mode = "drop";
-      for (const c of connections) {
-        c.client.resetAndDestroy();
-        c.upstream.resetAndDestroy();
-        connections.delete(c);
-      }
+      resetAll();
     },
     stall: () => {
       mode = "stall";
@@ -158,6 +166,10 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
       }
       pumpAll();
     },
+    retarget: (to) => {
+      ({ host: targetHost, port: targetPort } = hostAndPort(to));
+      resetAll();
+    },
     close: async () => {
       for (const c of connections) {
         c.client.destroy();
@@ -167,4 +179,9 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
       await new Promise<void>((resolve) => server.close(() => resolve()));
     },
   };
+}
+
+function hostAndPort(target: string): { host: string; port: number } {
+  const u = new URL(target.includes("://") ? target : `tcp://${target}`);
+  return { host: u.hostname.replace(/^\[|\]$/g, ""), port: Number(u.port) };
 }
