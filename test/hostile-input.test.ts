@@ -326,6 +326,67 @@ describe("hostile input over a real socket", () => {
     expect(((await connect.json()) as { code: string }).code).toBe("invalid_argument");
   });
 
+  it("a call that takes one request message and gets none or two is INVALID_ARGUMENT naming the request message, in gRPC and gRPC-Web, unary and server-streaming", async () => {
+    const empty = Buffer.from([0, 0, 0, 0, 0]);
+    const bodies = { none: Buffer.alloc(0), two: Buffer.concat([empty, empty]) };
+    const grpcAnswer = (path: string, body: Buffer) =>
+      new Promise<{ status?: string; message: string }>((resolve, reject) => {
+        const session = http2.connect(server.url);
+        session.on("error", reject);
+        const req = session.request({
+          ":method": "POST",
+          ":path": path,
+          "content-type": "application/grpc+proto",
+          te: "trailers",
+          authorization: tokens.fuzz ?? "",
+        });
+        let h: http2.IncomingHttpHeaders = {};
+        req.on("response", (headers) => {
+          h = { ...headers, ...h };
+        });
+        req.on("trailers", (t) => {
+          h = { ...h, ...t };
+        });
+        req.on("close", () => {
+          session.close();
+          resolve({
+            status: h["grpc-status"] as string | undefined,
+            message: decodeURIComponent(String(h["grpc-message"] ?? "")),
+          });
+        });
+        req.resume();
+        req.end(body);
+      });
+    const webAnswer = async (path: string, body: Buffer) => {
+      const web = await fetch(`${server.url}${path}`, {
+        method: "POST",
+        headers: {
+          "content-type": "application/grpc-web+proto",
+          authorization: tokens.fuzz ?? "",
+        },
+        body,
+      });
+      const text = Buffer.from(await web.arrayBuffer()).toString("latin1");
+      return {
+        status: /grpc-status: ?(\d+)\r\n/.exec(text)?.[1],
+        message: decodeURIComponent(/grpc-message: ?([^\r]*)\r\n/.exec(text)?.[1] ?? ""),
+      };
+    };
+    for (const path of ["/leasehold.v1.LeaseService/Get", "/leasehold.v1.LeaseService/Watch"]) {
+      for (const [count, body] of Object.entries(bodies)) {
+        for (const [protocol, answer] of [
+          ["gRPC", await grpcAnswer(path, body)],
+          ["gRPC-Web", await webAnswer(path, body)],
+        ] as const) {
+          expect(answer, `${protocol} ${path}, ${count} messages`).toMatchObject({
+            status: "3",
+            message: expect.stringMatching(/^request message: .*one/),
+          });
+        }
+      }
+    }
+  });
+
   it("the server is still up and answers correctly after the storm", async () => {
     const health = createClient(Health, createGrpcTransport({ baseUrl: server.url }));
     expect((await health.check({ service: "" })).status).toBe(Status.SERVING);

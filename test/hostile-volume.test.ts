@@ -812,6 +812,8 @@ function rawCode(a: RawAnswer): { code: string; message: string } {
     const message = decodeURIComponent(
       String(a.trailers["grpc-message"] ?? a.headers["grpc-message"] ?? ""),
     );
+    // 0 is OK, which connect's Code has no member for.
+    if (String(grpcStatus) === "0") return { code: "Ok", message };
     return { code: Code[Number(grpcStatus)] ?? `grpc ${grpcStatus}`, message };
   }
   if (type.startsWith("application/grpc-web")) {
@@ -820,7 +822,7 @@ function rawCode(a: RawAnswer): { code: string; message: string } {
     const message = /grpc-message: ?([^\r]*)/i.exec(text)?.[1] ?? "";
     if (status !== undefined)
       return {
-        code: Code[Number(status)] ?? `grpc ${status}`,
+        code: status === "0" ? "Ok" : (Code[Number(status)] ?? `grpc ${status}`),
         message: decodeURIComponent(message),
       };
   }
@@ -966,64 +968,66 @@ const rawRuleNamed =
 
 describe("junk bodies over raw HTTP/2 and HTTP/1.1", () => {
   it("1,500 requests of junk bytes, junk JSON and junk headers to every method in every content type get documented answers, never INTERNAL or UNKNOWN (S3)", async () => {
-    const session = http2.connect(volume.url);
-    session.on("error", () => {});
     const prefixes = new Map<string, number>();
-    try {
-      for (let chunk = 0; chunk < chunks; chunk++) {
-        await fc.assert(
-          fc.asyncProperty(
-            fc.array(rawGenerated, { minLength: concurrency, maxLength: concurrency }),
-            async (batch) => {
-              const answers = await Promise.all(batch.map((r) => rawRequest(session, r)));
-              answers.forEach((a, i) => {
-                const r = batch[i] as RawRequest;
-                const method = r.path.split("/").pop() ?? "";
-                count(sent, `raw-${r.version} ${method}`);
-                const { code, message } = rawCode(a);
-                count(codesSeen, `raw-${r.version} ${code}`);
-                const label = `${r.version} ${r.path} ${r.headers["content-type"]}: ${code} ${message}`;
-                // 501: an encoding the server does not speak; 505: gRPC over HTTP/1.1.
-                const unimplemented =
-                  (code === "Unimplemented" && a.status === 501) ||
-                  (code === "http 505" && r.version === "h1");
-                if (
-                  code === "Internal" ||
-                  code === "Unknown" ||
-                  (a.status >= 500 && !unimplemented)
-                ) {
-                  throw new Error(`undocumented answer ${a.status} ${label}`);
-                }
-                // A deadline the request set may run out; an encoding the server
-                // does not speak is UNIMPLEMENTED, as the gRPC spec says.
-                const allowed = new Set(documented);
-                if (r.headers["grpc-timeout"] ?? r.headers["connect-timeout-ms"]) {
-                  allowed.add(Code.DeadlineExceeded);
-                }
-                if (r.headers["grpc-encoding"] ?? r.headers["content-encoding"]) {
-                  allowed.add(Code.Unimplemented);
-                }
-                if (
-                  !/^(Ok|http 4\d\d|http 505)$/.test(code) &&
-                  !allowed.has(Code[code as keyof typeof Code])
-                ) {
-                  throw new Error(`undocumented code ${label}`);
-                }
-                if (code === "InvalidArgument") {
-                  if (!rawRuleNamed.test(message))
-                    throw new Error(`INVALID_ARGUMENT names nothing: ${label}`);
-                  const prefix = message.slice(0, 32);
-                  prefixes.set(prefix, (prefixes.get(prefix) ?? 0) + 1);
-                }
-              });
-            },
-          ),
-          { numRuns: Math.ceil(1_500 / concurrency / chunks) },
-        );
-        await controlCheck(volume.url);
-      }
-    } finally {
-      session.close();
+    for (let chunk = 0; chunk < chunks; chunk++) {
+      await fc.assert(
+        fc.asyncProperty(
+          fc.array(rawGenerated, { minLength: concurrency, maxLength: concurrency }),
+          async (batch) => {
+            // A session per batch: a streaming answer is cut with RST_STREAM
+            // once its first message is in, and a thousand resets on one
+            // session trip the server's rapid-reset defence (GOAWAY, the
+            // HTTP/2 abuse tests below), which is not what this test asks.
+            const session = http2.connect(volume.url);
+            session.on("error", () => {});
+            const answers = await Promise.all(batch.map((r) => rawRequest(session, r))).finally(
+              () => session.close(),
+            );
+            answers.forEach((a, i) => {
+              const r = batch[i] as RawRequest;
+              const method = r.path.split("/").pop() ?? "";
+              count(sent, `raw-${r.version} ${method}`);
+              const { code, message } = rawCode(a);
+              count(codesSeen, `raw-${r.version} ${code}`);
+              const label = `${r.version} ${r.path} ${r.headers["content-type"]}: ${code} ${message}`;
+              // 501: an encoding the server does not speak; 505: gRPC over HTTP/1.1.
+              const unimplemented =
+                (code === "Unimplemented" && a.status === 501) ||
+                (code === "http 505" && r.version === "h1");
+              if (
+                code === "Internal" ||
+                code === "Unknown" ||
+                (a.status >= 500 && !unimplemented)
+              ) {
+                throw new Error(`undocumented answer ${a.status} ${label}`);
+              }
+              // A deadline the request set may run out; an encoding the server
+              // does not speak is UNIMPLEMENTED, as the gRPC spec says.
+              const allowed = new Set(documented);
+              if (r.headers["grpc-timeout"] ?? r.headers["connect-timeout-ms"]) {
+                allowed.add(Code.DeadlineExceeded);
+              }
+              if (r.headers["grpc-encoding"] ?? r.headers["content-encoding"]) {
+                allowed.add(Code.Unimplemented);
+              }
+              if (
+                !/^(Ok|http 4\d\d|http 505)$/.test(code) &&
+                !allowed.has(Code[code as keyof typeof Code])
+              ) {
+                throw new Error(`undocumented code ${label}`);
+              }
+              if (code === "InvalidArgument") {
+                if (!rawRuleNamed.test(message))
+                  throw new Error(`INVALID_ARGUMENT names nothing: ${label}`);
+                const prefix = message.slice(0, 32);
+                prefixes.set(prefix, (prefixes.get(prefix) ?? 0) + 1);
+              }
+            });
+          },
+        ),
+        { numRuns: Math.ceil(1_500 / concurrency / chunks) },
+      );
+      await controlCheck(volume.url);
     }
     abuseReport.junkInvalidArgumentMessages = Object.fromEntries(
       [...prefixes].sort((a, b) => b[1] - a[1]).slice(0, 15),

@@ -2,6 +2,10 @@
 // is the client's mistake, so it gets INVALID_ARGUMENT (never INTERNAL for
 // anything a client sent). connect-es answers it with INTERNAL ("parse binary: …") because clients and servers
 // share that parser, and for a client a bad response is the server's fault.
+// So is a call that must carry one request message and carries none or two
+// (gRPC and gRPC-Web frame messages, so a body can hold any number):
+// connect-es answers UNIMPLEMENTED ("protocol error: … input message for …");
+// the native gRPC path says INVALID_ARGUMENT in the words used here.
 // connect-node offers no hook into request parsing (its serialization is
 // internal), so the error is recognized by that message prefix, here only.
 //
@@ -23,14 +27,27 @@ import type {
 // says INTERNAL for a truncated gzip or brotli stream, INVALID_ARGUMENT only
 // for some corrupt ones).
 const markers = ["parse binary:", "decompression failed"];
-const isRequestDecodeFailure = (message: string) => markers.some((m) => message.startsWith(m));
+
+/** The INVALID_ARGUMENT message for an error connect-es gave a bad request body, or undefined. */
+function invalidArgumentMessage(code: number, message: string): string | undefined {
+  if (code === Code.Internal && markers.some((m) => message.startsWith(m))) {
+    return `request message: ${message}`;
+  }
+  if (code === Code.Unimplemented) {
+    if (message.startsWith("protocol error: missing input message for ")) {
+      return "request message: this call takes exactly one message, got none";
+    }
+    if (message.startsWith("protocol error: received extra input message for ")) {
+      return "request message: this call takes exactly one message, got more than one";
+    }
+  }
+  return undefined;
+}
 
 /** A request parse failure becomes INVALID_ARGUMENT; any other error is returned as it is. */
 export function requestParseErrorAsInvalidArgument(error: ConnectError): ConnectError {
-  if (error.code === Code.Internal && isRequestDecodeFailure(error.rawMessage)) {
-    return new ConnectError(`request message: ${error.rawMessage}`, Code.InvalidArgument);
-  }
-  return error;
+  const message = invalidArgumentMessage(error.code, error.rawMessage);
+  return message === undefined ? error : new ConnectError(message, Code.InvalidArgument);
 }
 
 /** Wraps every unary handler registered on `router` so far. */
@@ -48,9 +65,10 @@ async function rewrite(res: UniversalServerResponse): Promise<UniversalServerRes
   if (type.startsWith("application/grpc")) {
     // The parse failed before any output, so the trailer is already final.
     for (const h of [res.trailer, res.header]) {
-      if (h?.get("grpc-status") === "13" && isRequestDecodeFailure(grpcMessage(h))) {
+      const message = h && invalidArgumentMessage(Number(h.get("grpc-status")), grpcMessage(h));
+      if (h && message !== undefined) {
         h.set("grpc-status", String(Code.InvalidArgument));
-        h.set("grpc-message", encodeURIComponent(`request message: ${grpcMessage(h)}`));
+        h.set("grpc-message", encodeURIComponent(message));
       }
     }
     return res;
@@ -61,13 +79,12 @@ async function rewrite(res: UniversalServerResponse): Promise<UniversalServerRes
     const bytes = Buffer.concat(chunks);
     try {
       const error = JSON.parse(bytes.toString("utf8")) as { code?: string; message?: string };
-      if (error.code === "internal" && isRequestDecodeFailure(error.message ?? "")) {
-        const body = Buffer.from(
-          JSON.stringify({
-            code: "invalid_argument",
-            message: `request message: ${error.message}`,
-          }),
-        );
+      const message =
+        error.code === "internal"
+          ? invalidArgumentMessage(Code.Internal, error.message ?? "")
+          : undefined;
+      if (message !== undefined) {
+        const body = Buffer.from(JSON.stringify({ code: "invalid_argument", message }));
         res.header?.set("content-length", String(body.byteLength));
         return { ...res, status: 400, body: once(body) };
       }
@@ -87,14 +104,15 @@ function rewriteGrpcWeb(res: UniversalServerResponse): UniversalServerResponse {
     for await (const chunk of body as AsyncIterable<Uint8Array>) {
       if (chunk.length >= 5 && chunk[0] === 0x80) {
         const text = Buffer.from(chunk.subarray(5)).toString("latin1");
-        const status = /grpc-status: ?13\r\n/i.test(text);
-        const message = /grpc-message: ?([^\r]*)\r\n/i.exec(text)?.[1] ?? "";
-        if (status && isRequestDecodeFailure(safeDecode(message))) {
+        const status = Number(/grpc-status: ?(\d+)\r\n/i.exec(text)?.[1]);
+        const raw = /grpc-message: ?([^\r]*)\r\n/i.exec(text)?.[1] ?? "";
+        const message = invalidArgumentMessage(status, safeDecode(raw));
+        if (message !== undefined) {
           const fixed = text
-            .replace(/grpc-status: ?13\r\n/i, `grpc-status: ${Code.InvalidArgument}\r\n`)
+            .replace(/grpc-status: ?\d+\r\n/i, `grpc-status: ${Code.InvalidArgument}\r\n`)
             .replace(
               /grpc-message: ?[^\r]*\r\n/i,
-              `grpc-message: ${encodeURIComponent(`request message: ${safeDecode(message)}`)}\r\n`,
+              `grpc-message: ${encodeURIComponent(message)}\r\n`,
             );
           const data = Buffer.from(fixed, "latin1");
           const frame = Buffer.alloc(5 + data.length);
