@@ -3,9 +3,20 @@
 // client's one shared KeepAlive stream.
 
 import { randomUUID } from "node:crypto";
-import { create, type MessageInitShape } from "@bufbuild/protobuf";
+import {
+  create,
+  type DescMessage,
+  type DescMethodStreaming,
+  type MessageInitShape,
+  type MessageShape,
+} from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
-import { type CallOptions, createClient } from "@connectrpc/connect";
+import {
+  type CallOptions,
+  createClient,
+  type StreamResponse,
+  type Transport,
+} from "@connectrpc/connect";
 import {
   type AcquireRequestSchema,
   type AcquireResponse,
@@ -166,12 +177,58 @@ export interface LeaseClient {
   close(): void;
 }
 
-async function* mapStreamErrors<T>(stream: AsyncIterable<T>): AsyncIterable<T> {
-  try {
-    yield* stream;
-  } catch (error) {
-    throw toLeaseholdError(error);
-  }
+/**
+ * A streaming call's responses, read straight off the transport's stream:
+ * one promise per message, errors mapped to this client's typed classes.
+ * (connect's client wraps each stream in an async generator, which costs
+ * a few promises per message and shows in a Watch of many events.) As
+ * there, `return` and `throw` are left out: a stream ends with its signal.
+ */
+function streamCall<I extends DescMessage, O extends DescMessage>(
+  transport: Transport,
+  method: DescMethodStreaming<I, O>,
+  input: AsyncIterable<MessageInitShape<I>>,
+  options: CallOptions,
+): AsyncIterable<MessageShape<O>> {
+  return {
+    [Symbol.asyncIterator]() {
+      let response: StreamResponse<I, O> | undefined;
+      let messages: AsyncIterator<MessageShape<O>> | undefined;
+      const failed = (error: unknown): never => {
+        throw toLeaseholdError(error);
+      };
+      const read = (r: IteratorResult<MessageShape<O>>) => {
+        if (r.done === true) options.onTrailer?.((response as StreamResponse<I, O>).trailer);
+        return r;
+      };
+      const pull = (it: AsyncIterator<MessageShape<O>>) => it.next().then(read, failed);
+      return {
+        next() {
+          if (messages) return pull(messages);
+          return transport
+            .stream(
+              method,
+              options.signal,
+              options.timeoutMs,
+              options.headers,
+              input,
+              options.contextValues,
+            )
+            .then((opened) => {
+              response = opened;
+              options.onHeader?.(opened.header);
+              messages = opened.message[Symbol.asyncIterator]();
+              return pull(messages);
+            }, failed);
+        },
+      };
+    },
+  };
+}
+
+/** A server-streaming call's one request, as an async iterable. */
+async function* once<T>(message: T): AsyncIterable<T> {
+  yield message;
 }
 
 /** Streams have no deadline unless the caller sets one. */
@@ -188,7 +245,8 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
   if (baseUrls.length === 0) throw new RangeError("createLeaseClient needs baseUrl or baseUrls");
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
   const endpoints = baseUrls.map((url) => createEndpoint(url, options));
-  const rpc = createClient(LeaseService, failoverTransport(endpoints, options.onEvent));
+  const transport = failoverTransport(endpoints, options.onEvent);
+  const rpc = createClient(LeaseService, transport);
   const keepAlive = new KeepAliveChannel({
     baseUrls,
     transport: options,
@@ -224,9 +282,9 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     get: unary(rpc.get),
     list: unary(rpc.list),
     keepAlive: (requests, callOptions) =>
-      mapStreamErrors(rpc.keepAlive(requests, streamOptions(callOptions))),
+      streamCall(transport, LeaseService.method.keepAlive, requests, streamOptions(callOptions)),
     watch: (request, callOptions) =>
-      mapStreamErrors(rpc.watch(request, streamOptions(callOptions))),
+      streamCall(transport, LeaseService.method.watch, once(request), streamOptions(callOptions)),
     requestHandoff: unary(rpc.requestHandoff),
     history: unary(rpc.history),
     checkFence: unary(rpc.checkFence),

@@ -9,9 +9,16 @@
 // The channel never decides that a lease is still held: it reports each
 // answer with the monotonic time its request was pushed, and the lease's
 // owner (runExclusive) sets its local deadline from that.
+//
+// Per renewal the channel does constant work with no promise or timer of
+// its own: a request is a push onto the stream's queue and one entry in
+// the stall watch (one timer per stream, whatever the number of leases);
+// the answers are read in one loop straight off the transport's stream,
+// without connect's client wrappers (an async generator per stream that
+// costs a few promises per message).
 
 import type { MessageInitShape } from "@bufbuild/protobuf";
-import { Code, createClient } from "@connectrpc/connect";
+import { Code } from "@connectrpc/connect";
 import {
   type HandoffRequested,
   type KeepAliveRequestSchema,
@@ -85,6 +92,11 @@ interface Entry {
   target: KeepAliveTarget;
   /** Push times of renewals not yet answered on the current stream, oldest first. */
   outstanding: number[];
+  /** Renewals sent and answered on the current stream: request n is answered once answered ≥ n. */
+  sent: number;
+  answered: number;
+  /** False once the entry left the channel: its requests no longer count as stalled. */
+  active: boolean;
 }
 
 interface OpenStream {
@@ -92,6 +104,89 @@ interface OpenStream {
   endpoint: Endpoint;
   queue: RequestQueue<MessageInitShape<typeof KeepAliveRequestSchema>>;
   abort: AbortController;
+  stalls: StallWatch;
+}
+
+/** A renewal request waiting for its answer. */
+interface Sent {
+  entry: Entry;
+  /** Its number among the entry's requests on this stream. */
+  n: number;
+  dueAt: number;
+}
+
+/**
+ * The renewals of one stream still unanswered, and one timer for the
+ * earliest due. Requests are kept in the order sent, one FIFO per response
+ * timeout (leases share one in practice), so each FIFO's head is its
+ * earliest due; an answered request leaves when it reaches a head.
+ */
+class StallWatch {
+  private readonly byTimeout = new Map<number, { items: (Sent | undefined)[]; head: number }>();
+  private timer: NodeJS.Timeout | undefined;
+  private timerAt = Number.POSITIVE_INFINITY;
+
+  constructor(
+    private readonly now: () => number,
+    private readonly onStalled: (sent: Sent) => void,
+  ) {}
+
+  add(entry: Entry, n: number, sentAt: number): void {
+    const timeoutMs = entry.target.responseTimeoutMs;
+    let fifo = this.byTimeout.get(timeoutMs);
+    if (!fifo) {
+      fifo = { items: [], head: 0 };
+      this.byTimeout.set(timeoutMs, fifo);
+    }
+    const dueAt = sentAt + timeoutMs;
+    fifo.items.push({ entry, n, dueAt });
+    if (dueAt < this.timerAt) this.arm(dueAt);
+  }
+
+  stop(): void {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    this.timerAt = Number.POSITIVE_INFINITY;
+    this.byTimeout.clear();
+  }
+
+  private arm(at: number): void {
+    clearTimeout(this.timer);
+    this.timerAt = at;
+    this.timer = setTimeout(() => this.check(), Math.max(0, at - this.now()));
+    this.timer.unref();
+  }
+
+  private check(): void {
+    this.timer = undefined;
+    this.timerAt = Number.POSITIVE_INFINITY;
+    const now = this.now();
+    let next = Number.POSITIVE_INFINITY;
+    for (const fifo of this.byTimeout.values()) {
+      while (fifo.head < fifo.items.length) {
+        const sent = fifo.items[fifo.head] as Sent;
+        if (!sent.entry.active || sent.entry.answered >= sent.n) {
+          fifo.items[fifo.head] = undefined;
+          fifo.head += 1;
+          continue;
+        }
+        if (sent.dueAt <= now) {
+          this.onStalled(sent);
+          return;
+        }
+        next = Math.min(next, sent.dueAt);
+        break;
+      }
+      if (fifo.head === fifo.items.length) {
+        fifo.items.length = 0;
+        fifo.head = 0;
+      } else if (fifo.head >= 1024 && fifo.head * 2 >= fifo.items.length) {
+        fifo.items.splice(0, fifo.head);
+        fifo.head = 0;
+      }
+    }
+    if (next !== Number.POSITIVE_INFINITY) this.arm(next);
+  }
 }
 
 // Codes after which sending the same renewals again cannot succeed.
@@ -127,7 +222,9 @@ export class KeepAliveChannel {
   register(target: KeepAliveTarget): KeepAliveRegistration {
     if (this.closed) throw new Error("the client is closed");
     const id = entryId(target.key, target.runId);
-    const entry: Entry = { target, outstanding: [] };
+    const replaced = this.entries.get(id);
+    if (replaced) replaced.active = false;
+    const entry: Entry = { target, outstanding: [], sent: 0, answered: 0, active: true };
     this.entries.set(id, entry);
     if (!this.stream && !this.reconnectTimer) this.open();
     return {
@@ -136,6 +233,7 @@ export class KeepAliveChannel {
       },
       remove: () => {
         if (this.entries.get(id) !== entry) return;
+        entry.active = false;
         this.entries.delete(id);
         if (this.entries.size === 0) this.shutdown();
       },
@@ -145,7 +243,7 @@ export class KeepAliveChannel {
   /** Ends the stream and forgets every lease (their owners stop on their own deadlines). */
   close(): void {
     this.closed = true;
-    this.entries.clear();
+    this.forgetAll();
     this.shutdown();
   }
 
@@ -154,22 +252,15 @@ export class KeepAliveChannel {
     if (!stream) return; // reconnecting: the reopened stream renews every lease
     const sentAt = this.now();
     entry.outstanding.push(sentAt);
+    entry.sent += 1;
     stream.queue.push({ key: entry.target.key, runId: entry.target.runId });
-    const generation = stream.generation;
-    const timer = setTimeout(() => {
-      // Still unanswered on the same stream: the connection is stalled (a
-      // half-open TCP connection, a frozen proxy). Reconnect elsewhere.
-      if (this.stream?.generation === generation && entry.outstanding.includes(sentAt)) {
-        this.fail(
-          generation,
-          new UnavailableError(
-            `no answer to a renewal within ${entry.target.responseTimeoutMs}ms`,
-            Code.Unavailable,
-          ),
-        );
-      }
-    }, entry.target.responseTimeoutMs);
-    timer.unref();
+    stream.stalls.add(entry, entry.sent, sentAt);
+  }
+
+  /** Drops every lease; their requests no longer count as stalled. */
+  private forgetAll(): void {
+    for (const entry of this.entries.values()) entry.active = false;
+    this.entries.clear();
   }
 
   private open(): void {
@@ -178,27 +269,44 @@ export class KeepAliveChannel {
     // A fresh connection each time: a stalled HTTP/2 session would stall
     // every new stream opened on it too.
     const endpoint = createEndpoint(baseUrl, this.options.transport);
+    const generation = ++this.generation;
     const stream: OpenStream = {
-      generation: ++this.generation,
+      generation,
       endpoint,
       queue: new RequestQueue(),
       abort: new AbortController(),
+      // Still unanswered on the same stream: the connection is stalled (a
+      // half-open TCP connection, a frozen proxy). Reconnect elsewhere.
+      stalls: new StallWatch(this.now, (sent) =>
+        this.fail(
+          generation,
+          new UnavailableError(
+            `no answer to a renewal within ${sent.entry.target.responseTimeoutMs}ms`,
+            Code.Unavailable,
+          ),
+        ),
+      ),
     };
     this.stream = stream;
     this.options.onEvent?.({ type: "keepalive-open", baseUrl });
     for (const entry of this.entries.values()) {
       entry.outstanding = [];
+      entry.sent = 0;
+      entry.answered = 0;
       this.send(entry);
     }
-    const client = createClient(LeaseService, endpoint.transport);
     void (async () => {
       try {
-        for await (const response of client.keepAlive(stream.queue, {
-          signal: stream.abort.signal,
-          timeoutMs: 0,
-        })) {
+        const response = await endpoint.transport.stream(
+          LeaseService.method.keepAlive,
+          stream.abort.signal,
+          0,
+          undefined,
+          stream.queue,
+        );
+        for await (const message of response.message) {
           if (this.stream !== stream) return;
-          this.dispatch(response);
+          this.dispatch(message);
         }
         if (this.stream === stream) {
           this.fail(
@@ -225,11 +333,13 @@ export class KeepAliveChannel {
         // The answer to the oldest unanswered request; taking the oldest push
         // time can only make the owner's deadline earlier, never later.
         const sentAt = entry.outstanding.shift();
+        if (sentAt !== undefined) entry.answered += 1;
         this.failures = 0;
         entry.target.onRenewed(result.value, sentAt);
         break;
       }
       case "lost":
+        entry.active = false;
         this.entries.delete(id);
         entry.target.onLost(lossCauseFromReason(result.value.reason));
         if (this.entries.size === 0) this.shutdown();
@@ -246,12 +356,13 @@ export class KeepAliveChannel {
     const stream = this.stream;
     if (!stream || stream.generation !== generation) return;
     this.stream = undefined;
+    stream.stalls.stop();
     stream.abort.abort(error);
     stream.queue.end();
     stream.endpoint.close();
     if (definitiveCodes.has(error.code)) {
       const failed = [...this.entries.values()];
-      this.entries.clear();
+      this.forgetAll();
       for (const entry of failed) entry.target.onFailed(error);
       this.options.onEvent?.({
         type: "keepalive-failed",
@@ -287,6 +398,7 @@ export class KeepAliveChannel {
     const stream = this.stream;
     if (!stream) return;
     this.stream = undefined;
+    stream.stalls.stop();
     // Half-close so the server ends the stream cleanly; cut it if it does not.
     stream.queue.end();
     const cut = setTimeout(() => {
