@@ -105,6 +105,43 @@ describe("renewal batcher", () => {
     await Promise.all(renewals);
   });
 
+  it("a batch of eagerBatch rows goes after the gathering window, even within a tick of the last statement, split into statements of half an eager batch or more; a smaller one keeps the pace", async () => {
+    const batcher = createRenewalBatcher({ store: recording(), tickMs, eagerBatch: 4 });
+    const [a, b, c, d, e, f] = [
+      await mem.grant(),
+      await mem.grant(),
+      await mem.grant(),
+      await mem.grant(),
+      await mem.grant(),
+      await mem.grant(),
+    ];
+    const first = observe(batcher.renew(item(a)));
+    await vi.advanceTimersByTimeAsync(2);
+    expect(statements).toHaveLength(1);
+    expect(first.value?.renewed).toBe(true);
+    // Three renewals the pace would hold back until 22 ms; the fourth makes the batch eager.
+    const eager = [b, c, d].map((l) => observe(batcher.renew(item(l))));
+    await vi.advanceTimersByTimeAsync(3);
+    expect(statements).toHaveLength(1);
+    eager.push(observe(batcher.renew(item(e))));
+    await vi.advanceTimersByTimeAsync(1);
+    expect(statements).toHaveLength(1);
+    await vi.advanceTimersByTimeAsync(1);
+    // At 7 ms, as two statements side by side, two rows each.
+    expect(statements.map((st) => st.items.length)).toEqual([1, 2, 2]);
+    expect(statements.slice(1).flatMap((st) => st.items.map((i) => i.runId))).toEqual(
+      [b, c, d, e].map((l) => l.runId),
+    );
+    for (const r of eager) expect(r.value?.renewed).toBe(true);
+    // Below eagerBatch the pace holds again: a tick after the last start (7 ms).
+    const paced = observe(batcher.renew(item(f)));
+    await vi.advanceTimersByTimeAsync(tickMs - 1);
+    expect(statements).toHaveLength(3);
+    await vi.advanceTimersByTimeAsync(1);
+    expect(statements.map((st) => st.items.length)).toEqual([1, 2, 2, 1]);
+    expect(paced.value?.renewed).toBe(true);
+  });
+
   it("S4: the store's loss causes are passed on; a lost lease is not renewed", async () => {
     const batcher = createRenewalBatcher({ store: recording(), tickMs });
     const expired = await mem.grant({ ttlMs: 100 });
