@@ -26,7 +26,7 @@ import { durationFromMs } from "../src/client/index.js";
 import { KeepAliveChannel, type KeepAliveRegistration } from "../src/client/keepalive.js";
 import { RequestQueue } from "../src/client/request-queue.js";
 import { type KeepAliveRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { benchArgs, usageError } from "./support/arguments.js";
+import { benchArgs, positiveInteger } from "./support/arguments.js";
 import { cleanupsOnSignal } from "./support/cleanups.js";
 import { spawnLeasehold, startBenchDatabase } from "./support/environment.js";
 
@@ -48,17 +48,10 @@ const { values } = benchArgs(
   },
   usage,
 );
-const positiveInteger = (flag: string, text: string | undefined): number => {
-  const n = Number(text);
-  if (!(Number.isInteger(n) && n > 0)) {
-    usageError(`--${flag} must be a positive integer, got ${JSON.stringify(text)}`, usage);
-  }
-  return n;
-};
-const leases = positiveInteger("leases", values.leases);
-const rate = positiveInteger("rate", values.rate);
-const rounds = positiveInteger("rounds", values.rounds);
-const windowMs = positiveInteger("window-ms", values["window-ms"]);
+const leases = positiveInteger("leases", values.leases, usage);
+const rate = positiveInteger("rate", values.rate, usage);
+const rounds = positiveInteger("rounds", values.rounds, usage);
+const windowMs = positiveInteger("window-ms", values["window-ms"], usage);
 
 const log = (line: string) => process.stderr.write(`${line}\n`);
 const cleanups = cleanupsOnSignal(log, "the database and the server");

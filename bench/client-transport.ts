@@ -24,7 +24,7 @@ import {
 import * as grpc from "@grpc/grpc-js";
 import { createLeaseClient, durationFromMs } from "../src/client/index.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { benchArgs, usageError } from "./support/arguments.js";
+import { benchArgs, positiveInteger } from "./support/arguments.js";
 import { spawnLeasehold, startBenchDatabase } from "./support/environment.js";
 
 // Absent before the transport of src/client existed: the probe then prices the others.
@@ -48,16 +48,9 @@ const { values } = benchArgs(
   },
   usage,
 );
-const positiveInteger = (flag: string, text: string | undefined): number => {
-  const n = Number(text);
-  if (!(Number.isInteger(n) && n > 0)) {
-    usageError(`--${flag} must be a positive integer, got ${JSON.stringify(text)}`, usage);
-  }
-  return n;
-};
-const rounds = positiveInteger("rounds", values.rounds);
-const windowMs = positiveInteger("window-ms", values["window-ms"]);
-const warmupMs = positiveInteger("warmup-ms", values["warmup-ms"]);
+const rounds = positiveInteger("rounds", values.rounds, usage);
+const windowMs = positiveInteger("window-ms", values["window-ms"], usage);
+const warmupMs = positiveInteger("warmup-ms", values["warmup-ms"], usage);
 
 /** The calls a probe makes: the typed surface shared by createClient and createLeaseClient. */
 interface ProbeClient {

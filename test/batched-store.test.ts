@@ -9,13 +9,11 @@
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import { openDatabase } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/server/lease/errors.js";
 import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
-import { openTransaction } from "./support/db.js";
+import { openThroughProxy, openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
-import { startTcpProxy } from "./support/tcp-proxy.js";
 
 const { db } = useTestDatabase();
 
@@ -340,17 +338,7 @@ describe("quota inside the acquire statement", () => {
 
 describe("a database connection that goes quiet", () => {
   it("S8: a statement left unanswered fails with UNAVAILABLE after the store's bound, and frees its batch for the calls behind it", async () => {
-    const proxy = await startTcpProxy(`http://${new URL(db.url).host}`);
-    const url = new URL(db.url);
-    url.host = new URL(proxy.url).host;
-    const sql = openDatabase({
-      url: url.toString(),
-      maxConnections: 4,
-      statementTimeoutMs: 5_000,
-      lockTimeoutMs: 1_000,
-      idleInTransactionTimeoutMs: 5_000,
-      applicationName: "leasehold-test-quiet",
-    });
+    const { proxy, sql } = await openThroughProxy(db.url, "leasehold-test-quiet");
     try {
       const store = createLeaseStore(sql, { unansweredAfterMs: 300 });
       const before = freshKey("quiet");

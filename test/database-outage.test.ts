@@ -6,9 +6,9 @@
 // (reconnectDelaySeconds); these tests hold it to that.
 
 import { describe, expect, it } from "vitest";
-import { openDatabase, reconnectDelaySeconds } from "../src/server/db/pool.js";
+import { reconnectDelaySeconds } from "../src/server/db/pool.js";
+import { openThroughProxy } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
-import { startTcpProxy } from "./support/tcp-proxy.js";
 
 const { db } = useTestDatabase();
 
@@ -35,17 +35,7 @@ describe("reconnecting after a database outage", () => {
   });
 
   it("statements during an outage fail, and the first after it is answered, each within 2 s (not the driver's 20 s backoff)", async () => {
-    const proxy = await startTcpProxy(`http://${new URL(db.url).host}`);
-    const url = new URL(db.url);
-    url.host = new URL(proxy.url).host;
-    const sql = openDatabase({
-      url: url.toString(),
-      maxConnections: 4,
-      statementTimeoutMs: 5_000,
-      lockTimeoutMs: 1_000,
-      idleInTransactionTimeoutMs: 5_000,
-      applicationName: "leasehold-test-outage",
-    });
+    const { proxy, sql } = await openThroughProxy(db.url, "leasehold-test-outage");
     try {
       await sql`SELECT 1`;
       // Every connection reset and every new one refused: each statement

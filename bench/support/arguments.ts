@@ -46,3 +46,12 @@ export function secondsPerCase(usage: string, fallback: number): number {
   }
   return seconds;
 }
+
+/** The value of `--flag` as a positive integer, or a usage error naming the flag. */
+export function positiveInteger(flag: string, text: string | undefined, usage: string): number {
+  const n = Number(text);
+  if (!(Number.isInteger(n) && n > 0)) {
+    usageError(`--${flag} must be a positive integer, got ${JSON.stringify(text)}`, usage);
+  }
+  return n;
+}

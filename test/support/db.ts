@@ -6,6 +6,7 @@ import { randomBytes } from "node:crypto";
 import postgres, { type TransactionSql } from "postgres";
 import { inject } from "vitest";
 import { openDatabase, type Sql } from "../../src/server/db/pool.js";
+import { startTcpProxy, type TcpProxy } from "./tcp-proxy.js";
 
 export interface TestDatabase {
   url: string;
@@ -98,4 +99,27 @@ export async function openTransaction(
       await sql.end({ timeout: 1 });
     },
   };
+}
+
+/**
+ * A TCP proxy in front of the database of `url` (to drop or stall its
+ * connections) and a pool of four connections through it, with the
+ * server's timeouts; the caller closes both.
+ */
+export async function openThroughProxy(
+  url: string,
+  applicationName: string,
+): Promise<{ proxy: TcpProxy; sql: Sql }> {
+  const proxy = await startTcpProxy(`http://${new URL(url).host}`);
+  const proxied = new URL(url);
+  proxied.host = new URL(proxy.url).host;
+  const sql = openDatabase({
+    url: proxied.toString(),
+    maxConnections: 4,
+    statementTimeoutMs: 5_000,
+    lockTimeoutMs: 1_000,
+    idleInTransactionTimeoutMs: 5_000,
+    applicationName,
+  });
+  return { proxy, sql };
 }
