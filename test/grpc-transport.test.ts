@@ -360,87 +360,62 @@ describe("connections lost under calls", () => {
     }
   });
 
-  it("L2: a KeepAlive stream whose connection goes quiet (every byte held, nothing closed): the unanswered renewal is noticed, the channel reconnects elsewhere and the run keeps its lease", async () => {
-    const proxy = await startTcpProxy(server.url);
-    try {
-      const events: ClientEvent[] = [];
-      const c = grpc({
-        baseUrls: [proxy.url, server.url],
-        reconnectBackoff: { initialMs: 10, maxMs: 50 },
-        onEvent: (e) => events.push(e),
-      });
-      const key = freshKey("grpc-quiet");
-      const opened = () => events.filter((e) => e.type === "keepalive-open");
-      await c.runExclusive(
-        key,
-        async (ctx) => {
-          await vi.waitFor(() => expect(opened()).toHaveLength(1), { interval: 10 });
-          const before = ctx.lease.expiresAt?.seconds ?? 0n;
-          proxy.stall();
-          await vi.waitFor(() => expect(opened()).toHaveLength(2), {
-            timeout: 10_000,
-            interval: 10,
-          });
-          await vi.waitFor(
-            () => expect(ctx.lease.expiresAt?.seconds ?? 0n).toBeGreaterThan(before),
-            { timeout: 10_000, interval: 20 },
-          );
-          expect(ctx.signal.aborted).toBe(false);
-        },
-        { ttlMs: 3_000, renewIntervalMs: 300 },
-      );
-      const failed = events.find((e) => e.type === "keepalive-failed");
-      expect(failed).toMatchObject({ baseUrl: proxy.url });
-      expect((failed as { error: Error }).error.message).toMatch(
-        /no answer to a renewal within 300ms/,
-      );
-      expect(opened()[1]).toMatchObject({ baseUrl: server.url });
-    } finally {
-      proxy.pass();
-      await proxy.close();
-    }
-  });
-
-  it("L2: a connection cut by a proxy under the KeepAlive stream: the channel reconnects and the run keeps its lease", async () => {
-    const proxy = await startTcpProxy(server.url);
-    try {
-      const events: ClientEvent[] = [];
-      const c = grpc({
-        baseUrls: [proxy.url, server.url],
-        reconnectBackoff: { initialMs: 10, maxMs: 50 },
-        onEvent: (e) => events.push(e),
-      });
-      const key = freshKey("grpc-cut");
-      const opened = () => events.filter((e) => e.type === "keepalive-open");
-      const result = await c.runExclusive(
-        key,
-        async (ctx) => {
-          await vi.waitFor(() => expect(opened()).toHaveLength(1), { interval: 10 });
-          const before = ctx.lease.expiresAt?.seconds ?? 0n;
-          proxy.drop();
-          await vi.waitFor(
-            () => {
-              expect(events.some((e) => e.type === "keepalive-failed")).toBe(true);
-              expect(opened()).toHaveLength(2);
-            },
-            { timeout: 10_000, interval: 10 },
-          );
-          // A renewal confirmed over the new stream moves the deadline on.
-          await vi.waitFor(
-            () => expect(ctx.lease.expiresAt?.seconds ?? 0n).toBeGreaterThan(before),
-            { timeout: 10_000, interval: 20 },
-          );
-          expect(ctx.signal.aborted).toBe(false);
-          return ctx.fencingToken;
-        },
-        { ttlMs: 3_000, renewIntervalMs: 300 },
-      );
-      const failed = events.find((e) => e.type === "keepalive-failed");
-      expect(failed).toMatchObject({ baseUrl: proxy.url });
-      expect(opened()[1]).toMatchObject({ baseUrl: server.url });
-      expect(typeof result).toBe("bigint");
-    } finally {
-      await proxy.close();
-    }
-  });
+  const keepAliveFaults = [
+    {
+      what: "a connection cut by a proxy under the KeepAlive stream: the channel reconnects",
+      fault: "drop",
+      failure: /./,
+    },
+    {
+      what: "a KeepAlive stream whose connection goes quiet (every byte held, nothing closed): the unanswered renewal is noticed, the channel reconnects elsewhere",
+      fault: "stall",
+      failure: /no answer to a renewal within 300ms/,
+    },
+  ] as const;
+  for (const { what, fault, failure } of keepAliveFaults) {
+    it(`L2: ${what}, and the run keeps its lease`, async () => {
+      const proxy = await startTcpProxy(server.url);
+      try {
+        const events: ClientEvent[] = [];
+        const c = grpc({
+          baseUrls: [proxy.url, server.url],
+          reconnectBackoff: { initialMs: 10, maxMs: 50 },
+          onEvent: (e) => events.push(e),
+        });
+        const key = freshKey(`grpc-${fault}`);
+        const opened = () => events.filter((e) => e.type === "keepalive-open");
+        const result = await c.runExclusive(
+          key,
+          async (ctx) => {
+            await vi.waitFor(() => expect(opened()).toHaveLength(1), { interval: 10 });
+            const before = ctx.lease.expiresAt?.seconds ?? 0n;
+            proxy[fault]();
+            await vi.waitFor(
+              () => {
+                expect(events.some((e) => e.type === "keepalive-failed")).toBe(true);
+                expect(opened()).toHaveLength(2);
+              },
+              { timeout: 10_000, interval: 10 },
+            );
+            // A renewal confirmed over the new stream moves the deadline on.
+            await vi.waitFor(
+              () => expect(ctx.lease.expiresAt?.seconds ?? 0n).toBeGreaterThan(before),
+              { timeout: 10_000, interval: 20 },
+            );
+            expect(ctx.signal.aborted).toBe(false);
+            return ctx.fencingToken;
+          },
+          { ttlMs: 3_000, renewIntervalMs: 300 },
+        );
+        const failed = events.find((e) => e.type === "keepalive-failed");
+        expect(failed).toMatchObject({ baseUrl: proxy.url });
+        expect((failed as { error: Error }).error.message).toMatch(failure);
+        expect(opened()[1]).toMatchObject({ baseUrl: server.url });
+        expect(typeof result).toBe("bigint");
+      } finally {
+        proxy.pass();
+        await proxy.close();
+      }
+    });
+  }
 });

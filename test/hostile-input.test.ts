@@ -15,6 +15,7 @@ import {
   HealthCheckResponse_ServingStatus as Status,
 } from "../src/gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { documentedCodes } from "./support/documented-codes.js";
 import { useTestServer } from "./support/fixture.js";
 import { storedState } from "./support/leases.js";
 import { adminScope } from "./support/tokens.js";
@@ -23,14 +24,6 @@ import { adminScope } from "./support/tokens.js";
 const { db, server, client, keys } = useTestServer({ keys: true, args: ["--max-wait", "200ms"] });
 const tokens: Record<string, string | undefined> = {};
 const unimplemented = new Set<string>();
-
-const documented = new Set([
-  Code.InvalidArgument,
-  Code.FailedPrecondition,
-  Code.PermissionDenied,
-  Code.Unauthenticated,
-  Code.ResourceExhausted,
-]);
 
 beforeAll(async () => {
   tokens.none = undefined;
@@ -174,7 +167,7 @@ async function codeOf(method: string, request: unknown, token: string | undefine
   } catch (error) {
     const ce = ConnectError.from(error);
     if (ce.code === Code.Unimplemented && unimplemented.has(method)) return ce.code;
-    if (!documented.has(ce.code)) {
+    if (!documentedCodes.has(ce.code)) {
       throw new Error(`${method} answered ${Code[ce.code]}: ${ce.rawMessage}`);
     }
     return ce.code;

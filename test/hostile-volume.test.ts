@@ -41,6 +41,7 @@ import {
   WatchRequestSchema,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
+import { documentedCodes } from "./support/documented-codes.js";
 import { useTestDatabase } from "./support/fixture.js";
 import type { ServerProcess } from "./support/server.js";
 import { createTestKeys } from "./support/tokens.js";
@@ -517,15 +518,6 @@ const fieldsOf: Record<string, string[]> = {
   revoke: ["key", "key.account_id", "key.session_id", "reason"],
 };
 
-// Codes a hostile request may get; never INTERNAL, UNKNOWN or anything else.
-const documented = new Set([
-  Code.InvalidArgument,
-  Code.FailedPrecondition,
-  Code.PermissionDenied,
-  Code.Unauthenticated,
-  Code.ResourceExhausted,
-]);
-
 // ---- calls ------------------------------------------------------------------------
 
 type LeaseClient = Client<typeof LeaseService>;
@@ -632,7 +624,7 @@ function judge(protocol: string, h2: boolean, g: Generated, error: unknown): voi
     return;
   }
   count(codesSeen, `${protocol} ${Code[ce.code]}`);
-  if (!documented.has(ce.code)) {
+  if (!documentedCodes.has(ce.code)) {
     throw new Error(`${protocol} ${g.method} answered ${Code[ce.code]}: ${ce.rawMessage}`);
   }
   if (ce.code !== Code.InvalidArgument) {
@@ -1003,7 +995,7 @@ describe("junk bodies over raw HTTP/2 and HTTP/1.1", () => {
               }
               // A deadline the request set may run out; an encoding the server
               // does not speak is UNIMPLEMENTED, as the gRPC spec says.
-              const allowed = new Set(documented);
+              const allowed = new Set(documentedCodes);
               if (r.headers["grpc-timeout"] ?? r.headers["connect-timeout-ms"]) {
                 allowed.add(Code.DeadlineExceeded);
               }

@@ -92,9 +92,12 @@ interface Entry {
   target: KeepAliveTarget;
   /** Push times of renewals not yet answered on the current stream, oldest first. */
   outstanding: number[];
-  /** Renewals sent and answered on the current stream: request n is answered once answered ≥ n. */
+  /**
+   * Renewals sent on the current stream. Answers take push times off
+   * `outstanding` oldest first, so request n is answered once
+   * sent − outstanding.length ≥ n.
+   */
   sent: number;
-  answered: number;
   /** False once the entry left the channel: its requests no longer count as stalled. */
   active: boolean;
 }
@@ -165,7 +168,8 @@ class StallWatch {
     for (const fifo of this.byTimeout.values()) {
       while (fifo.head < fifo.items.length) {
         const sent = fifo.items[fifo.head] as Sent;
-        if (!sent.entry.active || sent.entry.answered >= sent.n) {
+        const { entry } = sent;
+        if (!entry.active || entry.sent - entry.outstanding.length >= sent.n) {
           fifo.items[fifo.head] = undefined;
           fifo.head += 1;
           continue;
@@ -224,7 +228,7 @@ export class KeepAliveChannel {
     const id = entryId(target.key, target.runId);
     const replaced = this.entries.get(id);
     if (replaced) replaced.active = false;
-    const entry: Entry = { target, outstanding: [], sent: 0, answered: 0, active: true };
+    const entry: Entry = { target, outstanding: [], sent: 0, active: true };
     this.entries.set(id, entry);
     if (!this.stream && !this.reconnectTimer) this.open();
     return {
@@ -292,7 +296,6 @@ export class KeepAliveChannel {
     for (const entry of this.entries.values()) {
       entry.outstanding = [];
       entry.sent = 0;
-      entry.answered = 0;
       this.send(entry);
     }
     void (async () => {
@@ -333,7 +336,6 @@ export class KeepAliveChannel {
         // The answer to the oldest unanswered request; taking the oldest push
         // time can only make the owner's deadline earlier, never later.
         const sentAt = entry.outstanding.shift();
-        if (sentAt !== undefined) entry.answered += 1;
         this.failures = 0;
         entry.target.onRenewed(result.value, sentAt);
         break;
