@@ -10,11 +10,17 @@
 //     answered `busy`, and the caller retries it alone, with waiting.
 
 import type { LeaseRecord, RenewItem, RenewManyResult } from "../lease/types.js";
-import { leaseColumns, leaseOf } from "./lease-columns.js";
+import { leaseColumns } from "./lease-columns.js";
 import type { Sql } from "./pool.js";
 
-interface RenewManyRow extends LeaseRecord {
-  idx: number;
+// A renewed row's key and run are the request's (the guard matched them
+// exactly; run ids reach the store lower-cased, as PostgreSQL prints a
+// uuid): the statement does not send them back.
+interface RenewManyRow
+  extends Pick<
+    LeaseRecord,
+    "fencingToken" | "holder" | "ttlMs" | "acquiredAtUs" | "expiresAtUs" | "remainingUs"
+  > {
   renewed: boolean;
   currentExists: boolean;
   currentRunId: string | null;
@@ -72,8 +78,13 @@ export async function renewMany(
         AND held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
       RETURNING k.idx, held.*
     )
-    SELECT w.idx, r.idx IS NOT NULL AS renewed,
-           ${leaseColumns(sql, "r")},
+    SELECT r.idx IS NOT NULL AS renewed,
+           r.fencing_token, r.holder,
+           (extract(epoch FROM r.ttl) * 1000)::bigint AS ttl_ms,
+           (extract(epoch FROM r.acquired_at) * 1000000)::bigint AS acquired_at_us,
+           (extract(epoch FROM r.expires_at) * 1000000)::bigint AS expires_at_us,
+           (extract(epoch FROM greatest(r.expires_at - lease_clock.observed_at, interval '0'))
+             * 1000000)::bigint AS remaining_us,
            cur.account_id IS NOT NULL AS current_exists,
            cur.run_id AS current_run_id,
            cur.ended AS current_ended,
@@ -101,7 +112,7 @@ export async function renewMany(
     ) h ON true
     ORDER BY w.idx`;
   return rows.map((row, i): RenewManyResult => {
-    const item = items[i];
+    const item = items[i] as RenewItem;
     if (row.renewed) {
       const handoff =
         row.handoffEventId === null
@@ -112,10 +123,21 @@ export async function renewMany(
               atUs: row.handoffAtUs ?? 0n,
               eventId: row.handoffEventId,
             };
-      return { outcome: "renewed", lease: leaseOf(row), handoff };
+      const lease: LeaseRecord = {
+        accountId: item.accountId,
+        sessionId: item.sessionId,
+        runId: item.runId,
+        fencingToken: row.fencingToken,
+        holder: row.holder,
+        ttlMs: row.ttlMs,
+        acquiredAtUs: row.acquiredAtUs,
+        expiresAtUs: row.expiresAtUs,
+        remainingUs: row.remainingUs,
+      };
+      return { outcome: "renewed", lease, handoff };
     }
     if (!row.currentExists) return { outcome: "lost", cause: "not_found" };
-    if (row.currentRunId !== item?.runId) return { outcome: "lost", cause: "taken_over" };
+    if (row.currentRunId !== item.runId) return { outcome: "lost", cause: "taken_over" };
     if (row.currentEnded === "released") return { outcome: "lost", cause: "released" };
     if (row.currentEnded === "revoked") return { outcome: "lost", cause: "revoked" };
     if (!row.currentValid) return { outcome: "lost", cause: "expired" };

@@ -137,10 +137,27 @@ interface Target {
   sessionField: string;
 }
 
+/** Where a request message of each type names its account: asked once per type, not per message. */
+const targetFields = new WeakMap<DescMessage, "key" | "accountId" | "none">();
+
+function targetFieldOf(input: DescMessage): "key" | "accountId" | "none" {
+  let field = targetFields.get(input);
+  if (field === undefined) {
+    field = input.fields.some((f) => f.localName === "key")
+      ? "key"
+      : input.fields.some((f) => f.localName === "accountId")
+        ? "accountId"
+        : "none";
+    targetFields.set(input, field);
+  }
+  return field;
+}
+
 /** The account and session a request message names: its `key`, or List's `account_id`. */
 function targetOf(message: object, input: DescMessage): Target | undefined {
   const m = message as { key?: { accountId?: string; sessionId?: string }; accountId?: unknown };
-  if (input.fields.some((f) => f.localName === "key")) {
+  const field = targetFieldOf(input);
+  if (field === "key") {
     return {
       accountId: m.key?.accountId ?? "",
       accountField: "key.account_id",
@@ -148,7 +165,7 @@ function targetOf(message: object, input: DescMessage): Target | undefined {
       sessionField: "key.session_id",
     };
   }
-  if (input.fields.some((f) => f.localName === "accountId") && typeof m.accountId === "string") {
+  if (field === "accountId" && typeof m.accountId === "string") {
     return {
       accountId: m.accountId,
       accountField: "account_id",

@@ -207,9 +207,9 @@ export class NativeCall {
     return this.finished;
   }
 
-  /** A reader of this method's request frames. */
-  reader<T extends Message>(): FrameReader<T> {
-    return new FrameReader<T>(this.method.input, this.options.maxMessageBytes);
+  /** A reader of this method's request frames; `fast`: see FrameReader. */
+  reader<T extends Message>(fast?: (bytes: Buffer) => T | undefined): FrameReader<T> {
+    return new FrameReader<T>(this.method.input, this.options.maxMessageBytes, fast);
   }
 
   onData(listener: (chunk: Buffer) => void): void {

@@ -43,9 +43,14 @@ export function errorTrailers(error: ConnectError): http2.OutgoingHttpHeaders {
 export class FrameReader<T extends Message> {
   private pending: Buffer | undefined;
 
+  /**
+   * `fast` reads the usual shape of a message without protobuf-es and
+   * answers undefined for anything else, which protobuf-es then reads.
+   */
   constructor(
     private readonly desc: DescMessage,
     private readonly maxMessageBytes: number,
+    private readonly fast?: (bytes: Buffer) => T | undefined,
   ) {}
 
   /** The messages completed by `chunk`, in order. Throws on a bad frame. */
@@ -81,6 +86,8 @@ export class FrameReader<T extends Message> {
   }
 
   private decode(bytes: Buffer): T {
+    const message = this.fast?.(bytes);
+    if (message) return message;
     try {
       return fromBinary(this.desc, bytes) as T;
     } catch (error) {

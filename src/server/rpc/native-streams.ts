@@ -4,8 +4,8 @@
 //
 // - KeepAlive: request frames are read and submitted as they arrive, with
 //   no promise per message once the caller's session decisions are known;
-//   the answers of one renewal batch are taken in one pass and written as
-//   one buffer.
+//   the answers of one renewal batch are taken in one pass and encoded
+//   straight into one buffer (keepalive-wire.ts).
 // - Watch: an event is encoded once, and the same bytes are written to every
 //   watcher's stream. Watchers ready to write are served in slices, each
 //   followed by a turn of the event loop, so that thousands of watchers of
@@ -19,7 +19,6 @@
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
   type KeepAliveRequest,
-  KeepAliveResponseSchema,
   type WatchRequest,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
@@ -30,7 +29,8 @@ import type { AccountSlots } from "../streams/stream-limits.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
-import { keepAliveAnswer, keepAliveRequest, watchMessage, watchScope } from "./stream-service.js";
+import { decodeKeepAliveRequest, encodeKeepAliveAnswers } from "./keepalive-wire.js";
+import { keepAliveRequest, watchMessage, watchScope } from "./stream-service.js";
 
 export interface NativeStreamsOptions {
   keepAlive: KeepAliveHub;
@@ -70,7 +70,7 @@ export function nativeStreams(options: NativeStreamsOptions): {
 
 function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   const session = options.keepAlive.open();
-  const reader = call.reader<KeepAliveRequest>();
+  const reader = call.reader<KeepAliveRequest>(decodeKeepAliveRequest);
   const decided = new Map<string, number>();
   let blocked = false;
 
@@ -84,8 +84,7 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
         return;
       }
       if (answers.length > 0) {
-        const frames = answers.map((a) => encodeFrame(KeepAliveResponseSchema, keepAliveAnswer(a)));
-        if (!call.write(frames.length === 1 ? (frames[0] as Buffer) : Buffer.concat(frames))) {
+        if (!call.write(encodeKeepAliveAnswers(answers))) {
           blocked = true;
           call.onDrain(() => {
             blocked = false;

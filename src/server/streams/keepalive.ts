@@ -135,8 +135,8 @@ class Session implements KeepAliveSession {
     }
     if (!this.hasRoom()) return;
     this.inFlight += 1;
-    this.options.batcher
-      .renew({
+    this.options.batcher.submit(
+      {
         accountId: request.key.accountId,
         sessionId: request.key.sessionId,
         runId: request.runId,
@@ -144,42 +144,36 @@ class Session implements KeepAliveSession {
         // A handoff requested before this stream renewed the run (or while
         // the client was moving to this instance) is delivered now.
         lookupHandoff: first,
-      })
-      .then(
-        (outcome) => {
-          this.inFlight -= 1;
-          if (this.closed) return;
-          const lostMeanwhile = this.lost.get(rk);
-          if (lostMeanwhile) {
+      },
+      (error, outcome) => {
+        this.inFlight -= 1;
+        if (!outcome) {
+          this.fail(error);
+          return;
+        }
+        if (this.closed) return;
+        const lostMeanwhile = this.lost.get(rk);
+        if (lostMeanwhile) {
+          this.push({ kind: "lost", key: request.key, runId: request.runId, cause: lostMeanwhile });
+        } else if (outcome.renewed) {
+          this.track(rk, request, outcome.lease.fencingToken);
+          this.push({ kind: "lease", lease: outcome.lease });
+          if (outcome.handoff) {
             this.push({
-              kind: "lost",
+              kind: "handoff",
               key: request.key,
               runId: request.runId,
-              cause: lostMeanwhile,
+              requesterHolder: outcome.handoff.requesterHolder,
+              reason: outcome.handoff.reason,
+              atUs: outcome.handoff.atUs,
             });
-          } else if (outcome.renewed) {
-            this.track(rk, request, outcome.lease.fencingToken);
-            this.push({ kind: "lease", lease: outcome.lease });
-            if (outcome.handoff) {
-              this.push({
-                kind: "handoff",
-                key: request.key,
-                runId: request.runId,
-                requesterHolder: outcome.handoff.requesterHolder,
-                reason: outcome.handoff.reason,
-                atUs: outcome.handoff.atUs,
-              });
-            }
-          } else {
-            this.markLost(rk, request.key, request.runId, outcome.cause);
           }
-          this.notify();
-        },
-        (error) => {
-          this.inFlight -= 1;
-          this.fail(error);
-        },
-      );
+        } else {
+          this.markLost(rk, request.key, request.runId, outcome.cause);
+        }
+        this.notify();
+      },
+    );
   }
 
   /** A change to a key this stream renews, from any instance. */
