@@ -28,6 +28,9 @@ export function loadOptions<T>(): T {
   return JSON.parse(text) as T;
 }
 
+/** The machine's clock in ms with the monotonic clock's resolution: comparable between processes. */
+export const epochMs = () => performance.timeOrigin + performance.now();
+
 export function send(message: LoadMessage): void {
   process.stdout.write(`${JSON.stringify(message)}\n`);
 }

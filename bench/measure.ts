@@ -13,6 +13,7 @@ import {
   cpuBetween,
   type ProcessGroup,
   processRssMiB,
+  processTree,
   sampleCpu,
 } from "./process-stats.js";
 
@@ -44,7 +45,8 @@ export async function measureLoad<R>(
   const groups: ProcessGroup[] = [
     { name: "server", pids: systems.serverPids },
     { name: "postgres", pids: () => systems.postgres.pids() },
-    { name: "load", pids: () => (loadPid ? [loadPid] : []) },
+    // The load generator and the processes it starts (scenario 4's watchers).
+    { name: "load", pids: () => (loadPid ? processTree(loadPid) : []) },
   ];
   const etcd = systems.etcd;
   if (etcd) groups.push({ name: "etcd", pids: () => [etcd.pid()] });

@@ -8,6 +8,8 @@ import { fmtMs, type Target } from "./report.js";
 
 // 50 streams per connection, well under the server's default cap (100).
 const streamsPerConnection = 50;
+// Processes the watchers are spread over (load-watch.ts says why): one per core.
+const watcherProcesses = 2;
 const releasesPerSecond = 5;
 
 async function measureWatchers(ctx: BenchContext, watchers: number, rounds: number) {
@@ -22,6 +24,7 @@ async function measureWatchers(ctx: BenchContext, watchers: number, rounds: numb
       urls: ctx.serverUrls,
       watchers,
       connections,
+      processes: watcherProcesses,
       accountId: `bench-watch-${watchers}-${round}`,
       rate: releasesPerSecond,
       ttlSeconds: settings.ttlSeconds,

@@ -215,6 +215,56 @@ describe("Watch hub", () => {
     expect(hub.stats.resnapshots).toBe(2);
   });
 
+  it("the re-check reaches every watcher of a large account, in slices that let the event loop turn", async () => {
+    const account = `acct-${randomUUID()}`;
+    // Rows already there, and seen by every watcher's first snapshot.
+    for (let i = 0; i < 4; i++) {
+      await mem.raw.acquire({
+        accountId: account,
+        sessionId: `seen-${i}`,
+        runId: randomUUID(),
+        ttlMs: 600_000,
+        holder: "x",
+      });
+    }
+    // 3,000 watchers × 5 rows is more than one slice of the comparison.
+    // Each notes the turn of the event loop in which it was told to read.
+    let turn = 0;
+    const toldAt: (number | undefined)[] = [];
+    const watchers = Array.from({ length: 3_000 }, (_, i) => {
+      const w = hub.open({ accountId: account, sessionId: "" }, { includeRenewals: false });
+      w.listen(() => {
+        toldAt[i] = turn;
+      });
+      return w;
+    });
+    await Promise.all(watchers.map((w) => w.take()));
+    toldAt.length = 0;
+    const lost = await mem.raw.acquire({
+      accountId: account,
+      sessionId: "missed",
+      runId: randomUUID(),
+      ttlMs: 600_000,
+      holder: "x",
+    });
+    if (!lost.acquired) throw new Error("the key must be free");
+    await vi.advanceTimersByTimeAsync(recheckIntervalMs + recheckGraceMs - 1);
+    const nextTurn = () => {
+      turn++;
+      if (toldAt.filter((t) => t !== undefined).length < watchers.length) setImmediate(nextTurn);
+    };
+    setImmediate(nextTurn);
+    await vi.advanceTimersByTimeAsync(1);
+    await vi.waitFor(() => expect(toldAt.filter((t) => t !== undefined)).toHaveLength(3_000));
+    // The last watcher was told turns after the first.
+    expect(Math.max(...(toldAt as number[]))).toBeGreaterThan(Math.min(...(toldAt as number[])));
+    // And each reads a fresh snapshot with the grant it missed.
+    for (const w of watchers) {
+      const [m] = await w.take();
+      expect(m?.kind === "snapshot" && m.leases.map((l) => l.sessionId)).toContain("missed");
+    }
+  });
+
   it("closing a watcher ends its messages and gives back what it held", async () => {
     const key = freshKey("close");
     const { watcher, read } = watch(key, { reading: false, includeRenewals: true });
