@@ -44,6 +44,16 @@ import {
   contentTypeRegExp,
   findTrailerError,
 } from "@connectrpc/connect/protocol-grpc";
+import { KeepAliveResponseSchema, WatchResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
+import { readKeepAliveResponse, readWatchResponse } from "../protocol/wire-reader.js";
+
+// The messages of the two hot streams, read without protobuf-es's reflection
+// when they have the shape a Leasehold server sends (a renewed lease, a
+// Watch event); protobuf-es reads everything else (wire-reader.ts).
+const fastReaders = new Map<string, (bytes: Uint8Array) => unknown>([
+  [KeepAliveResponseSchema.typeName, readKeepAliveResponse],
+  [WatchResponseSchema.typeName, readWatchResponse],
+]);
 
 /** Options of `createGrpcTransport`. */
 export interface GrpcTransportOptions {
@@ -636,9 +646,9 @@ class Attempt {
       );
       return;
     }
-    let message: unknown;
+    let message: unknown = fastReaders.get(this.output.typeName)?.(data);
     try {
-      message = fromBinary(this.output, data);
+      message ??= fromBinary(this.output, data);
     } catch (e) {
       const m = e instanceof Error ? e.message : String(e);
       this.fail(new ConnectError(`parse binary: ${m}`, Code.Internal));

@@ -1,24 +1,21 @@
-// The KeepAlive answers of the native gRPC path as wire bytes. A renewed
-// lease is the one message sent per renewal, thousands a second: it is
-// encoded here straight into the frames of one write, with no message
-// objects in between. protobuf-es's reflective encoder built a message tree
-// per answer (eight submessages, BigInt arithmetic per timestamp) and spent
-// about a quarter of the server's CPU under saturating renewals. Every other
-// answer (lost, handoff requests: rare) goes through protobuf-es as before.
+// The two messages of every renewal on the native gRPC path, thousands a
+// second, read and written without protobuf-es's reflection.
 //
-// The bytes are exactly protobuf-es's (`toBinary` of the message
-// keepAliveAnswer builds): fields in number order, proto3 defaults (empty
-// strings, zero numbers) omitted, submessages always written. The property
-// test in test/keepalive-wire.test.ts holds the two byte for byte.
+// Answers: a renewed lease is encoded straight into the frames of one
+// write, with no message objects in between. protobuf-es's reflective
+// encoder built a message tree per answer (eight submessages, BigInt
+// arithmetic per timestamp) and spent about a quarter of the server's CPU
+// under saturating renewals. Every other answer (lost, handoff requests:
+// rare) goes through protobuf-es as before. The bytes are exactly
+// protobuf-es's (`toBinary` of the message keepAliveAnswer builds): fields
+// in number order, proto3 defaults (empty strings, zero numbers) omitted,
+// submessages always written.
+//
+// Requests are read by src/protocol/wire-reader.ts (shared with the client).
+//
+// test/keepalive-wire.test.ts holds the bytes to protobuf-es's with property tests.
 
-import { type Duration, DurationSchema } from "@bufbuild/protobuf/wkt";
-import {
-  type KeepAliveRequest,
-  KeepAliveRequestSchema,
-  KeepAliveResponseSchema,
-  type SessionKey,
-  SessionKeySchema,
-} from "../../gen/leasehold/v1/lease_pb.js";
+import { KeepAliveResponseSchema } from "../../gen/leasehold/v1/lease_pb.js";
 import type { LeaseRecord } from "../lease/types.js";
 import type { KeepAliveAnswer } from "../streams/keepalive.js";
 import { encodeFrame } from "./grpc-wire.js";
@@ -298,128 +295,4 @@ export function encodeKeepAliveAnswers(answers: readonly KeepAliveAnswer[]): Buf
     }
   }
   return writer.buf;
-}
-
-/**
- * A KeepAlive request, read without protobuf-es when it has the shape every
- * client sends: fields 1–3 once each with their wire types, ASCII strings,
- * small numbers, nothing unknown. Anything else answers undefined, and the
- * caller reads the bytes with protobuf-es (which also words the errors).
- * The message is the one protobuf-es would give (test/keepalive-wire.test.ts).
- */
-export function decodeKeepAliveRequest(bytes: Buffer): KeepAliveRequest | undefined {
-  const reader = new Reader(bytes, 0, bytes.length);
-  const message: KeepAliveRequest = { $typeName: keepAliveRequestType, runId: "" };
-  let seen = 0;
-  while (reader.pos < reader.end) {
-    const fieldTag = bytes[reader.pos++];
-    if (fieldTag === answerKey && !(seen & 1)) {
-      seen |= 1;
-      const end = reader.length();
-      if (end < 0) return undefined;
-      const key = decodeKey(bytes, reader.pos, end);
-      if (!key) return undefined;
-      message.key = key;
-      reader.pos = end;
-    } else if (fieldTag === answerRunId && !(seen & 2)) {
-      seen |= 2;
-      const runId = reader.ascii();
-      if (runId === undefined) return undefined;
-      message.runId = runId;
-    } else if (fieldTag === tag(3, lengthDelimited) && !(seen & 4)) {
-      seen |= 4;
-      const end = reader.length();
-      if (end < 0) return undefined;
-      const ttl = decodeDuration(bytes, reader.pos, end);
-      if (!ttl) return undefined;
-      message.ttl = ttl;
-      reader.pos = end;
-    } else {
-      return undefined;
-    }
-  }
-  return message;
-}
-
-const keepAliveRequestType = KeepAliveRequestSchema.typeName;
-const sessionKeyType = SessionKeySchema.typeName;
-const durationType = DurationSchema.typeName;
-
-function decodeKey(bytes: Buffer, start: number, end: number): SessionKey | undefined {
-  const reader = new Reader(bytes, start, end);
-  const key: SessionKey = { $typeName: sessionKeyType, accountId: "", sessionId: "" };
-  let seen = 0;
-  while (reader.pos < end) {
-    const fieldTag = bytes[reader.pos++];
-    let value: string | undefined;
-    if (fieldTag === keyAccount && !(seen & 1)) {
-      seen |= 1;
-      value = reader.ascii();
-      key.accountId = value ?? "";
-    } else if (fieldTag === keySession && !(seen & 2)) {
-      seen |= 2;
-      value = reader.ascii();
-      key.sessionId = value ?? "";
-    }
-    if (value === undefined) return undefined;
-  }
-  return key;
-}
-
-function decodeDuration(bytes: Buffer, start: number, end: number): Duration | undefined {
-  const reader = new Reader(bytes, start, end);
-  const duration: Duration = { $typeName: durationType, seconds: 0n, nanos: 0 };
-  let seen = 0;
-  while (reader.pos < end) {
-    const fieldTag = bytes[reader.pos++];
-    const value = fieldTag === secondsTag || fieldTag === nanosTag ? reader.smallVarint() : -1;
-    if (fieldTag === secondsTag && !(seen & 1) && value >= 0) {
-      seen |= 1;
-      duration.seconds = BigInt(value);
-    } else if (fieldTag === nanosTag && !(seen & 2) && value >= 0 && value < 2 ** 31) {
-      seen |= 2;
-      duration.nanos = value;
-    } else {
-      return undefined;
-    }
-  }
-  return duration;
-}
-
-class Reader {
-  constructor(
-    readonly bytes: Buffer,
-    public pos: number,
-    readonly end: number,
-  ) {}
-
-  /** A varint of at most 7 bytes (49 bits, exact as a number); -1 otherwise. */
-  smallVarint(): number {
-    let value = 0;
-    let scale = 1;
-    for (let i = 0; i < 7 && this.pos < this.end; i++) {
-      const b = this.bytes[this.pos++] as number;
-      value += (b & 127) * scale;
-      if (b < 128) return value;
-      scale *= 128;
-    }
-    return -1;
-  }
-
-  /** The end of a length-delimited field that starts here; -1 when it overruns. */
-  length(): number {
-    const n = this.smallVarint();
-    return n < 0 || this.pos + n > this.end ? -1 : this.pos + n;
-  }
-
-  /** A length-delimited string of ASCII bytes; undefined for anything else. */
-  ascii(): string | undefined {
-    const end = this.length();
-    if (end < 0) return undefined;
-    const bytes = this.bytes;
-    for (let i = this.pos; i < end; i++) if ((bytes[i] as number) >= 0x80) return undefined;
-    const s = bytes.toString("latin1", this.pos, end);
-    this.pos = end;
-    return s;
-  }
 }

@@ -22,6 +22,7 @@ import {
   type WatchRequest,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
+import { readKeepAliveRequest } from "../../protocol/wire-reader.js";
 import type { LeaseChange } from "../lease/lease-change.js";
 import type { Limits } from "../lease/limits.js";
 import type { KeepAliveHub } from "../streams/keepalive.js";
@@ -29,7 +30,7 @@ import type { AccountSlots } from "../streams/stream-limits.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
-import { decodeKeepAliveRequest, encodeKeepAliveAnswers } from "./keepalive-wire.js";
+import { encodeKeepAliveAnswers } from "./keepalive-wire.js";
 import { keepAliveRequest, watchMessage, watchScope } from "./stream-service.js";
 
 export interface NativeStreamsOptions {
@@ -70,7 +71,7 @@ export function nativeStreams(options: NativeStreamsOptions): {
 
 function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   const session = options.keepAlive.open();
-  const reader = call.reader<KeepAliveRequest>(decodeKeepAliveRequest);
+  const reader = call.reader<KeepAliveRequest>(readKeepAliveRequest);
   const decided = new Map<string, number>();
   let blocked = false;
 
