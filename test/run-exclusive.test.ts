@@ -96,30 +96,36 @@ async function abortedWhen(
   );
 }
 
+/**
+ * Runs `keys` with runExclusive (TTL 600 ms), each waiting on the database
+ * clock past its first grant's deadline (renewals keep acquired_at); what
+ * each run saw then, and its stored row before and after.
+ */
+function holdPastFirstDeadline(c: LeaseClient, keys: SessionKey[]) {
+  return Promise.all(
+    keys.map((key) =>
+      c.runExclusive(
+        key,
+        async (ctx) => {
+          const first = await storedLease(key);
+          await db.sql`
+            SELECT pg_sleep_until(acquired_at + ttl + interval '50 milliseconds')
+            FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+          const now = await storedLease(key);
+          return { aborted: ctx.signal.aborted, first, now, token: ctx.fencingToken };
+        },
+        { ttlMs: 600 },
+      ),
+    ),
+  );
+}
+
 describe("runExclusive keeps the lease alive", () => {
   it("L2, S6: renewals carry two runs past their TTL on one shared KeepAlive stream, same tokens", async () => {
     const events: ClientEvent[] = [];
     const c = client({ onEvent: (e) => events.push(e) });
     const keys = [freshKey("shared"), freshKey("shared")];
-    const results = await Promise.all(
-      keys.map((key) =>
-        c.runExclusive(
-          key,
-          async (ctx) => {
-            const first = await storedLease(key);
-            // Wait on the database clock past the first grant's deadline
-            // (renewals keep acquired_at).
-            await db.sql`
-              SELECT pg_sleep_until(acquired_at + ttl + interval '50 milliseconds')
-              FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
-            const now = await storedLease(key);
-            return { aborted: ctx.signal.aborted, first, now, token: ctx.fencingToken };
-          },
-          { ttlMs: 600 },
-        ),
-      ),
-    );
-    for (const r of results) {
+    for (const r of await holdPastFirstDeadline(c, keys)) {
       expect(r.aborted).toBe(false);
       expect(r.now?.valid).toBe(true);
       expect(r.now?.runId).toBe(r.first?.runId);
@@ -127,6 +133,25 @@ describe("runExclusive keeps the lease alive", () => {
     }
     expect(events.filter((e) => e.type === "keepalive-open")).toHaveLength(1);
     for (const key of keys) expect((await storedLease(key))?.ended).toBe("released");
+  });
+
+  it("L2: more leases than a server lets one stream carry are renewed over more streams", async () => {
+    // The server ends a stream carrying a third lease with RESOURCE_EXHAUSTED.
+    const bounded = await startServer(["--max-leases-per-stream", "2"]);
+    const events: ClientEvent[] = [];
+    const c = client({
+      baseUrl: bounded.url,
+      maxLeasesPerStream: 2,
+      onEvent: (e) => events.push(e),
+    });
+    const keys = Array.from({ length: 5 }, () => freshKey("lanes"));
+    for (const r of await holdPastFirstDeadline(c, keys)) {
+      expect(r.aborted).toBe(false);
+      expect(r.now?.valid).toBe(true);
+      expect(r.now?.runId).toBe(r.first?.runId);
+    }
+    expect(events.filter((e) => e.type === "keepalive-open")).toHaveLength(3);
+    expect(events.filter((e) => e.type === "keepalive-failed")).toEqual([]);
   });
 });
 

@@ -77,6 +77,12 @@ export interface LeaseClientOptions extends TransportOptions {
   onEvent?: (event: ClientEvent) => void;
   /** Bounds of the KeepAlive reconnect backoff (full jitter), in ms; default 100 and 2 000. */
   reconnectBackoff?: { initialMs?: number; maxMs?: number };
+  /**
+   * Leases kept alive on one KeepAlive stream; beyond it the client opens
+   * another stream. Default 1,000, the server's default
+   * `--max-leases-per-stream`: set it to the server's value if lower.
+   */
+  maxLeasesPerStream?: number;
 }
 
 /** Request shapes of the client's methods: plain objects, as in `create(Schema, init)`. */
@@ -253,6 +259,7 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     backoffInitialMs: options.reconnectBackoff?.initialMs,
     backoffMaxMs: options.reconnectBackoff?.maxMs,
     onEvent: options.onEvent,
+    maxLeasesPerStream: options.maxLeasesPerStream,
   });
 
   const unary =

@@ -1,6 +1,7 @@
 // One KeepAlive stream per client, shared by every lease the client keeps
-// alive (DESIGN §6). The stream opens when the first lease registers and
-// closes when the last one leaves. When it fails — an error, an end, or a
+// alive (DESIGN §6), and one more per `maxLeasesPerStream` leases beyond the
+// first stream's share (a server bounds the leases of one stream). A stream
+// opens when its first lease registers and closes when its last one leaves. When it fails — an error, an end, or a
 // renewal left unanswered (a stalled connection) — it reconnects over a fresh
 // connection to the next configured instance, after a backoff with full
 // jitter, and re-sends a renewal for every lease (same run_id: renewals are
@@ -86,6 +87,11 @@ export interface KeepAliveChannelOptions {
   now?: () => number;
   /** Told when the stream opens, fails or closes. */
   onEvent?: (event: KeepAliveEvent) => void;
+  /**
+   * Leases one stream carries; the channel opens another stream for the
+   * ones beyond. Default 1,000, the server's default --max-leases-per-stream.
+   */
+  maxLeasesPerStream?: number;
 }
 
 interface Entry {
@@ -206,8 +212,8 @@ function entryId(key: { accountId: string; sessionId: string }, runId: string): 
   return JSON.stringify([key.accountId, key.sessionId, runId]);
 }
 
-/** The shared, self-reconnecting KeepAlive stream of one client. */
-export class KeepAliveChannel {
+/** One self-reconnecting KeepAlive stream and the leases it carries. */
+class KeepAliveLane {
   private readonly entries = new Map<string, Entry>();
   private readonly now: () => number;
   private stream: OpenStream | undefined;
@@ -220,6 +226,15 @@ export class KeepAliveChannel {
   constructor(private readonly options: KeepAliveChannelOptions) {
     if (options.baseUrls.length === 0) throw new RangeError("at least one base URL is required");
     this.now = options.now ?? (() => performance.now());
+  }
+
+  /** Leases on this lane. */
+  get size(): number {
+    return this.entries.size;
+  }
+
+  has(id: string): boolean {
+    return this.entries.has(id);
   }
 
   /** Starts keeping a lease alive; the first renewal is sent when the stream (re)opens or on `renew()`. */
@@ -409,5 +424,62 @@ export class KeepAliveChannel {
     }, 1_000);
     cut.unref();
     this.options.onEvent?.({ type: "keepalive-closed", baseUrl: stream.endpoint.baseUrl });
+  }
+}
+
+/**
+ * The KeepAlive streams of one client, shared by every lease it keeps
+ * alive: one stream, and one more for each `maxLeasesPerStream` leases
+ * beyond it. A server ends a stream that carries more than its
+ * --max-leases-per-stream with RESOURCE_EXHAUSTED, after which none of the
+ * stream's leases would be renewed; each lane reconnects on its own.
+ */
+export class KeepAliveChannel {
+  private readonly lanes: KeepAliveLane[] = [];
+  /** The lane of each registered lease, by key and run. */
+  private readonly laneOf = new Map<string, KeepAliveLane>();
+  private readonly maxPerLane: number;
+  private closed = false;
+
+  constructor(private readonly options: KeepAliveChannelOptions) {
+    if (options.baseUrls.length === 0) throw new RangeError("at least one base URL is required");
+    this.maxPerLane = options.maxLeasesPerStream ?? 1_000;
+    if (!Number.isInteger(this.maxPerLane) || this.maxPerLane < 1) {
+      throw new RangeError(
+        `maxLeasesPerStream must be a whole number of at least 1, got ${options.maxLeasesPerStream}`,
+      );
+    }
+  }
+
+  /** Starts keeping a lease alive; the first renewal is sent when its stream (re)opens or on `renew()`. */
+  register(target: KeepAliveTarget): KeepAliveRegistration {
+    if (this.closed) throw new Error("the client is closed");
+    const id = entryId(target.key, target.runId);
+    // A lease registered again replaces itself on the lane it is on.
+    let lane = this.laneOf.get(id);
+    if (!lane) {
+      lane = this.lanes.find((l) => l.size < this.maxPerLane);
+      if (!lane) {
+        lane = new KeepAliveLane(this.options);
+        this.lanes.push(lane);
+      }
+      this.laneOf.set(id, lane);
+    }
+    const owner = lane;
+    const registration = owner.register(target);
+    return {
+      renew: registration.renew,
+      remove: () => {
+        registration.remove();
+        if (!owner.has(id) && this.laneOf.get(id) === owner) this.laneOf.delete(id);
+      },
+    };
+  }
+
+  /** Ends every stream and forgets every lease (their owners stop on their own deadlines). */
+  close(): void {
+    this.closed = true;
+    for (const lane of this.lanes) lane.close();
+    this.laneOf.clear();
   }
 }
