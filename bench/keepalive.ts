@@ -71,6 +71,11 @@ export interface KeepAliveBenchResult {
   database: {
     statementsPerSecond: number;
     renewalStatementsPerSecond: number;
+    /** Mean execution time of a renewal statement in PostgreSQL (pg_stat_statements; no commit). */
+    renewalStatementMeanMs: number;
+    /** WAL flushes per second, and their mean duration (NaN where the server does not report them). */
+    walSyncsPerSecond: number;
+    walSyncMeanMs: number;
     commitsPerSecond: number;
     cpuCores: number;
   };
@@ -161,18 +166,30 @@ async function pool<T>(items: number, concurrency: number, work: (i: number) => 
 }
 
 async function statementCounts(db: BenchDatabase) {
-  const [row] = await db.sql<{ all: string; renewals: string; commits: string }[]>`
+  const [row] = await db.sql<
+    { all: string; renewals: string; renewal_ms: number; commits: string; wal: unknown }[]
+  >`
     SELECT
       (SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s
         WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database()))::text AS all,
       (SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s
         WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
           AND s.query LIKE '%lookup_handoff)%')::text AS renewals,
-      (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::text AS commits`;
+      (SELECT coalesce(sum(total_exec_time), 0) FROM pg_stat_statements s
+        WHERE s.dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND s.query LIKE '%lookup_handoff)%')::float8 AS renewal_ms,
+      (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())::text AS commits,
+      -- WAL flushes and the time they took (track_wal_io_timing): where a
+      -- commit's wait goes. As JSON: the columns differ between versions.
+      (SELECT to_jsonb(w) FROM pg_stat_wal w) AS wal`;
+  const wal = (row?.wal ?? {}) as { wal_sync?: number | string; wal_sync_time?: number | string };
   return {
     all: Number(row?.all ?? 0),
     renewals: Number(row?.renewals ?? 0),
+    renewalMs: Number(row?.renewal_ms ?? 0),
     commits: Number(row?.commits ?? 0),
+    walSyncs: Number(wal.wal_sync ?? Number.NaN),
+    walSyncMs: Number(wal.wal_sync_time ?? Number.NaN),
   };
 }
 
@@ -337,6 +354,13 @@ export async function run(
       database: {
         statementsPerSecond: (after.stmts.all - before.stmts.all) / seconds,
         renewalStatementsPerSecond: (after.stmts.renewals - before.stmts.renewals) / seconds,
+        renewalStatementMeanMs:
+          (after.stmts.renewalMs - before.stmts.renewalMs) /
+          (after.stmts.renewals - before.stmts.renewals),
+        walSyncsPerSecond: (after.stmts.walSyncs - before.stmts.walSyncs) / seconds,
+        walSyncMeanMs:
+          (after.stmts.walSyncMs - before.stmts.walSyncMs) /
+          (after.stmts.walSyncs - before.stmts.walSyncs),
         commitsPerSecond: (after.stmts.commits - before.stmts.commits) / seconds,
         cpuCores: (after.pg - before.pg) / seconds,
       },
@@ -348,7 +372,7 @@ export async function run(
       `renewals: ${result.renewals.perSecond.toFixed(0)}/s, round trip p50 ${result.renewals.p50Ms.toFixed(1)} ms, p99 ${result.renewals.p99Ms.toFixed(1)} ms, max ${result.renewals.maxMs.toFixed(1)} ms; lost ${lost}, unanswered ${result.renewals.unanswered}`,
     );
     log(
-      `database: ${result.database.statementsPerSecond.toFixed(1)} statements/s (renewal batches ${result.database.renewalStatementsPerSecond.toFixed(1)}/s), ${result.database.commitsPerSecond.toFixed(1)} commits/s, PostgreSQL CPU ${(result.database.cpuCores * 100).toFixed(0)}% of a core`,
+      `database: ${result.database.statementsPerSecond.toFixed(1)} statements/s (renewal batches ${result.database.renewalStatementsPerSecond.toFixed(1)}/s, ${result.database.renewalStatementMeanMs.toFixed(2)} ms each in PostgreSQL), ${result.database.commitsPerSecond.toFixed(1)} commits/s, ${result.database.walSyncsPerSecond.toFixed(0)} WAL flushes/s of ${result.database.walSyncMeanMs.toFixed(2)} ms, PostgreSQL CPU ${(result.database.cpuCores * 100).toFixed(0)}% of a core`,
     );
     log(
       `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core`,

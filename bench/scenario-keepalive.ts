@@ -31,6 +31,11 @@ interface LeaseholdFigures {
   unanswered: number;
   statementsPerSec: number;
   renewalStatementsPerSec: number;
+  /** A renewal statement's mean execution time in PostgreSQL, ms (its commit not included). */
+  renewalStatementMeanMs: number;
+  /** WAL flushes per second and their mean duration, ms: what a commit waits for. */
+  walSyncsPerSec: number;
+  walSyncMeanMs: number;
   serverCpuCores: number;
   serverRssMiB: number;
   postgresCpuCores: number;
@@ -94,6 +99,9 @@ function summarize(runs: KeepAliveBenchResult[]): LeaseholdFigures {
     unanswered: runs.reduce((sum, r) => sum + r.renewals.unanswered, 0),
     statementsPerSec: r1(med((r) => r.database.statementsPerSecond)),
     renewalStatementsPerSec: r1(med((r) => r.database.renewalStatementsPerSecond)),
+    renewalStatementMeanMs: r2(med((r) => r.database.renewalStatementMeanMs)),
+    walSyncsPerSec: r1(med((r) => r.database.walSyncsPerSecond)),
+    walSyncMeanMs: r2(med((r) => r.database.walSyncMeanMs)),
     serverCpuCores: r2(med((r) => r.server.cpuCores)),
     serverRssMiB: Math.round(med((r) => r.server.rssMiB)),
     postgresCpuCores: r2(med((r) => r.database.cpuCores)),

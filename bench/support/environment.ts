@@ -33,7 +33,12 @@ export async function startBenchDatabase(name = "leasehold_bench"): Promise<Benc
   const embedded: EmbeddedDatabase = await startEmbeddedPostgres({
     dataDir: path.join(dir, "pgdata"),
     ephemeral: true,
-    settings: ["shared_preload_libraries=pg_stat_statements", "pg_stat_statements.track=all"],
+    settings: [
+      "shared_preload_libraries=pg_stat_statements",
+      "pg_stat_statements.track=all",
+      // pg_stat_wal's flush times, read by the KeepAlive scenario.
+      "track_wal_io_timing=on",
+    ],
   });
   const admin = postgres(embedded.url, { max: 1, onnotice: () => {} });
   await admin.unsafe(`CREATE DATABASE ${name}`);
