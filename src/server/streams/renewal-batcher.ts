@@ -193,26 +193,19 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
     }
   }
 
-  // A waiter that throws must not keep the rest of the batch unanswered.
-  function settle(p: Pending, outcome: RenewalOutcome) {
+  // Every waiter of `p` hears the same answer; one that throws must not
+  // keep the rest of the batch unanswered.
+  function answer(p: Pending, error: unknown, outcome: RenewalOutcome | undefined) {
     for (const w of p.waiters) {
       try {
-        w(null, outcome);
-      } catch (error) {
-        reportUncaught(error);
-      }
-    }
-  }
-
-  function fail(p: Pending, error: unknown) {
-    for (const w of p.waiters) {
-      try {
-        w(error, undefined);
+        w(error, outcome);
       } catch (thrown) {
         reportUncaught(thrown);
       }
     }
   }
+  const settle = (p: Pending, outcome: RenewalOutcome) => answer(p, null, outcome);
+  const fail = (p: Pending, error: unknown) => answer(p, error, undefined);
 
   function submit(item: RenewItem, done: RenewalCallback) {
     if (closed) {
