@@ -470,7 +470,11 @@ class Attempt {
     readonly streaming: boolean,
   ) {
     call.track(this);
+    this.fastRead = fastReaders.get(output.typeName);
   }
+
+  /** The hand reader of this call's output messages, if it has one. */
+  private readonly fastRead: ((bytes: Uint8Array) => unknown) | undefined;
 
   /**
    * Sends the request: `frame` (a unary call's one message, with END_STREAM)
@@ -646,7 +650,7 @@ class Attempt {
       );
       return;
     }
-    let message: unknown = fastReaders.get(this.output.typeName)?.(data);
+    let message: unknown = this.fastRead?.(data);
     try {
       message ??= fromBinary(this.output, data);
     } catch (e) {

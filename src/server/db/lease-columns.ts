@@ -11,16 +11,21 @@ import type { Sql } from "./pool.js";
  * (every statement reads the clock once, in a materialized `lease_clock` CTE).
  * `prefix` names the output columns apart when a row carries two leases
  * (`cur` gives cur_account_id, …, read back by leaseOf(row, "cur")).
+ * `withKey` false leaves out account, session and run, for a statement whose
+ * caller already has them (the renewal batch).
  */
 export function leaseColumns(
   sql: Sql,
   t: string,
   prefix = "",
+  { withKey = true } = {},
 ): postgres.PendingQuery<postgres.Row[]> {
   const c = (name: string) => sql(prefix === "" ? name : `${prefix}_${name}`);
-  return sql`
+  const key = sql`
     ${sql(t)}.account_id AS ${c("account_id")}, ${sql(t)}.session_id AS ${c("session_id")},
-    ${sql(t)}.run_id AS ${c("run_id")}, ${sql(t)}.fencing_token AS ${c("fencing_token")},
+    ${sql(t)}.run_id AS ${c("run_id")},`;
+  return sql`
+    ${withKey ? key : sql``} ${sql(t)}.fencing_token AS ${c("fencing_token")},
     ${sql(t)}.holder AS ${c("holder")},
     (extract(epoch FROM ${sql(t)}.ttl) * 1000)::bigint AS ${c("ttl_ms")},
     (extract(epoch FROM ${sql(t)}.acquired_at) * 1000000)::bigint AS ${c("acquired_at_us")},

@@ -79,12 +79,7 @@ export async function renewMany(
       RETURNING k.idx, held.*
     )
     SELECT r.idx IS NOT NULL AS renewed,
-           r.fencing_token, r.holder,
-           (extract(epoch FROM r.ttl) * 1000)::bigint AS ttl_ms,
-           (extract(epoch FROM r.acquired_at) * 1000000)::bigint AS acquired_at_us,
-           (extract(epoch FROM r.expires_at) * 1000000)::bigint AS expires_at_us,
-           (extract(epoch FROM greatest(r.expires_at - lease_clock.observed_at, interval '0'))
-             * 1000000)::bigint AS remaining_us,
+           ${leaseColumns(sql, "r", "", { withKey: false })},
            cur.account_id IS NOT NULL AS current_exists,
            cur.run_id AS current_run_id,
            cur.ended AS current_ended,

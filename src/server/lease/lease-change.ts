@@ -39,6 +39,11 @@ export function keyString(key: SessionKey): string {
   return `${key.accountId} ${key.sessionId}`;
 }
 
+/** One run's lease as a map key: its session key and run id. */
+export function runKey(key: SessionKey, runId: string): string {
+  return `${key.accountId} ${key.sessionId} ${runId}`;
+}
+
 export function changeFromLease(
   type: ChangeType,
   lease: LeaseRecord,

@@ -16,7 +16,7 @@
 
 import type { LossCause } from "../../protocol/errors.js";
 import { ResourceExhaustedError } from "../lease/errors.js";
-import { keyString, type LeaseChange } from "../lease/lease-change.js";
+import { keyString, type LeaseChange, runKey } from "../lease/lease-change.js";
 import type { LeaseRecord, SessionKey } from "../lease/types.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { RenewalBatcher } from "./renewal-batcher.js";
@@ -89,8 +89,6 @@ interface Run {
   token: bigint;
 }
 
-const runKey = (key: SessionKey, runId: string) => `${keyString(key)} ${runId}`;
-
 class Session implements KeepAliveSession {
   private queue: KeepAliveAnswer[] = [];
   private inFlight = 0;
@@ -145,6 +143,7 @@ class Session implements KeepAliveSession {
         // the client was moving to this instance) is delivered now.
         lookupHandoff: first,
       },
+      rk,
       (error, outcome) => {
         this.inFlight -= 1;
         if (!outcome) {

@@ -28,6 +28,7 @@
 
 import type { LossCause } from "../../protocol/errors.js";
 import { DatabaseUnavailableError } from "../lease/errors.js";
+import { runKey } from "../lease/lease-change.js";
 import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
 
 export type RenewalOutcome =
@@ -43,8 +44,9 @@ export interface RenewalBatcher {
   /**
    * `renew` without a promise: what a KeepAlive stream uses, thousands of
    * times a second, so that a renewal costs no promise and no microtask.
+   * `key` is runKey of the item, which the stream has made already.
    */
-  submit(item: RenewItem, done: RenewalCallback): void;
+  submit(item: RenewItem, key: string, done: RenewalCallback): void;
   readonly stats: { statements: number; renewals: number; pending: number };
   close(): void;
 }
@@ -207,12 +209,11 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
   const settle = (p: Pending, outcome: RenewalOutcome) => answer(p, null, outcome);
   const fail = (p: Pending, error: unknown) => answer(p, error, undefined);
 
-  function submit(item: RenewItem, done: RenewalCallback) {
+  function submit(item: RenewItem, k: string, done: RenewalCallback) {
     if (closed) {
       done(new DatabaseUnavailableError("the server is shutting down"), undefined);
       return;
     }
-    const k = `${item.accountId} ${item.sessionId} ${item.runId}`;
     const existing = pending.get(k);
     if (existing) {
       // The later request's TTL wins; a handoff lookup asked by either is made.
@@ -233,7 +234,7 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
     submit,
     renew(item) {
       return new Promise((resolve, reject) => {
-        submit(item, (error, outcome) => {
+        submit(item, runKey(item, item.runId), (error, outcome) => {
           if (outcome) resolve(outcome);
           else reject(error);
         });
