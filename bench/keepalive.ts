@@ -24,6 +24,7 @@ import {
   LeaseService,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseDuration } from "../src/server/lease/limits.js";
+import { describeWaits, type StatementWaits, sampleRenewalWaits } from "./statement-waits.js";
 import {
   type BenchDatabase,
   cpuSeconds,
@@ -78,6 +79,8 @@ export interface KeepAliveBenchResult {
     walSyncMeanMs: number;
     commitsPerSecond: number;
     cpuCores: number;
+    /** The renewal statements as sampled in pg_stat_activity during the window. */
+    renewalWaits: StatementWaits;
   };
   server: { cpuCores: number; rssMiB: number };
   loadGeneratorCpuCores: number;
@@ -314,12 +317,14 @@ export async function run(
       self: process.cpuUsage(),
       at: performance.now(),
     };
+    const waits = sampleRenewalWaits(db.url);
     measuring = true;
     const windowStart = Number(process.hrtime.bigint() / 1000n);
     lost = 0;
     await new Promise((r) => setTimeout(r, o.measureMs));
     measuring = false;
     const windowEnd = Number(process.hrtime.bigint() / 1000n);
+    const renewalWaits = await waits.stop();
     stopping = true;
     const seconds = (performance.now() - before.at) / 1000;
     const after = {
@@ -363,6 +368,7 @@ export async function run(
           (after.stmts.walSyncs - before.stmts.walSyncs),
         commitsPerSecond: (after.stmts.commits - before.stmts.commits) / seconds,
         cpuCores: (after.pg - before.pg) / seconds,
+        renewalWaits,
       },
       server: { cpuCores: (after.server - before.server) / seconds, rssMiB: after.rss / 2 ** 20 },
       loadGeneratorCpuCores: (after.self.user + after.self.system) / 1e6 / seconds,
@@ -374,6 +380,7 @@ export async function run(
     log(
       `database: ${result.database.statementsPerSecond.toFixed(1)} statements/s (renewal batches ${result.database.renewalStatementsPerSecond.toFixed(1)}/s, ${result.database.renewalStatementMeanMs.toFixed(2)} ms each in PostgreSQL), ${result.database.commitsPerSecond.toFixed(1)} commits/s, ${result.database.walSyncsPerSecond.toFixed(0)} WAL flushes/s of ${result.database.walSyncMeanMs.toFixed(2)} ms, PostgreSQL CPU ${(result.database.cpuCores * 100).toFixed(0)}% of a core`,
     );
+    log(`renewal statements, sampled: ${describeWaits(renewalWaits)}`);
     log(
       `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core`,
     );

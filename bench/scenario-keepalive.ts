@@ -41,7 +41,15 @@ interface LeaseholdFigures {
   postgresCpuCores: number;
   loadCpuCores: number;
   setupSeconds: number;
-  windows: { renewalsPerSec: number; p50Ms: number; p99Ms: number }[];
+  windows: {
+    renewalsPerSec: number;
+    p50Ms: number;
+    p99Ms: number;
+    /** The longest a renewal statement was seen running in PostgreSQL (sampled every 20 ms). */
+    longestStatementMs: number;
+    /** What the renewal statements were seen doing: shares by wait event, "CPU" for none. */
+    statementWaits: Record<string, number>;
+  }[];
 }
 
 async function measureLeasehold(
@@ -111,6 +119,8 @@ function summarize(runs: KeepAliveBenchResult[]): LeaseholdFigures {
       renewalsPerSec: Math.round(r.renewals.perSecond),
       p50Ms: r.renewals.p50Ms,
       p99Ms: r.renewals.p99Ms,
+      longestStatementMs: r.database.renewalWaits.longestMs,
+      statementWaits: r.database.renewalWaits.shares,
     })),
   };
 }

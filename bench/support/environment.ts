@@ -5,6 +5,7 @@
 
 import { type ChildProcess, execFileSync, spawn } from "node:child_process";
 import { once } from "node:events";
+import { appendFileSync } from "node:fs";
 import { mkdtemp, readdir, readFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
@@ -30,14 +31,18 @@ export interface BenchDatabase {
 
 export async function startBenchDatabase(name = "leasehold_bench"): Promise<BenchDatabase> {
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
+  const pgLog = process.env.BENCH_PG_LOG;
   const embedded: EmbeddedDatabase = await startEmbeddedPostgres({
     dataDir: path.join(dir, "pgdata"),
     ephemeral: true,
+    // Diagnostics (bench/README.md, "Profiling"): PostgreSQL's log to a file.
+    ...(pgLog ? { onLog: (m: string) => appendFileSync(pgLog, m) } : {}),
     settings: [
       "shared_preload_libraries=pg_stat_statements",
       "pg_stat_statements.track=all",
       // pg_stat_wal's flush times, read by the KeepAlive scenario.
       "track_wal_io_timing=on",
+      ...(process.env.BENCH_PG_SETTINGS ?? "").split(" ").filter(Boolean),
     ],
   });
   const admin = postgres(embedded.url, { max: 1, onnotice: () => {} });
@@ -103,7 +108,10 @@ export async function spawnLeasehold(
     child.stderr?.on("data", onData);
     child.once("exit", (code) => reject(new Error(`server exited with ${code}: ${stderr}`)));
   });
-  child.stdout?.resume();
+  // BENCH_SERVER_STDOUT keeps what the server prints (e.g. under --trace-gc).
+  const stdoutFile = process.env.BENCH_SERVER_STDOUT;
+  if (stdoutFile) child.stdout?.on("data", (chunk: Buffer) => appendFileSync(stdoutFile, chunk));
+  else child.stdout?.resume();
   child.stderr?.resume();
   const exited = once(child, "exit");
   return {
