@@ -43,6 +43,7 @@ import {
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { documentedCodes } from "./support/documented-codes.js";
 import { useTestDatabase } from "./support/fixture.js";
+import { FLAG, FRAME, h2Frame, headerBlock, preface, readFrames } from "./support/raw-http2.js";
 import type { ServerProcess } from "./support/server.js";
 import { createTestKeys } from "./support/tokens.js";
 import { waitFor, within } from "./support/wait.js";
@@ -1033,57 +1034,6 @@ describe("junk bodies over raw HTTP/2 and HTTP/1.1", () => {
 
 // ---- HTTP/2 abuse over raw sockets ------------------------------------------------------
 
-const preface = Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
-const FRAME = {
-  DATA: 0,
-  HEADERS: 1,
-  RST_STREAM: 3,
-  SETTINGS: 4,
-  PING: 6,
-  GOAWAY: 7,
-  CONTINUATION: 9,
-};
-const FLAG = { END_STREAM: 1, ACK: 1, END_HEADERS: 4 };
-
-function h2Frame(
-  type: number,
-  flags: number,
-  streamId: number,
-  payload: Uint8Array = new Uint8Array(),
-): Buffer {
-  const head = Buffer.alloc(9);
-  head.writeUIntBE(payload.length, 0, 3);
-  head[3] = type;
-  head[4] = flags;
-  head.writeUInt32BE(streamId & 0x7fffffff, 5);
-  return Buffer.concat([head, payload]);
-}
-
-/** HPACK integer with an n-bit prefix (RFC 7541 §5.1). */
-function hpackInt(value: number, prefixBits: number, firstByte = 0): Buffer {
-  const max = (1 << prefixBits) - 1;
-  if (value < max) return Buffer.from([firstByte | value]);
-  const bytes = [firstByte | max];
-  let rest = value - max;
-  while (rest >= 128) {
-    bytes.push((rest % 128) + 128);
-    rest = Math.floor(rest / 128);
-  }
-  bytes.push(rest);
-  return Buffer.from(bytes);
-}
-
-/** A header block of literals without indexing and without Huffman coding. */
-function headerBlock(headers: [string, string][]): Buffer {
-  const parts: Buffer[] = [];
-  for (const [name, value] of headers) {
-    const n = Buffer.from(name);
-    const v = Buffer.from(value);
-    parts.push(Buffer.from([0]), hpackInt(n.length, 7), n, hpackInt(v.length, 7), v);
-  }
-  return Buffer.concat(parts);
-}
-
 const grpcHeaders = (path: string, extra: [string, string][] = []): [string, string][] => [
   [":method", "POST"],
   [":scheme", "http"],
@@ -1138,27 +1088,17 @@ async function rawConnection(
         } else resolve();
       }),
   };
-  let buffered = Buffer.alloc(0);
-  socket.on("data", (chunk: Buffer) => {
-    buffered = Buffer.concat([buffered, chunk]);
-    while (buffered.length >= 9) {
-      const length = buffered.readUIntBE(0, 3);
-      if (buffered.length < 9 + length) break;
-      const type = buffered[3];
-      const flags = buffered[4] ?? 0;
-      const payload = buffered.subarray(9, 9 + length);
-      if (type === FRAME.GOAWAY) {
-        conn.goaway = {
-          lastStreamId: payload.readUInt32BE(0) & 0x7fffffff,
-          code: payload.readUInt32BE(4),
-        };
-        conn.goawayCodes.push(conn.goaway.code);
-      } else if (type === FRAME.RST_STREAM) conn.resets += 1;
-      else if (type === FRAME.HEADERS) conn.headers += 1;
-      else if (type === FRAME.SETTINGS && !(flags & FLAG.ACK) && !socket.destroyed) {
-        socket.write(h2Frame(FRAME.SETTINGS, FLAG.ACK, 0));
-      }
-      buffered = buffered.subarray(9 + length);
+  readFrames(socket, ({ type, flags, payload }) => {
+    if (type === FRAME.GOAWAY) {
+      conn.goaway = {
+        lastStreamId: payload.readUInt32BE(0) & 0x7fffffff,
+        code: payload.readUInt32BE(4),
+      };
+      conn.goawayCodes.push(conn.goaway.code);
+    } else if (type === FRAME.RST_STREAM) conn.resets += 1;
+    else if (type === FRAME.HEADERS) conn.headers += 1;
+    else if (type === FRAME.SETTINGS && !(flags & FLAG.ACK) && !socket.destroyed) {
+      socket.write(h2Frame(FRAME.SETTINGS, FLAG.ACK, 0));
     }
   });
   if (options.sendPreface ?? true)

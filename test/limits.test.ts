@@ -14,6 +14,7 @@ import { createAccountSlots, createStreamLeases } from "../src/server/streams/st
 import { failure, seconds } from "./support/calls.js";
 import { useTestServer } from "./support/fixture.js";
 import { storedState, untilExpired } from "./support/leases.js";
+import { FLAG, FRAME, h2Frame, headerBlock, preface, readFrames } from "./support/raw-http2.js";
 import { grpcClient } from "./support/server.js";
 
 const quota = 5;
@@ -144,57 +145,33 @@ async function rawHttp2(url: URL) {
     socket.once("connect", resolve);
     socket.once("error", reject);
   });
-  const frame = (type: number, flags: number, stream: number, payload: Buffer) => {
-    const header = Buffer.alloc(9);
-    header.writeUIntBE(payload.length, 0, 3);
-    header[3] = type;
-    header[4] = flags;
-    header.writeUInt32BE(stream, 5);
-    socket.write(Buffer.concat([header, payload]));
-  };
-  const literal = (name: string, value: string) =>
-    Buffer.concat([
-      Buffer.from([0x00, name.length]),
-      Buffer.from(name),
-      Buffer.from([value.length]),
-      Buffer.from(value),
-    ]);
-  socket.write("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
-  frame(0x4, 0, 0, Buffer.alloc(0));
+  socket.write(Buffer.concat([preface, h2Frame(FRAME.SETTINGS, 0, 0)]));
   const resets = new Map<number, number>();
   const waiting = new Map<number, (code: number) => void>();
-  let buffered = Buffer.alloc(0);
-  socket.on("data", (chunk: Buffer) => {
-    buffered = Buffer.concat([buffered, chunk]);
-    while (buffered.length >= 9) {
-      const length = buffered.readUIntBE(0, 3);
-      if (buffered.length < 9 + length) break;
-      const type = buffered[3];
-      const stream = buffered.readUInt32BE(5) & 0x7fffffff;
-      if (type === 0x3) {
-        const code = buffered.readUInt32BE(9);
-        resets.set(stream, code);
-        waiting.get(stream)?.(code);
-      }
-      buffered = buffered.subarray(9 + length);
-    }
+  readFrames(socket, ({ type, streamId, payload }) => {
+    if (type !== FRAME.RST_STREAM) return;
+    const code = payload.readUInt32BE(0);
+    resets.set(streamId, code);
+    waiting.get(streamId)?.(code);
   });
   socket.on("error", () => {});
   return {
     resets,
     headers: (stream: number, path: string) =>
-      frame(
-        0x1,
-        0x4, // END_HEADERS; the stream stays open
-        stream,
-        Buffer.concat([
-          literal(":method", "POST"),
-          literal(":scheme", "http"),
-          literal(":path", path),
-          literal(":authority", url.host),
-          literal("content-type", "application/grpc"),
-          literal("te", "trailers"),
-        ]),
+      socket.write(
+        h2Frame(
+          FRAME.HEADERS,
+          FLAG.END_HEADERS, // the stream stays open
+          stream,
+          headerBlock([
+            [":method", "POST"],
+            [":scheme", "http"],
+            [":path", path],
+            [":authority", url.host],
+            ["content-type", "application/grpc"],
+            ["te", "trailers"],
+          ]),
+        ),
       ),
     reset: (stream: number) =>
       new Promise<number>((resolve) => {
