@@ -217,10 +217,15 @@ function rawGrpc(path: string, body: Buffer): Promise<{ status?: string; message
 async function rawGrpcWeb(
   path: string,
   body: Buffer,
+  encoding?: string,
 ): Promise<{ status?: string; message: string }> {
   const web = await fetch(`${server.url}${path}`, {
     method: "POST",
-    headers: { "content-type": "application/grpc-web+proto", authorization: tokens.fuzz ?? "" },
+    headers: {
+      "content-type": "application/grpc-web+proto",
+      authorization: tokens.fuzz ?? "",
+      ...(encoding ? { "grpc-encoding": encoding } : {}),
+    },
     body,
   });
   const text = Buffer.from(await web.arrayBuffer()).toString("latin1");
@@ -355,6 +360,35 @@ describe("hostile input over a real socket", () => {
         }
       }
     }
+  });
+
+  it("a message flagged compressed in a call that names no compression is INVALID_ARGUMENT naming the request message, in gRPC, gRPC-Web and Connect streaming, unary and server-streaming", async () => {
+    // Flags 0x01 (compressed) on an empty message; grpc-encoding absent or identity.
+    const compressed = Buffer.from([1, 0, 0, 0, 0]);
+    const invalid = { status: "3", message: expect.stringMatching(/^request message: .*compress/) };
+    for (const path of ["/leasehold.v1.LeaseService/Get", "/leasehold.v1.LeaseService/Watch"]) {
+      expect(await rawGrpc(path, compressed), `gRPC ${path}`).toMatchObject(invalid);
+      for (const encoding of [undefined, "identity"]) {
+        expect(
+          await rawGrpcWeb(path, compressed, encoding),
+          `gRPC-Web ${path}, grpc-encoding ${encoding}`,
+        ).toMatchObject(invalid);
+      }
+    }
+    const connect = await fetch(`${server.url}/leasehold.v1.LeaseService/Watch`, {
+      method: "POST",
+      headers: { "content-type": "application/connect+proto", authorization: tokens.fuzz ?? "" },
+      body: compressed,
+    });
+    const body = Buffer.from(await connect.arrayBuffer());
+    // The Connect protocol ends a stream with a JSON message flagged 0x02.
+    expect(body[0]).toBe(2);
+    expect(JSON.parse(body.subarray(5).toString("utf8"))).toMatchObject({
+      error: {
+        code: "invalid_argument",
+        message: expect.stringMatching(/^request message: .*compress/),
+      },
+    });
   });
 
   it("the server is still up and answers correctly after the storm", async () => {

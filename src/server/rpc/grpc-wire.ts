@@ -68,7 +68,7 @@ export class FrameReader<T extends Message> {
       }
       if ((buffer[0] ?? 0) & 1) {
         throw new ConnectError(
-          "request message: flagged compressed, but the request names no grpc-encoding",
+          "request message: flagged compressed, but the request names no compression",
           Code.InvalidArgument,
         );
       }

@@ -27,11 +27,19 @@ import type {
 // says INTERNAL for a truncated gzip or brotli stream, INVALID_ARGUMENT only
 // for some corrupt ones).
 const markers = ["parse binary:", "decompression failed"];
+// A message whose flags say compressed in a call that names no compression
+// (no grpc-encoding or connect-content-encoding, or identity): connect-node
+// says INTERNAL, as the gRPC implementations do; the native gRPC path says
+// INVALID_ARGUMENT in the same words as here.
+const compressedWithoutEncoding = "received compressed envelope, but do not know how to decompress";
 
 /** The INVALID_ARGUMENT message for an error connect-es gave a bad request body, or undefined. */
 function invalidArgumentMessage(code: number, message: string): string | undefined {
   if (code === Code.Internal && markers.some((m) => message.startsWith(m))) {
     return `request message: ${message}`;
+  }
+  if (code === Code.Internal && message === compressedWithoutEncoding) {
+    return "request message: flagged compressed, but the request names no compression";
   }
   if (code === Code.Unimplemented) {
     if (message.startsWith("protocol error: missing input message for ")) {
