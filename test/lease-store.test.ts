@@ -7,8 +7,10 @@ import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { Sql } from "../src/server/db/pool.js";
 import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
 import type { LeaseStore } from "../src/server/lease/types.js";
+import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
+import { waitFor } from "./support/wait.js";
 
 const { db } = useTestDatabase();
 let store: LeaseStore;
@@ -249,6 +251,77 @@ describe("S8 independence", () => {
       await lock.end();
     }
     expect((await acquire(fast, locked)).acquired).toBe(true);
+  });
+});
+
+describe("a decision that waited on a row lock", () => {
+  // A statement takes its snapshot, then waits for the row lock of a
+  // renewal in progress; once the renewal commits, the row it locks is a
+  // version its snapshot does not see. It must decide on that row (or
+  // retry), never answer as if there were no lease.
+  const concurrentRenewal = (key: { accountId: string; sessionId: string }) =>
+    openTransaction(
+      db,
+      (tx) => tx`UPDATE leases SET expires_at = clock_timestamp() + ttl
+                 WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`,
+    );
+  const blockedOnTheRow = () =>
+    waitFor(
+      async () =>
+        (
+          await db.sql`SELECT 1 FROM pg_stat_activity
+            WHERE datname = current_database() AND wait_event_type = 'Lock'`
+        ).length > 0,
+      { what: "the store's statement to wait on the renewal's row lock" },
+    );
+
+  it("S5: a release waiting for a renewal of its own lease ends it", async () => {
+    const key = freshKey("wait-release");
+    const granted = await acquire(store, key);
+    if (!granted.acquired) throw new Error("not granted");
+    const renewal = await concurrentRenewal(key);
+    const release = store.release(key, granted.lease.runId);
+    await blockedOnTheRow();
+    await renewal.end();
+    expect((await release)?.runId).toBe(granted.lease.runId);
+    expect(await store.get(key)).toBeUndefined();
+  });
+
+  it("a revoke waiting for a renewal of the lease ends it", async () => {
+    const key = freshKey("wait-revoke");
+    const granted = await acquire(store, key);
+    if (!granted.acquired) throw new Error("not granted");
+    const renewal = await concurrentRenewal(key);
+    const revoke = store.revoke(key, "test");
+    await blockedOnTheRow();
+    await renewal.end();
+    expect((await revoke)?.runId).toBe(granted.lease.runId);
+    expect(await store.get(key)).toBeUndefined();
+  });
+
+  it("S4: a renewal waiting for another renewal of its valid lease renews it, not `expired`", async () => {
+    const key = freshKey("wait-renew");
+    const granted = await acquire(store, key);
+    if (!granted.acquired) throw new Error("not granted");
+    const renewal = await concurrentRenewal(key);
+    const renew = store.renew(key, granted.lease.runId, undefined);
+    await blockedOnTheRow();
+    await renewal.end();
+    expect(await renew).toMatchObject({ held: true, lease: { runId: granted.lease.runId } });
+  });
+
+  it("S4: a batch of renewals retried alone after a renewal held the row renews it", async () => {
+    const key = freshKey("wait-renew-many");
+    const granted = await acquire(store, key);
+    if (!granted.acquired) throw new Error("not granted");
+    const renewal = await concurrentRenewal(key);
+    const item = { ...key, runId: granted.lease.runId, ttlMs: undefined, lookupHandoff: false };
+    const renew = store.renewMany([item], { wait: true });
+    await blockedOnTheRow();
+    await renewal.end();
+    const [result] = await renew;
+    // Busy is an answer the batcher retries; a loss would be final.
+    expect(result?.outcome).not.toBe("lost");
   });
 });
 

@@ -88,13 +88,15 @@ export async function endMany(
     SELECT w.idx, e.idx IS NOT NULL AS ended, a.id AS event_id,
            ${leaseColumns(sql, "e")},
            -- Valid and matching in the snapshot, yet not locked: another
-           -- transaction holds the row.
-           e.idx IS NULL AND k.idx IS NULL AND EXISTS (
+           -- transaction holds the row. Or locked, yet not ended: the row
+           -- version locked was made by a transaction that committed after
+           -- the snapshot, which the UPDATE cannot see.
+           e.idx IS NULL AND (k.idx IS NOT NULL OR EXISTS (
              SELECT 1 FROM leases p
              WHERE p.account_id = w.account_id AND p.session_id = w.session_id
                AND (w.run_id IS NULL OR p.run_id = w.run_id)
                AND p.expires_at > lease_clock.observed_at
-           ) AS busy
+           )) AS busy
     FROM wanted w
     CROSS JOIN lease_clock
     LEFT JOIN ended e ON e.idx = w.idx
@@ -146,13 +148,19 @@ export async function endOne(
         FROM ended
         RETURNING id
       )
-      SELECT ${leaseColumns(sql, "ended")}, audit.id AS event_id FROM ended, audit, lease_clock`;
+      SELECT ${leaseColumns(sql, "ended")}, audit.id AS event_id,
+             (SELECT count(*) FROM locked)::int AS locked_rows
+      FROM lease_clock LEFT JOIN (ended CROSS JOIN audit) ON true`;
   } catch (error) {
     if (!options.wait && (error as { code?: unknown }).code === "55P03") return { outcome: "busy" };
     throw error;
   }
   const row = rows[0];
-  return row
-    ? { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId } }
-    : { outcome: "none" };
+  if (row?.eventId != null) {
+    return { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId } };
+  }
+  // Locked, yet not ended: a transaction that committed after this
+  // statement's snapshot (a renewal it waited for) made the row version it
+  // locked, which the UPDATE cannot see. Not decided: the caller retries.
+  return row && Number(row.lockedRows) > 0 ? { outcome: "busy" } : { outcome: "none" };
 }

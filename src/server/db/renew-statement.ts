@@ -152,9 +152,9 @@ export async function renewOne(
   options: { wait: boolean },
 ): Promise<RenewManyResult> {
   const newTtl = item.ttlMs === undefined ? null : item.ttlMs;
-  let rows: LeaseRecord[];
+  let rows: (LeaseRecord & { renewed: boolean; lockedRows: number })[];
   try {
-    rows = await sql<LeaseRecord[]>`
+    rows = await sql<(LeaseRecord & { renewed: boolean; lockedRows: number })[]>`
       WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
       locked AS MATERIALIZED (
         SELECT l.ctid AS row_id FROM leases l, lease_clock c
@@ -171,13 +171,22 @@ export async function renewOne(
         WHERE held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
         RETURNING held.*
       )
-      SELECT ${leaseColumns(sql, "renewed")} FROM renewed, lease_clock`;
+      SELECT ${leaseColumns(sql, "renewed")}, renewed.account_id IS NOT NULL AS renewed,
+             (SELECT count(*) FROM locked)::int AS locked_rows
+      FROM lease_clock LEFT JOIN renewed ON true`;
   } catch (error) {
     if (!options.wait && (error as { code?: unknown }).code === "55P03") return { outcome: "busy" };
     throw error;
   }
-  const lease = rows[0];
-  if (lease) return { outcome: "renewed", lease, handoff: undefined };
+  const answer = rows[0];
+  if (answer?.renewed) {
+    const { renewed: _, lockedRows: __, ...lease } = answer;
+    return { outcome: "renewed", lease, handoff: undefined };
+  }
+  // Locked, yet not renewed: a transaction that committed after this
+  // statement's snapshot (another renewal it waited for) made the row
+  // version it locked, which the UPDATE cannot see. Not decided: retry.
+  if (answer && answer.lockedRows > 0) return { outcome: "busy" };
   const [row] = await sql<{ runId: string; ended: string | null }[]>`
     SELECT run_id, ended FROM leases
     WHERE account_id = ${item.accountId} AND session_id = ${item.sessionId}`;
