@@ -9,15 +9,23 @@ import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { beforeAll, describe, expect, it } from "vitest";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
+import { LimitName } from "../src/protocol/errors.js";
 import type { RunningServer } from "../src/server/server.js";
 import { createAccountSlots, createStreamLeases } from "../src/server/streams/stream-limits.js";
 import { failure, seconds } from "./support/calls.js";
 import { useTestServer } from "./support/fixture.js";
 import { storedState, untilExpired } from "./support/leases.js";
 import { FLAG, FRAME, h2Frame, headerBlock, preface, readFrames } from "./support/raw-http2.js";
-import { grpcClient } from "./support/server.js";
+import { connectClient, grpcClient, type LeaseClient } from "./support/server.js";
 
 const quota = 5;
+
+/** The LIMIT_EXCEEDED detail of a RESOURCE_EXHAUSTED: the bound it names and its value. */
+function limitOf(error: ConnectError) {
+  const info = error.findDetails(ErrorInfoSchema).find((d) => d.reason === "LIMIT_EXCEEDED");
+  return info && { limit: info.metadata.limit, max: info.metadata.max };
+}
 const { db, client, startServer } = useTestServer({
   args: ["--max-leases-per-account", String(quota), "--max-message-bytes", "4096"],
 });
@@ -53,6 +61,7 @@ describe("per-account lease quota", () => {
     expect(refused.rawMessage).toMatch(
       /holds 5 leases, the most its quota \(--max-leases-per-account\) allows/,
     );
+    expect(limitOf(refused)).toEqual({ limit: "max-leases-per-account", max: "5" });
     // An idempotent retry of a held lease is not a new lease.
     const retry = await client.acquire({ key: key(0), runId: runs[0], ttl: seconds(60) });
     expect(retry.acquired).toBe(true);
@@ -204,6 +213,7 @@ describe("watchers per account over the wire", () => {
     const refused = await failure(b.first);
     expect(refused.code).toBe(Code.ResourceExhausted);
     expect(refused.rawMessage).toMatch(/limit \(--max-watchers-per-account\) is 1/);
+    expect(limitOf(refused)).toEqual({ limit: "max-watchers-per-account", max: "1" });
     const other = open("watch-other");
     await other.first;
     other.stop();
@@ -218,11 +228,42 @@ describe("watchers per account over the wire", () => {
       })
       .toBe("served");
   });
+
+  it("the slots are the same whichever path serves the stream: a Watch over gRPC (the native path) and one over the Connect protocol count together", async () => {
+    const open = (c: LeaseClient) => {
+      const controller = new AbortController();
+      const stream = c.watch(
+        { key: { accountId: "watch-paths", sessionId: "" } },
+        { signal: controller.signal },
+      );
+      return { first: stream[Symbol.asyncIterator]().next(), stop: () => controller.abort() };
+    };
+    const overGrpc = open(grpcClient(narrow.url));
+    await overGrpc.first;
+    const overConnect = open(connectClient(narrow.url));
+    const refused = await failure(overConnect.first);
+    expect(refused.code).toBe(Code.ResourceExhausted);
+    expect(limitOf(refused)).toEqual({ limit: "max-watchers-per-account", max: "1" });
+    overGrpc.stop();
+    // And the other way round, once the server has seen the first end.
+    await expect
+      .poll(async () => {
+        const again = open(connectClient(narrow.url));
+        const answer = await again.first.catch((e: unknown) => ConnectError.from(e));
+        if (answer instanceof ConnectError) return "the gRPC stream's slot is not back yet";
+        const third = open(grpcClient(narrow.url));
+        const code = await failure(third.first).then((e) => Code[e.code]);
+        third.stop();
+        again.stop();
+        return code;
+      })
+      .toBe("ResourceExhausted");
+  });
 });
 
 describe("stream limits", () => {
   it("watchers per account: the limit-th slot is granted, the next is RESOURCE_EXHAUSTED; leaving frees one", () => {
-    const slots = createAccountSlots(2, "Watch streams", "--max-watchers-per-account");
+    const slots = createAccountSlots(2, "Watch streams", LimitName.watchersPerAccount);
     const leave = slots.enter("a");
     slots.enter("a");
     expect(() => slots.enter("a")).toThrow(

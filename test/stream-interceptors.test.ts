@@ -20,6 +20,7 @@ import {
   LeaseService,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
+import { LimitName } from "../src/protocol/errors.js";
 import { createAuthenticator } from "../src/server/auth/authn.js";
 import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
 import type { AuthConfig } from "../src/server/config/ops-config.js";
@@ -59,7 +60,7 @@ function setup(maxWatchers = 10) {
       );
     },
   };
-  const slots = createAccountSlots(maxWatchers, "Watch streams", "--max-watchers-per-account");
+  const slots = createAccountSlots(maxWatchers, "Watch streams", LimitName.watchersPerAccount);
   const transport = createRouterTransport(({ service }) => service(LeaseService, impl), {
     router: {
       interceptors: [

@@ -2,6 +2,7 @@
 // and the document upsert in one transaction (S7), so the token that passed
 // the check is the token recorded with the value.
 
+import { LimitName } from "../protocol/errors.js";
 import { classifyDatabaseError } from "../server/db/database-errors.js";
 import type { Sql } from "../server/db/pool.js";
 import { ResourceExhaustedError } from "../server/lease/errors.js";
@@ -72,6 +73,8 @@ export function createDocumentStore(sql: Sql, limits: DocumentLimits): DocumentS
           if (!counted?.exists && (counted?.others ?? 0n) >= limits.maxDocumentsPerSession) {
             throw new ResourceExhaustedError(
               `a session holds at most ${limits.maxDocumentsPerSession} documents`,
+              LimitName.documentsPerSession,
+              limits.maxDocumentsPerSession,
             );
           }
           const [document] = await tx<DocumentRecord[]>`

@@ -18,6 +18,11 @@ export const ErrorReason = {
   databaseUnavailable: "DATABASE_UNAVAILABLE",
   /** UNAUTHENTICATED: metadata `cause` is an AuthFailure. */
   unauthenticated: "UNAUTHENTICATED",
+  /**
+   * RESOURCE_EXHAUSTED: a bound of the server was reached; metadata `limit`
+   * names it (a LimitName) and `max` is its value.
+   */
+  limitExceeded: "LIMIT_EXCEEDED",
 } as const;
 
 export type ErrorReason = (typeof ErrorReason)[keyof typeof ErrorReason];
@@ -29,7 +34,25 @@ export const ErrorMetadata = {
   presentedToken: "presented_token",
   highestToken: "highest_token",
   sqlState: "sql_state",
+  limit: "limit",
+  max: "max",
 } as const;
+
+/**
+ * The bounds a LIMIT_EXCEEDED names: the server flag that sets each, where
+ * one does. A client may adapt to one (the client library opens another
+ * KeepAlive stream when a stream carries `max-leases-per-stream` leases).
+ */
+export const LimitName = {
+  leasesPerStream: "max-leases-per-stream",
+  watchersPerAccount: "max-watchers-per-account",
+  leasesPerAccount: "max-leases-per-account",
+  /** Answers a KeepAlive stream's client has not read (no flag). */
+  streamBacklog: "stream-backlog",
+  /** Documents of one session in the guarded store (no flag). */
+  documentsPerSession: "documents-per-session",
+} as const;
+export type LimitName = (typeof LimitName)[keyof typeof LimitName];
 
 /**
  * Why a run does not hold its lease: the `cause` of LEASE_NOT_HELD, and (as

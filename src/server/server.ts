@@ -12,6 +12,7 @@
 import { randomUUID } from "node:crypto";
 import { Health } from "../gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { LimitName } from "../protocol/errors.js";
 import { createAuthenticator } from "./auth/authn.js";
 import { aclTableAuthorizer, ownAccountAuthorizer } from "./auth/session-authorizer.js";
 import { checkExposure } from "./config/ops-config.js";
@@ -226,7 +227,7 @@ async function buildLeaseServer(
   const watchSlots = createAccountSlots(
     limits.maxWatchersPerAccount,
     "Watch streams",
-    "--max-watchers-per-account",
+    LimitName.watchersPerAccount,
   );
   const observer = createCallObserver({ logger, metrics, accessLogSample: ops.accessLogSample });
   const access = createAccess({
@@ -244,14 +245,7 @@ async function buildLeaseServer(
     rpcObserver(observer),
     errorCodeInterceptor(),
     authInterceptor(access),
-    watchLimitInterceptor(
-      LeaseService.typeName,
-      createAccountSlots(
-        limits.maxWatchersPerAccount,
-        "Watch streams",
-        "--max-watchers-per-account",
-      ),
-    ),
+    watchLimitInterceptor(LeaseService.typeName, watchSlots),
   ];
 
   // One implementation of LeaseService: the Connect adapter serves it to

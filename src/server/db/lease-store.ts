@@ -15,6 +15,7 @@
 // stuck transaction; a deadlock) is decided row by row the same way, so only
 // the stuck key fails.
 
+import { LimitName } from "../../protocol/errors.js";
 import { DatabaseUnavailableError, ResourceExhaustedError } from "../lease/errors.js";
 import type {
   AcquireInput,
@@ -201,6 +202,8 @@ export function createLeaseStore(
           case "quota":
             throw new ResourceExhaustedError(
               `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
+              LimitName.leasesPerAccount,
+              maxLeasesPerAccount,
             );
           case "refused": {
             // Refused by a valid lease that RETURNING could not show: read it.

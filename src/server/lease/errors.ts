@@ -1,7 +1,7 @@
 // Domain errors of the lease service. They carry no transport types: the
 // one table that turns them into wire codes is rpc/error-codes.ts.
 
-import type { AuthFailure, LossCause } from "../../protocol/errors.js";
+import type { AuthFailure, LimitName, LossCause } from "../../protocol/errors.js";
 
 /** A request field broke a rule. The message names the field and the rule. */
 export class InvalidArgumentError extends Error {
@@ -38,9 +38,17 @@ export class NotFoundError extends Error {
   override readonly name = "NotFoundError";
 }
 
-/** A limit or quota was reached. */
+/** A limit or quota was reached: `limit` names it, `max` is its value. */
 export class ResourceExhaustedError extends Error {
   override readonly name = "ResourceExhaustedError";
+
+  constructor(
+    message: string,
+    readonly limit: LimitName,
+    readonly max: number,
+  ) {
+    super(message);
+  }
 }
 
 /** The caller may not touch this account, session or method. */

@@ -67,7 +67,12 @@ export function toConnectError(error: unknown): ConnectError {
     return new ConnectError(error.message, Code.NotFound);
   }
   if (error instanceof ResourceExhaustedError) {
-    return new ConnectError(error.message, Code.ResourceExhausted);
+    return new ConnectError(error.message, Code.ResourceExhausted, undefined, [
+      errorInfo(ErrorReason.limitExceeded, {
+        [ErrorMetadata.limit]: error.limit,
+        [ErrorMetadata.max]: String(error.max),
+      }),
+    ]);
   }
   if (error instanceof PermissionDeniedError) {
     return new ConnectError(error.message, Code.PermissionDenied);

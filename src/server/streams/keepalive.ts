@@ -14,7 +14,7 @@
 // with RESOURCE_EXHAUSTED. Closing a stream releases nothing: its leases run
 // to their deadlines unless renewed elsewhere or released.
 
-import type { LossCause } from "../../protocol/errors.js";
+import { LimitName, type LossCause } from "../../protocol/errors.js";
 import { ResourceExhaustedError } from "../lease/errors.js";
 import { keyString, type LeaseChange, runKey } from "../lease/lease-change.js";
 import type { LeaseRecord, SessionKey } from "../lease/types.js";
@@ -237,6 +237,8 @@ class Session implements KeepAliveSession {
     this.fail(
       new ResourceExhaustedError(
         `the KeepAlive stream has ${this.options.maxPendingAnswers} answers its client has not read; it is closed so that it holds no more server memory`,
+        LimitName.streamBacklog,
+        this.options.maxPendingAnswers,
       ),
     );
     return false;

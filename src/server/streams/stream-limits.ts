@@ -4,6 +4,7 @@
 // operator would raise. Counting is per instance: N instances allow N times
 // the number of watchers, which bounds each instance's memory, the point.
 
+import { LimitName } from "../../protocol/errors.js";
 import { ResourceExhaustedError } from "../lease/errors.js";
 
 export interface AccountSlots {
@@ -13,14 +14,16 @@ export interface AccountSlots {
   used(account: string): number;
 }
 
-export function createAccountSlots(max: number, what: string, flag: string): AccountSlots {
+export function createAccountSlots(max: number, what: string, limit: LimitName): AccountSlots {
   const counts = new Map<string, number>();
   return {
     enter: (account) => {
       const n = counts.get(account) ?? 0;
       if (n >= max) {
         throw new ResourceExhaustedError(
-          `the account already has ${n} ${what} open on this server, the limit (${flag}) is ${max}`,
+          `the account already has ${n} ${what} open on this server, the limit (--${limit}) is ${max}`,
+          limit,
+          max,
         );
       }
       counts.set(account, n + 1);
@@ -53,6 +56,8 @@ export function createStreamLeases(max: number): StreamLeases {
       if (keys.size >= max) {
         throw new ResourceExhaustedError(
           `this KeepAlive stream already carries ${keys.size} leases, the limit (--max-leases-per-stream) is ${max}: open another stream`,
+          LimitName.leasesPerStream,
+          max,
         );
       }
       keys.add(key);
