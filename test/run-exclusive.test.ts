@@ -4,7 +4,7 @@
 // own expires_at and clock), and a grant that arrives too late is not used.
 
 import { once } from "node:events";
-import { createClient } from "@connectrpc/connect";
+import { Code, createClient } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
 import {
   type ClientEvent,
@@ -150,8 +150,36 @@ describe("runExclusive keeps the lease alive", () => {
       expect(r.now?.valid).toBe(true);
       expect(r.now?.runId).toBe(r.first?.runId);
     }
-    expect(events.filter((e) => e.type === "keepalive-open")).toHaveLength(3);
-    expect(events.filter((e) => e.type === "keepalive-failed")).toEqual([]);
+    // Three streams, none refused for its lease count; a renewal unanswered
+    // for a renew interval (a loaded machine) reconnects a stream, once per
+    // failure.
+    const opened = events.filter((e) => e.type === "keepalive-open");
+    const failed = events.filter((e) => e.type === "keepalive-failed");
+    expect(failed.filter((e) => e.error.code === Code.ResourceExhausted)).toEqual([]);
+    expect(opened.length - failed.length).toBe(3);
+  });
+
+  it("L2: a client that does not know the server's bound learns it from the first refused stream and spreads its leases over more streams", async () => {
+    const bounded = await startServer(["--max-leases-per-stream", "2"]);
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrl: bounded.url, onEvent: (e) => events.push(e) });
+    const keys = Array.from({ length: 5 }, () => freshKey("learned"));
+    for (const r of await holdPastFirstDeadline(c, keys)) {
+      expect(r.aborted).toBe(false);
+      expect(r.now?.valid).toBe(true);
+      expect(r.now?.runId).toBe(r.first?.runId);
+    }
+    // One stream was refused (its third lease), and none again after.
+    const refused = events.filter(
+      (e) => e.type === "keepalive-failed" && e.error.code === Code.ResourceExhausted,
+    );
+    expect(refused).toHaveLength(1);
+    expect(refused[0]).toMatchObject({
+      error: {
+        code: Code.ResourceExhausted,
+        metadata: { limit: "max-leases-per-stream", max: "2" },
+      },
+    });
   });
 });
 

@@ -80,7 +80,10 @@ export interface LeaseClientOptions extends TransportOptions {
   /**
    * Leases kept alive on one KeepAlive stream; beyond it the client opens
    * another stream. Default 1,000, the server's default
-   * `--max-leases-per-stream`: set it to the server's value if lower.
+   * `--max-leases-per-stream`. A server with a lower bound refuses the
+   * stream that passes it, naming the bound; the client then lowers this to
+   * it and moves the leases beyond it to other streams. Set it to the
+   * server's value to avoid that one refused stream.
    */
   maxLeasesPerStream?: number;
 }

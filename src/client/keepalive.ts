@@ -27,6 +27,7 @@ import {
   type Lease,
   LeaseService,
 } from "../gen/leasehold/v1/lease_pb.js";
+import { ErrorMetadata, ErrorReason, LimitName } from "../protocol/errors.js";
 import { lossCauseFromReason } from "../protocol/loss-reason.js";
 import {
   type LeaseholdError,
@@ -89,7 +90,8 @@ export interface KeepAliveChannelOptions {
   onEvent?: (event: KeepAliveEvent) => void;
   /**
    * Leases one stream carries; the channel opens another stream for the
-   * ones beyond. Default 1,000, the server's default --max-leases-per-stream.
+   * ones beyond. Default 1,000, the server's default --max-leases-per-stream;
+   * a server's lower bound, met once, lowers it.
    */
   maxLeasesPerStream?: number;
 }
@@ -212,6 +214,19 @@ function entryId(key: { accountId: string; sessionId: string }, runId: string): 
   return JSON.stringify([key.accountId, key.sessionId, runId]);
 }
 
+/**
+ * The server's --max-leases-per-stream when `error` is the RESOURCE_EXHAUSTED
+ * of a stream that carried more (its LIMIT_EXCEEDED detail); else undefined.
+ */
+function leasesPerStreamLimit(error: LeaseholdError): number | undefined {
+  if (error.code !== Code.ResourceExhausted || error.reason !== ErrorReason.limitExceeded) {
+    return undefined;
+  }
+  if (error.metadata[ErrorMetadata.limit] !== LimitName.leasesPerStream) return undefined;
+  const max = Number(error.metadata[ErrorMetadata.max]);
+  return Number.isInteger(max) && max >= 1 ? max : undefined;
+}
+
 /** One self-reconnecting KeepAlive stream and the leases it carries. */
 class KeepAliveLane {
   private readonly entries = new Map<string, Entry>();
@@ -223,7 +238,11 @@ class KeepAliveLane {
   private reconnectTimer: NodeJS.Timeout | undefined;
   private closed = false;
 
-  constructor(private readonly options: KeepAliveChannelOptions) {
+  constructor(
+    private readonly options: KeepAliveChannelOptions,
+    /** Told, before the lane reconnects, that the server carries at most `max` leases per stream. */
+    private readonly onStreamLimit: (lane: KeepAliveLane, max: number) => void,
+  ) {
     if (options.baseUrls.length === 0) throw new RangeError("at least one base URL is required");
     this.now = options.now ?? (() => performance.now());
   }
@@ -235,6 +254,23 @@ class KeepAliveLane {
 
   has(id: string): boolean {
     return this.entries.has(id);
+  }
+
+  /** The ids of the leases on this lane, in the order they registered. */
+  ids(): string[] {
+    return [...this.entries.keys()];
+  }
+
+  /**
+   * Takes a lease off this lane (to be registered on another) without
+   * telling its owner; its requests no longer count as stalled here.
+   */
+  detach(id: string): void {
+    const entry = this.entries.get(id);
+    if (!entry) return;
+    entry.active = false;
+    this.entries.delete(id);
+    if (this.entries.size === 0) this.shutdown();
   }
 
   /** Starts keeping a lease alive; the first renewal is sent when the stream (re)opens or on `renew()`. */
@@ -377,6 +413,11 @@ class KeepAliveLane {
     stream.abort.abort(error);
     stream.queue.end();
     stream.endpoint.close();
+    // The server carries fewer leases per stream than this lane had: the
+    // channel moves the ones beyond its bound to other streams first, so
+    // that the reconnected stream is not refused again.
+    const limit = leasesPerStreamLimit(error);
+    if (limit !== undefined) this.onStreamLimit(this, limit);
     if (definitiveCodes.has(error.code)) {
       const failed = [...this.entries.values()];
       this.forgetAll();
@@ -432,13 +473,15 @@ class KeepAliveLane {
  * alive: one stream, and one more for each `maxLeasesPerStream` leases
  * beyond it. A server ends a stream that carries more than its
  * --max-leases-per-stream with RESOURCE_EXHAUSTED, after which none of the
- * stream's leases would be renewed; each lane reconnects on its own.
+ * stream's leases would be renewed; each lane reconnects on its own. That
+ * answer names the server's bound (a LIMIT_EXCEEDED detail): the channel
+ * lowers its own to it and moves the leases beyond it to other streams.
  */
 export class KeepAliveChannel {
   private readonly lanes: KeepAliveLane[] = [];
-  /** The lane of each registered lease, by key and run. */
-  private readonly laneOf = new Map<string, KeepAliveLane>();
-  private readonly maxPerLane: number;
+  /** Where each registered lease is kept alive, by key and run. */
+  private readonly placed = new Map<string, Placement>();
+  private maxPerLane: number;
   private closed = false;
 
   constructor(private readonly options: KeepAliveChannelOptions) {
@@ -456,22 +499,17 @@ export class KeepAliveChannel {
     if (this.closed) throw new Error("the client is closed");
     const id = entryId(target.key, target.runId);
     // A lease registered again replaces itself on the lane it is on.
-    let lane = this.laneOf.get(id);
-    if (!lane) {
-      lane = this.lanes.find((l) => l.size < this.maxPerLane);
-      if (!lane) {
-        lane = new KeepAliveLane(this.options);
-        this.lanes.push(lane);
-      }
-      this.laneOf.set(id, lane);
-    }
-    const owner = lane;
-    const registration = owner.register(target);
+    const lane = this.placed.get(id)?.lane ?? this.laneWithRoom();
+    const placement: Placement = { target, lane, registration: lane.register(target) };
+    this.placed.set(id, placement);
     return {
-      renew: registration.renew,
+      renew: () => {
+        if (this.placed.get(id) === placement) placement.registration.renew();
+      },
       remove: () => {
-        registration.remove();
-        if (!owner.has(id) && this.laneOf.get(id) === owner) this.laneOf.delete(id);
+        if (this.placed.get(id) !== placement) return;
+        placement.registration.remove();
+        this.placed.delete(id);
       },
     };
   }
@@ -480,6 +518,46 @@ export class KeepAliveChannel {
   close(): void {
     this.closed = true;
     for (const lane of this.lanes) lane.close();
-    this.laneOf.clear();
+    this.placed.clear();
   }
+
+  private laneWithRoom(): KeepAliveLane {
+    let lane = this.lanes.find((l) => l.size < this.maxPerLane);
+    if (!lane) {
+      lane = new KeepAliveLane(this.options, (_, max) => this.lowerLimit(max));
+      this.lanes.push(lane);
+    }
+    return lane;
+  }
+
+  /**
+   * A server carries at most `max` leases per stream: every lane keeps its
+   * first `max` and the rest move to lanes with room (new streams), each
+   * renewed at once there.
+   */
+  private lowerLimit(max: number): void {
+    if (this.closed || max >= this.maxPerLane) return;
+    this.maxPerLane = max;
+    const moving: Placement[] = [];
+    for (const lane of this.lanes) {
+      for (const id of lane.ids().slice(max)) {
+        const placement = this.placed.get(id);
+        lane.detach(id);
+        if (placement) moving.push(placement);
+      }
+    }
+    for (const placement of moving) {
+      const lane = this.laneWithRoom();
+      placement.lane = lane;
+      placement.registration = lane.register(placement.target);
+      placement.registration.renew();
+    }
+  }
+}
+
+/** The lane a lease is on, and its registration there. */
+interface Placement {
+  readonly target: KeepAliveTarget;
+  lane: KeepAliveLane;
+  registration: KeepAliveRegistration;
 }
