@@ -2,10 +2,13 @@
 
 import type { ConnectRouter } from "@connectrpc/connect";
 import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
+import { unaryParseErrorsAsInvalidArgument } from "../server/rpc/parse-errors.js";
 import { createGuardedService, type GuardedServiceDeps } from "./guarded-service.js";
 
 export function guardedRoutes(deps: GuardedServiceDeps) {
   return (router: ConnectRouter) => {
     router.service(GuardedStoreService, createGuardedService(deps));
+    // A body that does not parse is the client's mistake, as on the lease server.
+    unaryParseErrorsAsInvalidArgument(router);
   };
 }

@@ -5,6 +5,7 @@
 
 import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import http2 from "node:http2";
 import os from "node:os";
 import path from "node:path";
 import { Code, ConnectError } from "@connectrpc/connect";
@@ -128,6 +129,8 @@ describe("GuardedStoreService", () => {
     }
     const error = await refusal(grpc.put({ key, name: "d", value: text("d"), fencingToken: 1n }));
     expect(error.code).toBe(Code.ResourceExhausted);
+    const info = error.findDetails(ErrorInfoSchema).find((d) => d.reason === "LIMIT_EXCEEDED");
+    expect(info?.metadata).toEqual({ limit: "documents-per-session", max: "3" });
     await grpc.put({ key, name: "a", value: text("again"), fencingToken: 1n });
     expect((await grpc.list({ key })).documents.map((d) => d.name)).toEqual(["a", "b", "c"]);
   });
@@ -171,7 +174,71 @@ describe("GuardedStoreService", () => {
     expect(await storedDocuments()).toEqual(before);
     expect((await grpc.list({ key })).highestToken).toBe(4n);
   });
+
+  it("a body that is not protobuf, or flagged compressed without a compression, is INVALID_ARGUMENT naming the request message, in gRPC, gRPC-Web and Connect; nothing changes", async () => {
+    const before = await storedDocuments();
+    const path = "/leasehold.guarded.v1.GuardedStoreService/Put";
+    // A field numbered 0 (no parser accepts it), and an empty message flagged compressed.
+    for (const envelope of [Buffer.from([0, 0, 0, 0, 1, 0]), Buffer.from([1, 0, 0, 0, 0])]) {
+      for (const type of ["application/grpc", "application/grpc-web+proto"]) {
+        const answer = await fetchGrpcStatus(`${store.url}${path}`, type, envelope);
+        expect(answer, `${type} ${envelope.toString("hex")}`).toMatchObject({
+          status: "3",
+          message: expect.stringMatching(/^request message: /),
+        });
+      }
+    }
+    const connectAnswer = await fetch(`${store.url}${path}`, {
+      method: "POST",
+      headers: { "content-type": "application/proto" },
+      body: Buffer.from([0]),
+    });
+    expect(connectAnswer.status).toBe(400);
+    expect(((await connectAnswer.json()) as { code: string }).code).toBe("invalid_argument");
+    expect(await storedDocuments()).toEqual(before);
+  });
 });
+
+/** grpc-status and grpc-message of a gRPC (HTTP/2) or gRPC-Web call with a raw body. */
+async function fetchGrpcStatus(url: string, type: string, body: Buffer) {
+  if (type === "application/grpc-web+proto") {
+    const res = await fetch(url, { method: "POST", headers: { "content-type": type }, body });
+    const text = Buffer.from(await res.arrayBuffer()).toString("latin1");
+    return {
+      status: /grpc-status: ?(\d+)\r\n/.exec(text)?.[1],
+      message: decodeURIComponent(/grpc-message: ?([^\r]*)\r\n/.exec(text)?.[1] ?? ""),
+    };
+  }
+  const session = http2.connect(new URL(url).origin);
+  try {
+    return await new Promise<{ status?: string; message: string }>((resolve, reject) => {
+      session.on("error", reject);
+      const req = session.request({
+        ":method": "POST",
+        ":path": new URL(url).pathname,
+        "content-type": type,
+        te: "trailers",
+      });
+      let h: http2.IncomingHttpHeaders = {};
+      req.on("response", (headers) => {
+        h = { ...headers, ...h };
+      });
+      req.on("trailers", (t) => {
+        h = { ...h, ...t };
+      });
+      req.on("close", () =>
+        resolve({
+          status: h["grpc-status"] as string | undefined,
+          message: decodeURIComponent(String(h["grpc-message"] ?? "")),
+        }),
+      );
+      req.resume();
+      req.end(body);
+    });
+  } finally {
+    session.close();
+  }
+}
 
 describe("guarded store, live mode", () => {
   let leaseServer: RunningServer;
