@@ -3,10 +3,12 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import { endOne } from "../src/server/db/end-statement.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { Sql } from "../src/server/db/pool.js";
+import { renewOne } from "../src/server/db/renew-statement.js";
 import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
-import type { LeaseStore } from "../src/server/lease/types.js";
+import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";
@@ -308,6 +310,34 @@ describe("a decision that waited on a row lock", () => {
     await blockedOnTheRow();
     await renewal.end();
     expect(await renew).toMatchObject({ held: true, lease: { runId: granted.lease.runId } });
+  });
+
+  it("the single-row statements decide in the attempt that waited, not only in a retry", async () => {
+    for (const [name, statement] of [
+      [
+        "endOne",
+        (key: SessionKey, runId: string) =>
+          endOne(db.sql, { ...key, runId, ended: "released", reason: undefined }, { wait: true }),
+      ],
+      [
+        "renewOne",
+        (key: SessionKey, runId: string) =>
+          renewOne(
+            db.sql,
+            { ...key, runId, ttlMs: undefined, lookupHandoff: false },
+            { wait: true },
+          ),
+      ],
+    ] as const) {
+      const key = freshKey(`wait-${name}`);
+      const granted = await acquire(store, key);
+      if (!granted.acquired) throw new Error("not granted");
+      const renewal = await concurrentRenewal(key);
+      const decided = statement(key, granted.lease.runId);
+      await blockedOnTheRow();
+      await renewal.end();
+      expect((await decided).outcome, name).toBe(name === "endOne" ? "ended" : "renewed");
+    }
   });
 
   it("S4: a batch of renewals retried alone after a renewal held the row renews it", async () => {

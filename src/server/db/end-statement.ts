@@ -126,18 +126,24 @@ export async function endOne(
     rows = await sql<(EndedLease & Record<string, unknown>)[]>`
       WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
       locked AS MATERIALIZED (
-        SELECT l.ctid AS row_id FROM leases l, lease_clock c
+        SELECT 1 FROM leases l, lease_clock c
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR l.run_id = ${item.runId ?? null}::uuid)
           AND l.expires_at > c.observed_at
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
+      -- By key, not by the locked ctid: when the lock was taken after a
+      -- wait, the version locked is newer than this statement's snapshot,
+      -- and an UPDATE by key re-checks its guard on that version (as an
+      -- UPDATE does in READ COMMITTED) where one by ctid would not see it.
       ended AS (
         UPDATE leases AS held
         SET expires_at = greatest(lease_clock.observed_at, held.acquired_at),
             ended = ${item.ended}
         FROM locked k, lease_clock
-        WHERE held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
+          AND (${item.runId ?? null}::uuid IS NULL OR held.run_id = ${item.runId ?? null}::uuid)
+          AND held.expires_at > lease_clock.observed_at
         RETURNING held.*
       ),
       audit AS (
@@ -159,8 +165,7 @@ export async function endOne(
   if (row?.eventId != null) {
     return { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId } };
   }
-  // Locked, yet not ended: a transaction that committed after this
-  // statement's snapshot (a renewal it waited for) made the row version it
-  // locked, which the UPDATE cannot see. Not decided: the caller retries.
+  // Locked, yet not ended: the version locked no longer passed the guard
+  // when the UPDATE re-checked it. Not decided: the caller retries.
   return row && Number(row.lockedRows) > 0 ? { outcome: "busy" } : { outcome: "none" };
 }

@@ -157,18 +157,21 @@ export async function renewOne(
     rows = await sql<(LeaseRecord & { renewed: boolean; lockedRows: number })[]>`
       WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
       locked AS MATERIALIZED (
-        SELECT l.ctid AS row_id FROM leases l, lease_clock c
+        SELECT 1 FROM leases l, lease_clock c
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND l.run_id = ${item.runId}::uuid AND l.expires_at > c.observed_at
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
+      -- By key, not by the locked ctid (end-statement.ts, endOne: a version
+      -- locked after a wait is newer than the snapshot).
       renewed AS (
         UPDATE leases AS held SET
           ttl = coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl),
           expires_at = lease_clock.observed_at
             + coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl)
         FROM locked k, lease_clock
-        WHERE held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
+          AND held.run_id = ${item.runId}::uuid AND held.expires_at > lease_clock.observed_at
         RETURNING held.*
       )
       SELECT ${leaseColumns(sql, "renewed")}, renewed.account_id IS NOT NULL AS renewed,
@@ -183,9 +186,8 @@ export async function renewOne(
     const { renewed: _, lockedRows: __, ...lease } = answer;
     return { outcome: "renewed", lease, handoff: undefined };
   }
-  // Locked, yet not renewed: a transaction that committed after this
-  // statement's snapshot (another renewal it waited for) made the row
-  // version it locked, which the UPDATE cannot see. Not decided: retry.
+  // Locked, yet not renewed: the version locked no longer passed the guard
+  // when the UPDATE re-checked it. Not decided: retry.
   if (answer && answer.lockedRows > 0) return { outcome: "busy" };
   const [row] = await sql<{ runId: string; ended: string | null }[]>`
     SELECT run_id, ended FROM leases
