@@ -256,6 +256,11 @@ class KeepAliveLane {
     return this.entries.has(id);
   }
 
+  /** Whether a stream is open (not closed, not waiting to reconnect). */
+  get connected(): boolean {
+    return this.stream !== undefined;
+  }
+
   /** The ids of the leases on this lane, in the order they registered. */
   ids(): string[] {
     return [...this.entries.keys()];
@@ -413,11 +418,6 @@ class KeepAliveLane {
     stream.abort.abort(error);
     stream.queue.end();
     stream.endpoint.close();
-    // The server carries fewer leases per stream than this lane had: the
-    // channel moves the ones beyond its bound to other streams first, so
-    // that the reconnected stream is not refused again.
-    const limit = leasesPerStreamLimit(error);
-    if (limit !== undefined) this.onStreamLimit(this, limit);
     if (definitiveCodes.has(error.code)) {
       const failed = [...this.entries.values()];
       this.forgetAll();
@@ -446,6 +446,12 @@ class KeepAliveLane {
     });
     if (this.entries.size === 0 || this.closed) return;
     this.reconnectTimer = setTimeout(() => this.open(), delay);
+    // The server carries fewer leases per stream than this lane had: the
+    // channel moves the ones beyond its bound to other streams before this
+    // one reconnects, so that it is not refused again. (After the timer is
+    // set, so that nothing registered here meanwhile opens a stream early.)
+    const limit = leasesPerStreamLimit(error);
+    if (limit !== undefined) this.onStreamLimit(this, limit);
   }
 
   private shutdown(): void {
@@ -524,33 +530,34 @@ export class KeepAliveChannel {
   private laneWithRoom(): KeepAliveLane {
     let lane = this.lanes.find((l) => l.size < this.maxPerLane);
     if (!lane) {
-      lane = new KeepAliveLane(this.options, (_, max) => this.lowerLimit(max));
+      lane = new KeepAliveLane(this.options, (refused, max) => this.lowerLimit(refused, max));
       this.lanes.push(lane);
     }
     return lane;
   }
 
   /**
-   * A server carries at most `max` leases per stream: every lane keeps its
-   * first `max` and the rest move to lanes with room (new streams), each
-   * renewed at once there.
+   * A server carries at most `max` leases per stream and refused `refused`
+   * for carrying more: new leases go `max` to a stream from now on, and the
+   * refused lane keeps its first `max`; the rest move to lanes with room
+   * (new streams), renewed at once there. Other lanes over the bound are
+   * trimmed when the server refuses them in turn: leases a stream has sent
+   * still count on the server's side, so a lane trimmed before its refusal
+   * would only be refused later.
    */
-  private lowerLimit(max: number): void {
-    if (this.closed || max >= this.maxPerLane) return;
-    this.maxPerLane = max;
-    const moving: Placement[] = [];
-    for (const lane of this.lanes) {
-      for (const id of lane.ids().slice(max)) {
-        const placement = this.placed.get(id);
-        lane.detach(id);
-        if (placement) moving.push(placement);
-      }
-    }
-    for (const placement of moving) {
+  private lowerLimit(refused: KeepAliveLane, max: number): void {
+    if (this.closed) return;
+    this.maxPerLane = Math.min(this.maxPerLane, max);
+    for (const id of refused.ids().slice(this.maxPerLane)) {
+      const placement = this.placed.get(id);
+      refused.detach(id);
+      if (!placement) continue;
       const lane = this.laneWithRoom();
+      // A lane that opens for this lease sends its renewal as it opens.
+      const connected = lane.connected;
       placement.lane = lane;
       placement.registration = lane.register(placement.target);
-      placement.registration.renew();
+      if (connected) placement.registration.renew();
     }
   }
 }
