@@ -4,10 +4,12 @@
 
 import { randomUUID } from "node:crypto";
 import { fromBinary } from "@bufbuild/protobuf";
-import { Code, ConnectError } from "@connectrpc/connect";
+import { Code, ConnectError, createClient } from "@connectrpc/connect";
+import { createConnectTransport } from "@connectrpc/connect-node";
 import { describe, expect, it } from "vitest";
 import {
   EventType,
+  LeaseService,
   LossReason,
   WatchRequestSchema,
   WatchResponseSchema,
@@ -161,6 +163,23 @@ describe("KeepAlive", () => {
     expect(stream.reader.error).toBeUndefined();
     const got = await client.get({ key });
     expect(got.lease?.runId).toBe(runId);
+  });
+
+  it("a stream whose client half-closes without a renewal ends OK, over gRPC (the native path) and the Connect protocol", async () => {
+    const raw = openRawCall(server.url, "/leasehold.v1.LeaseService/KeepAlive");
+    raw.read();
+    raw.end();
+    expect(await raw.ended).toEqual({ status: 0, message: "" });
+    raw.close();
+    const overConnect = createClient(
+      LeaseService,
+      createConnectTransport({ baseUrl: server.url, httpVersion: "2" }),
+    );
+    for (const c of [client, overConnect]) {
+      const answers: unknown[] = [];
+      for await (const answer of c.keepAlive((async function* () {})())) answers.push(answer);
+      expect(answers).toEqual([]);
+    }
   });
 
   it("bad input ends the stream with INVALID_ARGUMENT naming the field, and changes nothing", async () => {

@@ -320,16 +320,20 @@ export class NativeCall {
   /** Ends the call: OK without an error, else with its status (mapped by the error table). */
   end(error?: unknown): void {
     if (this.finished) return;
-    this.finish();
     if (error === undefined) {
-      this.observed.end();
       this.trailers = this.context.withResponseTrailer(this.trailers);
+      // Before finish(): a call that wrote no message (a KeepAlive stream
+      // half-closed without a renewal) still needs its response headers,
+      // which sendHeaders() does not send once the call is finished.
       if (!this.stream.destroyed && !this.stream.closed) {
         this.sendHeaders();
         this.stream.end();
       }
+      this.finish();
+      this.observed.end();
       return;
     }
+    this.finish();
     const ce = toConnectError(error);
     ce.metadata.set(requestIdHeader, this.observed.requestId);
     this.observed.end(ce.code, ce);
