@@ -438,18 +438,22 @@ class KeepAliveLane {
     const delay = Math.random() * bound;
     this.failures += 1;
     this.urlIndex += 1;
+    // The timer first: a lease registered on this lane from here on (by the
+    // event's listener, or moved here below) waits for it instead of
+    // opening a second stream at once.
+    if (this.entries.size > 0 && !this.closed) {
+      this.reconnectTimer = setTimeout(() => this.open(), delay);
+    }
     this.options.onEvent?.({
       type: "keepalive-failed",
       baseUrl: stream.endpoint.baseUrl,
       error,
       retryInMs: delay,
     });
-    if (this.entries.size === 0 || this.closed) return;
-    this.reconnectTimer = setTimeout(() => this.open(), delay);
+    if (!this.reconnectTimer) return;
     // The server carries fewer leases per stream than this lane had: the
     // channel moves the ones beyond its bound to other streams before this
-    // one reconnects, so that it is not refused again. (After the timer is
-    // set, so that nothing registered here meanwhile opens a stream early.)
+    // one reconnects, so that it is not refused again.
     const limit = leasesPerStreamLimit(error);
     if (limit !== undefined) this.onStreamLimit(this, limit);
   }

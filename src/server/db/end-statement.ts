@@ -165,7 +165,8 @@ export async function endOne(
   if (row?.eventId != null) {
     return { outcome: "ended", lease: { ...leaseOf(row), eventId: row.eventId } };
   }
-  // Locked, yet not ended: the version locked no longer passed the guard
-  // when the UPDATE re-checked it. Not decided: the caller retries.
+  // Locked, yet not ended: should not happen (the UPDATE re-checks the
+  // guard `locked` passed, on the version it holds). Kept so that a plan
+  // that did not re-check answers busy, and is retried, never "no lease".
   return row && Number(row.lockedRows) > 0 ? { outcome: "busy" } : { outcome: "none" };
 }

@@ -186,8 +186,9 @@ export async function renewOne(
     const { renewed: _, lockedRows: __, ...lease } = answer;
     return { outcome: "renewed", lease, handoff: undefined };
   }
-  // Locked, yet not renewed: the version locked no longer passed the guard
-  // when the UPDATE re-checked it. Not decided: retry.
+  // Locked, yet not renewed: should not happen (the UPDATE re-checks the
+  // guard `locked` passed, on the version it holds). Kept so that a plan
+  // that did not re-check answers busy, and is retried, never "lost".
   if (answer && answer.lockedRows > 0) return { outcome: "busy" };
   const [row] = await sql<{ runId: string; ended: string | null }[]>`
     SELECT run_id, ended FROM leases

@@ -325,12 +325,15 @@ export class NativeCall {
       // Before finish(): a call that wrote no message (a KeepAlive stream
       // half-closed without a renewal) still needs its response headers,
       // which sendHeaders() does not send once the call is finished.
-      if (!this.stream.destroyed && !this.stream.closed) {
-        this.sendHeaders();
-        this.stream.end();
+      try {
+        if (!this.stream.destroyed && !this.stream.closed) {
+          this.sendHeaders();
+          this.stream.end();
+        }
+      } finally {
+        this.finish();
+        this.observed.end();
       }
-      this.finish();
-      this.observed.end();
       return;
     }
     this.finish();
