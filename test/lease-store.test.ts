@@ -261,14 +261,26 @@ describe("a decision that waited on a row lock", () => {
   // renewal in progress; once the renewal commits, the row it locks is a
   // version its snapshot does not see. It must decide on that row (or
   // retry), never answer as if there were no lease.
-  const concurrentRenewal = (key: { accountId: string; sessionId: string }) =>
-    openTransaction(
+
+  /**
+   * Grants a fresh lease, holds its row with an uncommitted renewal, starts
+   * `decide` on it, and commits the renewal once `decide` waits on the row
+   * lock: the lease's run and what `decide` answered.
+   */
+  async function decidedAfterARenewal<T>(
+    prefix: string,
+    decide: (key: SessionKey, runId: string) => Promise<T>,
+  ): Promise<{ runId: string; answer: T; key: SessionKey }> {
+    const key = freshKey(prefix);
+    const granted = await acquire(store, key);
+    if (!granted.acquired) throw new Error("not granted");
+    const renewal = await openTransaction(
       db,
       (tx) => tx`UPDATE leases SET expires_at = clock_timestamp() + ttl
                  WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`,
     );
-  const blockedOnTheRow = () =>
-    waitFor(
+    const decision = decide(key, granted.lease.runId);
+    await waitFor(
       async () =>
         (
           await db.sql`SELECT 1 FROM pg_stat_activity
@@ -276,82 +288,50 @@ describe("a decision that waited on a row lock", () => {
         ).length > 0,
       { what: "the store's statement to wait on the renewal's row lock" },
     );
+    await renewal.end();
+    return { runId: granted.lease.runId, answer: await decision, key };
+  }
 
   it("S5: a release waiting for a renewal of its own lease ends it", async () => {
-    const key = freshKey("wait-release");
-    const granted = await acquire(store, key);
-    if (!granted.acquired) throw new Error("not granted");
-    const renewal = await concurrentRenewal(key);
-    const release = store.release(key, granted.lease.runId);
-    await blockedOnTheRow();
-    await renewal.end();
-    expect((await release)?.runId).toBe(granted.lease.runId);
+    const { runId, answer, key } = await decidedAfterARenewal("wait-release", (k, run) =>
+      store.release(k, run),
+    );
+    expect(answer?.runId).toBe(runId);
     expect(await store.get(key)).toBeUndefined();
   });
 
   it("a revoke waiting for a renewal of the lease ends it", async () => {
-    const key = freshKey("wait-revoke");
-    const granted = await acquire(store, key);
-    if (!granted.acquired) throw new Error("not granted");
-    const renewal = await concurrentRenewal(key);
-    const revoke = store.revoke(key, "test");
-    await blockedOnTheRow();
-    await renewal.end();
-    expect((await revoke)?.runId).toBe(granted.lease.runId);
+    const { runId, answer, key } = await decidedAfterARenewal("wait-revoke", (k) =>
+      store.revoke(k, "test"),
+    );
+    expect(answer?.runId).toBe(runId);
     expect(await store.get(key)).toBeUndefined();
   });
 
   it("S4: a renewal waiting for another renewal of its valid lease renews it, not `expired`", async () => {
-    const key = freshKey("wait-renew");
-    const granted = await acquire(store, key);
-    if (!granted.acquired) throw new Error("not granted");
-    const renewal = await concurrentRenewal(key);
-    const renew = store.renew(key, granted.lease.runId, undefined);
-    await blockedOnTheRow();
-    await renewal.end();
-    expect(await renew).toMatchObject({ held: true, lease: { runId: granted.lease.runId } });
+    const { runId, answer } = await decidedAfterARenewal("wait-renew", (k, run) =>
+      store.renew(k, run, undefined),
+    );
+    expect(answer).toMatchObject({ held: true, lease: { runId } });
   });
 
   it("the single-row statements decide in the attempt that waited, not only in a retry", async () => {
-    for (const [name, statement] of [
-      [
-        "endOne",
-        (key: SessionKey, runId: string) =>
-          endOne(db.sql, { ...key, runId, ended: "released", reason: undefined }, { wait: true }),
-      ],
-      [
-        "renewOne",
-        (key: SessionKey, runId: string) =>
-          renewOne(
-            db.sql,
-            { ...key, runId, ttlMs: undefined, lookupHandoff: false },
-            { wait: true },
-          ),
-      ],
-    ] as const) {
-      const key = freshKey(`wait-${name}`);
-      const granted = await acquire(store, key);
-      if (!granted.acquired) throw new Error("not granted");
-      const renewal = await concurrentRenewal(key);
-      const decided = statement(key, granted.lease.runId);
-      await blockedOnTheRow();
-      await renewal.end();
-      expect((await decided).outcome, name).toBe(name === "endOne" ? "ended" : "renewed");
-    }
+    const ended = await decidedAfterARenewal("wait-endOne", (k, runId) =>
+      endOne(db.sql, { ...k, runId, ended: "released", reason: undefined }, { wait: true }),
+    );
+    expect(ended.answer.outcome).toBe("ended");
+    const renewed = await decidedAfterARenewal("wait-renewOne", (k, runId) =>
+      renewOne(db.sql, { ...k, runId, ttlMs: undefined, lookupHandoff: false }, { wait: true }),
+    );
+    expect(renewed.answer.outcome).toBe("renewed");
   });
 
   it("S4: a batch of renewals retried alone after a renewal held the row renews it", async () => {
-    const key = freshKey("wait-renew-many");
-    const granted = await acquire(store, key);
-    if (!granted.acquired) throw new Error("not granted");
-    const renewal = await concurrentRenewal(key);
-    const item = { ...key, runId: granted.lease.runId, ttlMs: undefined, lookupHandoff: false };
-    const renew = store.renewMany([item], { wait: true });
-    await blockedOnTheRow();
-    await renewal.end();
-    const [result] = await renew;
+    const { answer } = await decidedAfterARenewal("wait-renew-many", (k, runId) =>
+      store.renewMany([{ ...k, runId, ttlMs: undefined, lookupHandoff: false }], { wait: true }),
+    );
     // Busy is an answer the batcher retries; a loss would be final.
-    expect(result?.outcome).not.toBe("lost");
+    expect(answer[0]?.outcome).not.toBe("lost");
   });
 });
 

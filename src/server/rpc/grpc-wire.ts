@@ -6,6 +6,7 @@ import type http2 from "node:http2";
 import { create, type DescMessage, fromBinary, type Message, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
+import { flaggedCompressedMessage } from "./parse-errors.js";
 
 export const grpcContentType = "application/grpc+proto";
 
@@ -67,10 +68,7 @@ export class FrameReader<T extends Message> {
         );
       }
       if ((buffer[0] ?? 0) & 1) {
-        throw new ConnectError(
-          "request message: flagged compressed, but the request names no compression",
-          Code.InvalidArgument,
-        );
+        throw new ConnectError(flaggedCompressedMessage, Code.InvalidArgument);
       }
       if (buffer.length < 5 + length) break;
       messages.push(this.decode(buffer.subarray(5, 5 + length)));

@@ -32,6 +32,9 @@ const markers = ["parse binary:", "decompression failed"];
 // says INTERNAL, as the gRPC implementations do; the native gRPC path says
 // INVALID_ARGUMENT in the same words as here.
 const compressedWithoutEncoding = "received compressed envelope, but do not know how to decompress";
+/** What both paths answer for a message flagged compressed in a call that names no compression. */
+export const flaggedCompressedMessage =
+  "request message: flagged compressed, but the request names no compression";
 
 /** The INVALID_ARGUMENT message for an error connect-es gave a bad request body, or undefined. */
 function invalidArgumentMessage(code: number, message: string): string | undefined {
@@ -39,7 +42,7 @@ function invalidArgumentMessage(code: number, message: string): string | undefin
     return `request message: ${message}`;
   }
   if (code === Code.Internal && message === compressedWithoutEncoding) {
-    return "request message: flagged compressed, but the request names no compression";
+    return flaggedCompressedMessage;
   }
   if (code === Code.Unimplemented) {
     if (message.startsWith("protocol error: missing input message for ")) {
