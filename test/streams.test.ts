@@ -69,7 +69,7 @@ describe("KeepAlive", () => {
     for (const s of streams) s.abort();
   });
 
-  it("S4: after lost the stream never renews that run again, even if the run acquires anew", async () => {
+  it("S4: after lost the stream never renews that run again, and the run cannot acquire anew", async () => {
     const key = freshKey("lost-forever");
     const runId = randomUUID();
     await client.acquire({ key, runId, ttl: ms(100) });
@@ -77,15 +77,15 @@ describe("KeepAlive", () => {
     const stream = openKeepAlive(client);
     stream.send({ key, runId });
     expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
-    // The same run id is granted the session again (a new grant, a new token)…
-    const again = await client.acquire({ key, runId, ttl: ms(60_000) });
-    expect(again.acquired).toBe(true);
-    const before = await client.get({ key });
-    // …yet this stream answers lost and leaves the lease as it was.
+    // The same run id is refused the session: its lease ended.
+    const again = await client.acquire({ key, runId, ttl: ms(60_000) }).catch((e) => e);
+    expect(again).toBeInstanceOf(ConnectError);
+    expect((again as ConnectError).code).toBe(Code.FailedPrecondition);
+    expect((again as ConnectError).message).toContain("let its lease expire");
+    // This stream answers lost again and nothing is held.
     stream.send({ key, runId, ttl: ms(120_000) });
     expect(lossOf(await answerFor(stream, runId))).toBe(LossReason.EXPIRED);
-    const after = await client.get({ key });
-    expect(after.lease?.expiresAt).toEqual(before.lease?.expiresAt);
+    expect((await client.get({ key })).held).toBe(false);
     stream.abort();
   });
 

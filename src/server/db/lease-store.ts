@@ -16,7 +16,11 @@
 // the stuck key fails.
 
 import { LimitName } from "../../protocol/errors.js";
-import { DatabaseUnavailableError, ResourceExhaustedError } from "../lease/errors.js";
+import {
+  DatabaseUnavailableError,
+  endedLeaseNotReacquired,
+  ResourceExhaustedError,
+} from "../lease/errors.js";
 import type {
   AcquireInput,
   AcquireResult,
@@ -199,6 +203,8 @@ export function createLeaseStore(
             };
           case "held":
             return { acquired: false, current: outcome.current };
+          case "ended":
+            throw endedLeaseNotReacquired(input.runId, outcome.cause);
           case "quota":
             throw new ResourceExhaustedError(
               `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
