@@ -29,6 +29,7 @@ import type {
   LeaseRecord,
   LeaseStore,
   RenewItem,
+  RenewManyResult,
   RenewResult,
   SessionKey,
   SessionRow,
@@ -242,7 +243,17 @@ export function createLeaseStore(
         : { held: false, cause: result.cause };
     },
 
-    renewMany: (items, opts) => run(() => renewMany(sql, items, opts)),
+    // Waiting (the batcher's retry of a locked row): row by row, by key, so
+    // that a renewal that waited re-checks its guard on the version it
+    // locked and decides; the batched form updates by ctid and, after a
+    // wait, could only answer busy again.
+    renewMany: (items, opts) =>
+      run(async () => {
+        if (!opts.wait) return renewMany(sql, items, opts);
+        const results: RenewManyResult[] = [];
+        for (const item of items) results.push(await renewOne(sql, item, opts));
+        return results;
+      }),
 
     async release(key, runId): Promise<EndedLease | undefined> {
       const item: EndItem = { ...key, runId, ended: "released", reason: undefined };
