@@ -65,6 +65,25 @@ describe("Connect client over gRPC (h2c)", () => {
     expect(info?.metadata.cause).toBe("expired");
   });
 
+  it("S4, S5: a same-run Acquire after Release or an admin Revoke answers FAILED_PRECONDITION with LEASE_NOT_HELD and the cause, and grants nothing", async () => {
+    for (const how of ["released", "revoked"] as const) {
+      const key = freshKey();
+      const runId = randomUUID();
+      await client.acquire({ key, runId, ttl: seconds(30) });
+      if (how === "released") await client.release({ key, runId });
+      else await server.streaming.store.revoke(key, "test");
+      const error = await client.acquire({ key, runId, ttl: seconds(30) }).catch((e) => e);
+      expect(error).toBeInstanceOf(ConnectError);
+      const ce = error as ConnectError;
+      expect(ce.code).toBe(Code.FailedPrecondition);
+      expect(ce.rawMessage).toContain(`run ${runId} had its lease ${how}`);
+      const [info] = ce.findDetails(ErrorInfoSchema);
+      expect(info?.reason).toBe("LEASE_NOT_HELD");
+      expect(info?.metadata.cause).toBe(how);
+      expect((await client.get({ key })).held).toBe(false);
+    }
+  });
+
   it("S6: a client-chosen run_id makes acquire idempotent: the retry gets the same token", async () => {
     const key = freshKey();
     const runId = randomUUID();

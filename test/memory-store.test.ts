@@ -68,8 +68,12 @@ describe.each(subjects)("LeaseStore contract: $name", ({ make }) => {
     store = s.store;
   });
 
-  const acquire = (key: SessionKey, runId = randomUUID(), ttlMs = 60_000, holder = "desktop") =>
-    store.acquire({ ...key, runId, ttlMs, holder });
+  const acquire = (
+    key: SessionKey,
+    runId: string = randomUUID(),
+    ttlMs = 60_000,
+    holder = "desktop",
+  ) => store.acquire({ ...key, runId, ttlMs, holder });
 
   it("S2, S3: a free key is granted; another run is refused and told the valid lease", async () => {
     const key = freshKey("contract");
@@ -127,15 +131,29 @@ describe.each(subjects)("LeaseStore contract: $name", ({ make }) => {
     expect(c.eventId).toBeGreaterThan(c.expired?.eventId ?? 0n);
   });
 
-  it("S6: a run re-acquiring after its own lease expired is a new grant with a new token", async () => {
+  it("S4: a run whose lease expired, was released or was revoked is refused its session again (LEASE_NOT_HELD with the cause); a new run is granted", async () => {
     const key = freshKey("contract");
     const runId = randomUUID();
     const a = granted(await acquire(key, runId, 100));
     await s.pass(a.lease.expiresAtUs);
-    const again = granted(await acquire(key, runId));
-    expect(again.retried).toBe(false);
-    expect(again.lease.fencingToken).toBeGreaterThan(a.lease.fencingToken);
-    expect(again.expired).toMatchObject({ runId, fencingToken: a.lease.fencingToken });
+    await expect(acquire(key, runId)).rejects.toMatchObject({
+      name: "LeaseNotHeldError",
+      reason: "expired",
+    });
+    const released = granted(await acquire(freshKey("contract")));
+    await store.release(released.lease, released.lease.runId);
+    await expect(acquire(released.lease, released.lease.runId)).rejects.toMatchObject({
+      reason: "released",
+    });
+    const revoked = granted(await acquire(freshKey("contract")));
+    await store.revoke(revoked.lease, "test");
+    await expect(acquire(revoked.lease, revoked.lease.runId)).rejects.toMatchObject({
+      reason: "revoked",
+    });
+    expect(await store.get(key)).toBeUndefined();
+    const next = granted(await acquire(key));
+    expect(next.lease.fencingToken).toBeGreaterThan(a.lease.fencingToken);
+    expect(next.expired).toMatchObject({ runId, fencingToken: a.lease.fencingToken });
   });
 
   it("S4: renewals keep the token and may set a new TTL; a late renewal of an expired run fails, with nobody holding the key", async () => {

@@ -66,7 +66,9 @@ export class InvalidArgumentError extends LeaseholdError {
 }
 
 /**
- * Renew (or a KeepAlive renewal) for a run that does not hold a valid lease
+ * Renew (or a KeepAlive renewal) for a run that does not hold a valid lease,
+ * or Acquire by a run whose own lease on that session ended: a run never
+ * holds a session again after its lease was released, revoked or let expire
  * (FAILED_PRECONDITION, reason LEASE_NOT_HELD). `lossCause` says why.
  */
 export class LeaseNotHeldError extends LeaseholdError {

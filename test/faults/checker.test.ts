@@ -47,6 +47,9 @@ function acquiredEvent(id: number, runId: string, token: number, at: number): Le
 function releasedEvent(id: number, runId: string, token: number, at: number): LeaseEvent {
   return { id, type: "released", key, runId, token, atUs: at };
 }
+function revokedEvent(id: number, runId: string, token: number, at: number): LeaseEvent {
+  return { id, type: "revoked", key, runId, token, atUs: at };
+}
 
 // A: granted at t0, renewed at t0+0.5s, released at t0+1.2s; B granted at t0+1.2s.
 const cleanRecords: HistoryRecord[] = [
@@ -117,9 +120,9 @@ describe("history checker", () => {
     expect(invariants(records, events)).toEqual(["S4"]);
   });
 
-  it("S4: a run granted anew after the server released its earlier grant may renew the new one", () => {
-    // Token 10 was granted for a waiter whose call was gone and released
-    // on its behalf; the client's retry with the same run_id got token 11.
+  it("S4: flags a run granted anew after its earlier grant was released", () => {
+    // Token 10 was granted for a waiter whose call was gone and released on
+    // its behalf; a retry with the same run_id must be refused, not granted.
     const records = [
       grant("A", 11, t0 + 10_000),
       renewed("A", 11, t0 + 300_000),
@@ -130,7 +133,58 @@ describe("history checker", () => {
       releasedEvent(2, "A", 10, t0 + 2_000),
       acquiredEvent(3, "A", 11, t0 + 10_000),
     ];
-    expect(invariants(records, events)).toEqual([]);
+    expect(invariants(records, events)).toEqual(["S4"]);
+  });
+
+  it("S1, S4: a revoke ends the run's interval: the next run may be granted at once, the revoked run never renews or re-acquires", () => {
+    const records: HistoryRecord[] = [
+      grant("A", 10, t0),
+      { type: "revoke", client: 2, key, revoked: true, runId: "A", token: 10 },
+      grant("B", 11, t0 + 200_000, 1),
+      {
+        type: "renew-failed",
+        client: 0,
+        key,
+        runId: "A",
+        code: "FailedPrecondition",
+        cause: "revoked",
+      },
+    ];
+    const events = [
+      acquiredEvent(1, "A", 10, t0),
+      revokedEvent(2, "A", 10, t0 + 100_000),
+      acquiredEvent(3, "B", 11, t0 + 200_000),
+    ];
+    expect(checkHistory(records, events).violations).toEqual([]);
+    const renewedAfter = [...records, renewed("A", 10, t0 + 150_000, false)];
+    expect(invariants(renewedAfter, events)).toEqual(["S4"]);
+    const reacquiredAfter = [
+      ...records.slice(0, 2),
+      { ...renewed("A", 10, t0 + 150_000, false), via: "reacquire" } as const,
+    ];
+    expect(
+      checkHistory(reacquiredAfter, events.slice(0, 2)).violations.map((v) => v.message),
+    ).toEqual([expect.stringContaining("re-acquired at")]);
+  });
+
+  it("audit: flags a revoke answered for a lease the trail does not show revoked, and a run told `revoked` without a revoke", () => {
+    const records: HistoryRecord[] = [
+      grant("A", 10, t0),
+      { type: "revoke", client: 2, key, revoked: true, runId: "A", token: 10 },
+    ];
+    expect(invariants(records, [acquiredEvent(1, "A", 10, t0)])).toEqual(["audit"]);
+    const told: HistoryRecord[] = [
+      grant("A", 10, t0),
+      {
+        type: "renew-failed",
+        client: 0,
+        key,
+        runId: "A",
+        code: "FailedPrecondition",
+        cause: "revoked",
+      },
+    ];
+    expect(invariants(told, [acquiredEvent(1, "A", 10, t0)])).toEqual(["audit"]);
   });
 
   it("a release recorded before its run's grant is that run's, not an earlier grant", () => {
@@ -342,9 +396,9 @@ describe("history checker", () => {
     expect(invariants([grant("A", 10, t0)], twice)).toContain("audit");
   });
 
-  it("audit: a run_id granted again after its grant expired is a new grant, not a duplicate", () => {
+  it("S4: flags a run_id granted again after its grant expired", () => {
     const again = [acquiredEvent(1, "A", 10, t0), acquiredEvent(2, "A", 12, t0 + 2 * ttlUs)];
-    expect(invariants([grant("A", 12, t0 + 2 * ttlUs)], again)).toEqual([]);
+    expect(invariants([grant("A", 12, t0 + 2 * ttlUs)], again)).toEqual(["S4"]);
   });
 });
 

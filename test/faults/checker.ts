@@ -25,7 +25,8 @@ export type HistoryRecord =
   | ReleaseRecord
   | WriteRecord
   | AbortRecord
-  | PauseRecord;
+  | PauseRecord
+  | RevokeRecord;
 
 /** A lease the client was granted (Acquire, or runExclusive's grant). */
 export interface GrantRecord {
@@ -40,7 +41,10 @@ export interface GrantRecord {
   via: "acquire" | "exclusive";
 }
 
-/** A renewal the client saw confirmed: by Renew, or on the KeepAlive stream. */
+/**
+ * A renewal the client saw confirmed: by Renew, on the KeepAlive stream, or
+ * by the same run's Acquire again (an idempotent retry of its valid lease).
+ */
 export interface RenewedRecord {
   type: "renewed";
   client: number;
@@ -49,12 +53,15 @@ export interface RenewedRecord {
   token: number;
   expiresAt: number;
   ttlUs: number;
-  via: "renew" | "keepalive";
+  via: "renew" | "keepalive" | "reacquire";
   /** Every earlier renewal of this run had a known outcome, so the client knows its deadline. */
   deadlineKnown: boolean;
 }
 
-/** A Renew that failed; `cause` is the LEASE_NOT_HELD cause, `code` the error code name. */
+/**
+ * A Renew (or a same-run Acquire, `via` "reacquire") that failed; `cause` is
+ * the LEASE_NOT_HELD cause, `code` the error code name.
+ */
 export interface RenewFailedRecord {
   type: "renew-failed";
   client: number;
@@ -62,6 +69,20 @@ export interface RenewFailedRecord {
   runId: string;
   code: string;
   cause?: string;
+  via?: "renew" | "reacquire";
+}
+
+/**
+ * An admin Revoke the client sent; `revoked` is undefined when its answer was
+ * not seen, and `runId`, `token` name the lease it ended when it was true.
+ */
+export interface RevokeRecord {
+  type: "revoke";
+  client: number;
+  key: string;
+  revoked?: boolean;
+  runId?: string;
+  token?: number;
 }
 
 /** A release the client sent; `released` is undefined when its answer was not seen. */
@@ -150,7 +171,8 @@ interface RunView {
   acquiredAt: number;
   /** The latest confirmed deadline. */
   expiresAt: number;
-  releasedAt?: number;
+  /** When its release or revoke (lease_events) ended it. */
+  endedAt?: number;
   releaseSent: boolean;
 }
 
@@ -167,12 +189,18 @@ export function checkHistory(
     violations.push({ invariant, key, message });
 
   const runs = new Map<string, RunView>();
-  // A run can hold several grants in turn (the server releases a grant made
-  // for a waiter whose call was gone, and the client's retry with the same
-  // run_id is granted anew): a release ends the grant of its token only.
+  // A run holds at most one grant (S4: a run whose lease ended is never
+  // granted the session again; a second grant is flagged below). Ends are
+  // matched by run and token all the same, so that a second grant's
+  // renewals are judged against its own end.
   const releases = events.filter((e) => e.type === "released");
+  const ends = events.filter((e) => e.type === "released" || e.type === "revoked");
   const releasedRuns = new Set(releases.map((e) => e.runId));
-  const grantRelease = new Map(releases.map((e) => [`${e.runId}:${e.token}`, e]));
+  const revokedGrants = new Set(
+    events.filter((e) => e.type === "revoked").map((e) => `${e.runId}:${e.token}`),
+  );
+  const revokedRuns = new Set(events.filter((e) => e.type === "revoked").map((e) => e.runId));
+  const grantEnd = new Map(ends.map((e) => [`${e.runId}:${e.token}`, e]));
 
   for (const r of records) {
     if (r.type === "grant") {
@@ -208,19 +236,20 @@ export function checkHistory(
       }
       // S4: the renewal's own database time is its new deadline minus its TTL.
       const renewedAt = r.expiresAt - r.ttlUs;
+      const what = r.via === "reacquire" ? "re-acquired" : "renewed";
       if (r.deadlineKnown && renewedAt >= run.expiresAt) {
         flag(
           "S4",
           r.key,
-          `run ${r.runId} was renewed at ${renewedAt}, after its deadline ${run.expiresAt}`,
+          `run ${r.runId} was ${what} at ${renewedAt}, after its deadline ${run.expiresAt}`,
         );
       }
-      const release = grantRelease.get(`${r.runId}:${r.token}`);
-      if (release && renewedAt >= release.atUs) {
+      const end = grantEnd.get(`${r.runId}:${r.token}`);
+      if (end && renewedAt >= end.atUs) {
         flag(
           "S4",
           r.key,
-          `run ${r.runId} was renewed at ${renewedAt}, after its release at ${release.atUs}`,
+          `run ${r.runId} was ${what} at ${renewedAt}, after its ${end.type === "revoked" ? "revoke" : "release"} at ${end.atUs}`,
         );
       }
       run.expiresAt = Math.max(run.expiresAt, r.expiresAt);
@@ -243,11 +272,19 @@ export function checkHistory(
           `release of run ${r.runId} answered released=true but lease_events has no release`,
         );
       }
+    } else if (r.type === "revoke") {
+      if (r.revoked === true && !revokedGrants.has(`${r.runId}:${r.token}`)) {
+        flag(
+          "audit",
+          r.key,
+          `revoke answered revoked=true for run ${r.runId} (token ${r.token}) but lease_events has no such revoke`,
+        );
+      }
     }
   }
-  for (const e of releases) {
+  for (const e of ends) {
     const run = runs.get(e.runId);
-    if (run && run.token === e.token) run.releasedAt = e.atUs;
+    if (run && run.token === e.token) run.endedAt = e.atUs;
   }
 
   // Per key: the held intervals of every run, in grant order.
@@ -264,7 +301,7 @@ export function checkHistory(
     let holderEnd = Number.NEGATIVE_INFINITY;
     for (let i = 0; i < list.length; i++) {
       const run = list[i] as RunView;
-      const end = Math.min(run.expiresAt, run.releasedAt ?? Number.POSITIVE_INFINITY);
+      const end = Math.min(run.expiresAt, run.endedAt ?? Number.POSITIVE_INFINITY);
       // S1: a grant may start exactly at the previous deadline (expires_at <= observed_at), not before.
       if (holder && run.acquiredAt < holderEnd) {
         flag(
@@ -306,13 +343,24 @@ export function checkHistory(
     }
   }
 
-  // S5: a lease ends as "released" only by its own run's release.
+  // S5: a lease ends as "released" only by its own run's release, and as
+  // "revoked" only by a revoke the audit trail records.
   for (const r of records) {
     if (r.type === "renew-failed" && r.cause === "released" && !runs.get(r.runId)?.releaseSent) {
       flag("S5", r.key, `run ${r.runId} never released, yet its renew failed as released`);
     }
     if (r.type === "abort" && r.reason === "released" && !runs.get(r.runId)?.releaseSent) {
       flag("S5", r.key, `run ${r.runId} never released, yet its stream reported it released`);
+    }
+    const told = r.type === "renew-failed" ? r.cause : r.type === "abort" ? r.reason : undefined;
+    if (told === "revoked" && (r.type === "renew-failed" || r.type === "abort")) {
+      if (!revokedRuns.has(r.runId)) {
+        flag(
+          "audit",
+          r.key,
+          `run ${r.runId} was told its lease was revoked, but lease_events has no revoke of it`,
+        );
+      }
     }
   }
   for (const e of releases) {
@@ -405,10 +453,10 @@ export function checkHistory(
   }
 
   // The audit trail: every grant a client saw is recorded once; tokens grow
-  // per key. One run_id may hold several grants in turn (a retry with the
-  // same run_id after its earlier grant expired is a new grant with a new
-  // token), but never one grant twice.
+  // per key. One run_id holds one grant at most: a run whose lease ended
+  // (released, revoked, expired) is never granted the session again (S4).
   const acquiredByGrant = new Map<string, LeaseEvent>();
+  const grantOfRun = new Map<string, LeaseEvent>();
   const lastToken = new Map<string, number>();
   for (const e of [...events].sort((a, b) => a.id - b.id)) {
     if (e.type !== "acquired") continue;
@@ -421,6 +469,16 @@ export function checkHistory(
       );
     }
     acquiredByGrant.set(grantId, e);
+    const runKey = `${e.key} ${e.runId}`;
+    const earlier = grantOfRun.get(runKey);
+    if (earlier && earlier.token !== e.token) {
+      flag(
+        "S4",
+        e.key,
+        `run ${e.runId} was granted token ${e.token} after its lease with token ${earlier.token} ended`,
+      );
+    }
+    if (!earlier) grantOfRun.set(runKey, e);
     const last = lastToken.get(e.key);
     if (last !== undefined && e.token <= last) {
       flag("S6", e.key, `lease_events grants token ${e.token} after token ${last}`);

@@ -8,10 +8,16 @@
 //
 // An operation is one request this client makes to the lease service or the
 // guarded store, whatever its outcome: an acquire (Acquire, or a
-// runExclusive), a renew (Renew; KeepAlive renewals, which the library makes
-// on its own, are not counted), a release (Release, or the release
-// runExclusive sends for its run) or a write (a guarded Put). Reading the database
-// clock, sleeping on it and Get are not operations.
+// runExclusive; also a run's Acquire again with its own run_id), a renew
+// (Renew; KeepAlive renewals, which the library makes on its own, are not
+// counted), a release (Release, or the release runExclusive sends for its
+// run), a write (a guarded Put) or a revoke (the admin's Revoke of whichever
+// run holds a key). Reading the database clock, sleeping on it and Get are
+// not operations.
+//
+// The fault cluster's servers run in development mode, where every caller
+// may Revoke; with keys configured the revoking client would need a token
+// with the admin scope.
 //
 // Run: node --import tsx test/faults/client-worker.ts '<WorkerConfig JSON>'
 
@@ -59,7 +65,10 @@ export interface WorkerConfig {
 }
 
 /** The operations counted towards a soak's target (see the header). */
-export type OperationKind = "acquire" | "renew" | "release" | "write";
+export type OperationKind = "acquire" | "renew" | "release" | "write" | "revoke";
+
+// Not exported: importing this module runs the worker.
+const operationKinds: readonly OperationKind[] = ["acquire", "renew", "release", "write", "revoke"];
 
 /** A worker's counts line: every outcome by name, and its operations by kind. */
 export interface CountsLine {
@@ -75,7 +84,10 @@ const counts: Record<string, number> = {};
 const count = (what: string) => {
   counts[what] = (counts[what] ?? 0) + 1;
 };
-const operations: Record<OperationKind, number> = { acquire: 0, renew: 0, release: 0, write: 0 };
+const operations = Object.fromEntries(operationKinds.map((k) => [k, 0])) as Record<
+  OperationKind,
+  number
+>;
 const operation = (kind: OperationKind) => {
   operations[kind] += 1;
 };
@@ -397,18 +409,26 @@ async function rawRun(sessionId: string) {
       });
     }
   };
+  // The same run's Acquire again: while its lease is valid an idempotent
+  // retry (same token, a later deadline); once it ended, refused (S4).
+  const reacquire = async () => {
+    const answer = await sameRunAcquire(key, sessionId, runId, deadlineKnown);
+    if (answer.expiresAt !== undefined) expiresAt = answer.expiresAt;
+    if (!answer.known) deadlineKnown = false;
+  };
   for (const step of plan) {
-    if (step < 0.45) await renew();
-    else if (step < 0.8) await write(key, sessionId, runId, lease.fencingToken);
+    if (step < 0.4) await renew();
+    else if (step < 0.7) await write(key, sessionId, runId, lease.fencingToken);
+    else if (step < 0.85) await reacquire();
     else {
       // Sleeping past the TTL (a deliberate fault), on the database's clock;
-      // the renew that follows must fail (S4).
+      // the renew or same-run Acquire that follows must fail (S4).
       count("sleep-past-ttl");
       const slept =
         await sql`SELECT pg_sleep_until(to_timestamp(${expiresAt}::float8 / 1000000) + interval '5 milliseconds')`
           .then(() => true)
           .catch(() => false);
-      if (slept) await renew();
+      if (slept) await (step < 0.93 ? renew() : reacquire());
     }
   }
   if (abandon) {
@@ -428,6 +448,95 @@ async function rawRun(sessionId: string) {
   // A soak ends hundreds of runs per client: late releases pick among the
   // latest, and the list stays small.
   if (endedRuns.length > maxEndedRuns) endedRuns.shift();
+}
+
+/**
+ * The same run's Acquire again, recorded as a renewal when granted (it must
+ * keep the token, and is judged against the run's end and deadline) and as
+ * a failed renewal when refused. `known`: the answer was seen.
+ */
+async function sameRunAcquire(
+  key: string,
+  sessionId: string,
+  runId: string,
+  deadlineKnown: boolean,
+): Promise<{ expiresAt?: number; known: boolean }> {
+  operation("acquire");
+  try {
+    const answer = await client.acquire({
+      key: { accountId: config.accountId, sessionId },
+      runId,
+      ttl: durationFromMs(config.ttlMs),
+      holder: `client-${config.client}`,
+    });
+    if (!answer.acquired || !answer.lease) {
+      count("reacquire-held");
+      return { known: true };
+    }
+    count("reacquire-ok");
+    const expiresAt = us(answer.lease.expiresAt);
+    emit({
+      type: "renewed",
+      client: config.client,
+      key,
+      runId,
+      token: Number(answer.lease.fencingToken),
+      expiresAt,
+      ttlUs: durationUs(answer.lease.ttl),
+      via: "reacquire",
+      deadlineKnown,
+    });
+    return { expiresAt, known: true };
+  } catch (error) {
+    const notHeld = error instanceof LeaseNotHeldError;
+    count(`reacquire-${notHeld ? `not-held-${error.lossCause}` : codeName(error)}`);
+    emit({
+      type: "renew-failed",
+      client: config.client,
+      key,
+      runId,
+      code: codeName(error),
+      cause: notHeld ? error.lossCause : undefined,
+      via: "reacquire",
+    });
+    return { known: notHeld };
+  }
+}
+
+/** A run that ended tries its session again with its own run_id: refused (S4). */
+async function lateReacquire() {
+  const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
+  if (!ended) return;
+  await sameRunAcquire(
+    `${config.accountId}/${ended.sessionId}`,
+    ended.sessionId,
+    ended.runId,
+    false,
+  );
+}
+
+/** The admin ends whichever run holds the key (audited); recorded with the lease it ended. */
+async function revoke(sessionId: string) {
+  const key = `${config.accountId}/${sessionId}`;
+  operation("revoke");
+  emit({ type: "revoke", client: config.client, key });
+  try {
+    const answer = await client.revoke({
+      key: { accountId: config.accountId, sessionId },
+      reason: `fault suite client ${config.client}`,
+    });
+    count(answer.revoked ? "revoke-revoked" : "revoke-nothing");
+    emit({
+      type: "revoke",
+      client: config.client,
+      key,
+      revoked: answer.revoked,
+      runId: answer.lease?.runId,
+      token: answer.lease ? Number(answer.lease.fencingToken) : undefined,
+    });
+  } catch (error) {
+    count(`revoke-${codeName(error)}`);
+  }
 }
 
 async function lateRelease() {
@@ -473,8 +582,10 @@ while (!stopping && performance.now() < stopAt) {
   const op = rng.next();
   count("iterations");
   if (op < 0.45) await exclusiveRun(sessionId);
-  else if (op < 0.9) await rawRun(sessionId);
-  else if (op < 0.95) await lateRelease();
+  else if (op < 0.88) await rawRun(sessionId);
+  else if (op < 0.92) await lateRelease();
+  else if (op < 0.94) await lateReacquire();
+  else if (op < 0.96) await revoke(sessionId);
   else {
     await client.get({ key: { accountId: config.accountId, sessionId } }).catch(() => undefined);
     count("get");

@@ -102,8 +102,14 @@ interface Fault {
 /** What the checker checks, one test each. */
 const invariantChecks: [Invariant, string][] = [
   ["S1", "one holder: no run is granted a key inside another run's held interval"],
-  ["S4", "no resurrection: no renewal is confirmed after its grant ended"],
-  ["S5", "owner-checked release: a lease ends as released only when its own run asked"],
+  [
+    "S4",
+    "no resurrection: no renewal or same-run re-acquire is confirmed after its grant ended (deadline, release, revoke), and no run is granted twice",
+  ],
+  [
+    "S5",
+    "owner-checked release: a lease ends as released only when its own run asked, as revoked only by a recorded revoke",
+  ],
   ["S6", "monotonic fencing: per key, tokens strictly increase in grant order"],
   ["S7", "fenced writes: no accepted write carries a lower token than one accepted before it"],
   ["L2", "stop on loss: every run stopped its work before its last confirmed deadline"],
@@ -141,7 +147,7 @@ function startWorker(
     index,
     child,
     counts: {},
-    operations: { acquire: 0, renew: 0, release: 0, write: 0 },
+    operations: { acquire: 0, renew: 0, release: 0, write: 0, revoke: 0 },
     // "close", not "exit": only then has every line of its stdout been read.
     exited: once(child, "close").then(([code]) => code as number | null),
   };
@@ -155,7 +161,7 @@ function startWorker(
   return worker;
 }
 
-const operationKinds: OperationKind[] = ["acquire", "renew", "release", "write"];
+const operationKinds: OperationKind[] = ["acquire", "renew", "release", "write", "revoke"];
 
 /** The clients' operations so far, by kind and in total. */
 function operationsOf(workers: readonly Worker[]) {
@@ -795,6 +801,14 @@ describe.sequential("fault injection under a checked history", () => {
 
     expect(grants, "the clients were granted leases").toBeGreaterThan(0);
     expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
+    expect(operations.byKind.revoke, "the clients revoked leases").toBeGreaterThan(0);
+    const sameRunAcquires = Object.entries(counts)
+      .filter(([k]) => k === "reacquire-ok" || k.startsWith("reacquire-not-held-"))
+      .reduce((n, [, v]) => n + v, 0);
+    expect(
+      sameRunAcquires,
+      "runs acquired their sessions again with their own run_id",
+    ).toBeGreaterThan(0);
   });
 
   for (const [invariant, rule] of invariantChecks) {

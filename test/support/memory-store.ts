@@ -11,6 +11,7 @@
 // by code unit (PostgreSQL's "C" collation); use ASCII ids of one shape.
 
 import type { LossCause } from "../../src/protocol/errors.js";
+import { endedLeaseNotReacquired } from "../../src/server/lease/errors.js";
 import { keyString } from "../../src/server/lease/lease-change.js";
 import type {
   AcquireResult,
@@ -205,6 +206,10 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       const ttlMs = BigInt(input.ttlMs);
       if (held && valid(held, now) && held.runId !== input.runId) {
         return { acquired: false, current: record(held, now) } satisfies AcquireResult;
+      }
+      // As in SQL (S4): the same run's ended lease is never granted again.
+      if (held && held.runId === input.runId && (held.ended !== null || !valid(held, now))) {
+        throw endedLeaseNotReacquired(input.runId, held.ended ?? "expired");
       }
       // The same run re-acquiring its valid lease: an idempotent retry.
       const same = held && held.runId === input.runId && valid(held, now) ? held : undefined;

@@ -27,6 +27,7 @@
 // excludes the requested session, so an idempotent retry or a takeover at
 // the quota still succeeds.
 
+import type postgres from "postgres";
 import type { ExpiredLease, LeaseRecord } from "../lease/types.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 import type { Sql } from "./pool.js";
@@ -38,6 +39,9 @@ export interface AcquireItem {
   ttlMs: number;
   holder: string;
 }
+
+/** How a run's own lease ended, as a same-run Acquire finds it. */
+export type EndCause = "released" | "revoked" | "expired";
 
 export type AcquireOutcome =
   | {
@@ -52,6 +56,11 @@ export type AcquireOutcome =
     }
   /** Held by another run's valid lease: `current`, read under the row lock. */
   | { outcome: "held"; current: LeaseRecord }
+  /**
+   * S4: the key's row is this run's lease, ended (released, revoked, or
+   * past its deadline): a run whose lease ended never holds it again.
+   */
+  | { outcome: "ended"; cause: EndCause }
   /** Another transaction holds the row (SKIP LOCKED): not decided. */
   | { outcome: "busy" }
   /** The account holds as many valid leases as its quota allows. */
@@ -73,6 +82,8 @@ interface AcquireRow extends Record<string, unknown> {
   expiredHolder: string | null;
   expiredExpiresAtUs: bigint | null;
   heldByLock: boolean;
+  ownEnded: boolean;
+  lockedEnded: EndCause | null;
 }
 
 /**
@@ -102,10 +113,11 @@ export async function acquireMany(
     -- The rows of this batch that exist, locked at their latest version, in
     -- key order. A LATERAL probe per key keeps each lookup on the primary key.
     locked AS MATERIALIZED (
-      SELECT w.idx, l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at
+      SELECT w.idx, l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at,
+             l.ended
       FROM (SELECT * FROM wanted ORDER BY account_id, session_id) w
       CROSS JOIN LATERAL (
-        SELECT l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at
+        SELECT l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at, l.ended
         FROM leases l
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
@@ -176,8 +188,12 @@ export async function acquireMany(
            g.previous_fencing_token AS expired_fencing_token,
            g.previous_holder AS expired_holder,
            (extract(epoch FROM g.previous_expires_at) * 1000000)::bigint AS expired_expires_at_us,
-           -- Not granted: the lease in the way, as this statement locked it.
-           k.idx IS NOT NULL AS held_by_lock,
+           -- Not granted: the lease in the way, as this statement locked it
+           -- (an ended row is in nobody's way: it was ended after this
+           -- statement's clock reading, and the key is decided again).
+           k.idx IS NOT NULL AND k.ended IS NULL AS held_by_lock,
+           ${ownEnded(sql, "k", sql`t.run_id`)} AS own_ended,
+           k.ended AS locked_ended,
            ${leaseColumns(sql, "cur", "cur")}
     FROM tried t
     CROSS JOIN lease_clock
@@ -195,6 +211,7 @@ export async function acquireMany(
     ORDER BY t.idx`;
   return rows.map((row): AcquireOutcome => {
     if (row.decision === "busy") return { outcome: "busy" };
+    if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
     if (row.decision === "quota") return { outcome: "quota" };
     if (row.granted) return grantOf(row);
     if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
@@ -204,6 +221,8 @@ export async function acquireMany(
 
 interface OneRow extends Record<string, unknown> {
   overQuota: boolean;
+  ownEnded: boolean;
+  lockedEnded: EndCause | null;
   granted: boolean;
   retried: boolean | null;
   eventId: bigint | null;
@@ -233,8 +252,10 @@ export async function acquireOne(
   try {
     rows = await sql<OneRow[]>`
       WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      -- The version locked is the latest, maybe committed after this
+      -- statement's snapshot: what the upsert below decides on.
       locked AS MATERIALIZED (
-        SELECT 1 FROM leases
+        SELECT run_id, ended, expires_at FROM leases
         WHERE account_id = ${item.accountId} AND session_id = ${item.sessionId}
         FOR UPDATE ${options.wait ? sql`` : sql`NOWAIT`}
       ),
@@ -266,6 +287,9 @@ export async function acquireOne(
       audit AS (${grantAudit(sql)})
       SELECT ${quota} > 0 AND o.held >= ${quota} AS over_quota,
              g.account_id IS NOT NULL AS granted,
+             coalesce((SELECT ${ownEnded(sql, "k", sql`${item.runId}::uuid`)} FROM locked k), false)
+               AS own_ended,
+             (SELECT ended FROM locked) AS locked_ended,
              ${leaseColumns(sql, "g")},
              g.acquired_at < lease_clock.observed_at AS retried,
              (SELECT max(id) FROM audit WHERE type = 'acquired') AS event_id,
@@ -282,8 +306,10 @@ export async function acquireOne(
   }
   const row = rows[0];
   if (!row) throw new Error("the acquire statement returned no row");
+  if (row.granted) return grantOf(row);
+  if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
   if (row.overQuota) return { outcome: "quota" };
-  return row.granted ? grantOf(row) : { outcome: "refused" };
+  return { outcome: "refused" };
 }
 
 type GrantRow = Pick<
@@ -321,22 +347,22 @@ function grantOf(row: GrantRow): AcquireOutcome {
 }
 
 /**
- * The conflict rule of the acquire UPSERT (S3, S6): an expired or ended row,
- * or the same run re-acquiring its valid lease, is updated; a valid lease of
- * another run is left as it is. The token of a takeover is drawn here, under
- * the row lock.
+ * The conflict rule of the acquire UPSERT (S3, S4, S6): another run's expired
+ * or ended row, or the same run re-acquiring its valid lease, is updated; a
+ * valid lease of another run is left as it is, and so is the same run's
+ * ended lease (released, revoked or expired): a run whose lease ended never
+ * holds the session again. The token of a takeover is drawn here, under the
+ * row lock.
  */
 function upsertOnConflict(sql: Sql) {
   return sql`
     ON CONFLICT (account_id, session_id) DO UPDATE SET
       run_id = EXCLUDED.run_id,
       fencing_token = CASE
-        WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-        THEN held.fencing_token
+        WHEN held.run_id = EXCLUDED.run_id THEN held.fencing_token
         ELSE nextval('lease_fencing_token') END,
       acquired_at = CASE
-        WHEN held.run_id = EXCLUDED.run_id AND held.expires_at > EXCLUDED.acquired_at
-        THEN held.acquired_at
+        WHEN held.run_id = EXCLUDED.run_id THEN held.acquired_at
         ELSE EXCLUDED.acquired_at END,
       holder = EXCLUDED.holder,
       ttl = EXCLUDED.ttl,
@@ -349,8 +375,22 @@ function upsertOnConflict(sql: Sql) {
       previous_holder = held.holder,
       previous_ended = held.ended,
       previous_expires_at = held.expires_at
-    WHERE held.expires_at <= EXCLUDED.acquired_at
-       OR held.run_id = EXCLUDED.run_id`;
+    WHERE (held.run_id <> EXCLUDED.run_id AND held.expires_at <= EXCLUDED.acquired_at)
+       -- S4: the same run only while its lease is valid and not ended. The
+       -- row is the version locked, maybe ended after this statement read
+       -- its clock: \`ended\` says so where the older clock reading cannot.
+       OR (held.run_id = EXCLUDED.run_id AND held.ended IS NULL
+           AND held.expires_at > EXCLUDED.acquired_at)`;
+}
+
+/**
+ * Whether the locked row `k` (run_id, ended, expires_at) is the requesting
+ * run's own lease that ended: what the conflict rule below refuses to renew.
+ * Needs `lease_clock` in scope.
+ */
+function ownEnded(sql: Sql, k: string, runId: postgres.PendingQuery<postgres.Row[]>) {
+  return sql`coalesce(${sql(k)}.run_id = ${runId} AND (${sql(k)}.ended IS NOT NULL
+    OR ${sql(k)}.expires_at <= lease_clock.observed_at), false)`;
 }
 
 /**

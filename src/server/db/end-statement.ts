@@ -3,8 +3,11 @@
 // whichever run's lease, audited with a reason). One statement, autocommit,
 // one clock reading; a key appears at most once.
 //
-// S5: a release matches key + run_id + still valid, so it can never end
-//     another run's lease; releasing nothing is an answer, not an error.
+// S5: a release matches key + run_id + still valid (not ended, before its
+//     deadline), so it can never end another run's lease, nor end a lease
+//     twice: a statement that waited on the row lock may find it ended after
+//     its clock reading, with an end later than that reading. Releasing
+//     nothing is an answer, not an error.
 // S6: the row stays as a tombstone (ended, expires_at = the end), not a
 //     DELETE, so the next acquire of the key draws its token under the lock.
 // S1, S6: a statement that locked a row at its latest version may find a
@@ -64,7 +67,7 @@ export async function endMany(
       CROSS JOIN LATERAL (
         SELECT l.ctid FROM leases l
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
-          AND (w.run_id IS NULL OR l.run_id = w.run_id)
+          AND (w.run_id IS NULL OR l.run_id = w.run_id) AND l.ended IS NULL
           AND l.expires_at > (SELECT observed_at FROM lease_clock)
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
       ) held
@@ -75,7 +78,8 @@ export async function endMany(
       SET expires_at = greatest(lease_clock.observed_at, held.acquired_at), ended = k.ended
       FROM locked k, lease_clock
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
-        AND held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        AND held.ctid = k.row_id AND held.ended IS NULL
+        AND held.expires_at > lease_clock.observed_at
       RETURNING k.idx, k.reason, held.*
     ),
     audit AS (
@@ -94,7 +98,7 @@ export async function endMany(
            e.idx IS NULL AND (k.idx IS NOT NULL OR EXISTS (
              SELECT 1 FROM leases p
              WHERE p.account_id = w.account_id AND p.session_id = w.session_id
-               AND (w.run_id IS NULL OR p.run_id = w.run_id)
+               AND (w.run_id IS NULL OR p.run_id = w.run_id) AND p.ended IS NULL
                AND p.expires_at > lease_clock.observed_at
            )) AS busy
     FROM wanted w
@@ -129,7 +133,7 @@ export async function endOne(
         SELECT 1 FROM leases l, lease_clock c
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR l.run_id = ${item.runId ?? null}::uuid)
-          AND l.expires_at > c.observed_at
+          AND l.ended IS NULL AND l.expires_at > c.observed_at
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
       -- By key, not by the locked ctid: when the lock was taken after a
@@ -143,7 +147,7 @@ export async function endOne(
         FROM locked k, lease_clock
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR held.run_id = ${item.runId ?? null}::uuid)
-          AND held.expires_at > lease_clock.observed_at
+          AND held.ended IS NULL AND held.expires_at > lease_clock.observed_at
         RETURNING held.*
       ),
       audit AS (

@@ -16,7 +16,11 @@
 // the stuck key fails.
 
 import { LimitName } from "../../protocol/errors.js";
-import { DatabaseUnavailableError, ResourceExhaustedError } from "../lease/errors.js";
+import {
+  DatabaseUnavailableError,
+  endedLeaseNotReacquired,
+  ResourceExhaustedError,
+} from "../lease/errors.js";
 import type {
   AcquireInput,
   AcquireResult,
@@ -25,6 +29,7 @@ import type {
   LeaseRecord,
   LeaseStore,
   RenewItem,
+  RenewManyResult,
   RenewResult,
   SessionKey,
   SessionRow,
@@ -199,6 +204,8 @@ export function createLeaseStore(
             };
           case "held":
             return { acquired: false, current: outcome.current };
+          case "ended":
+            throw endedLeaseNotReacquired(input.runId, outcome.cause);
           case "quota":
             throw new ResourceExhaustedError(
               `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
@@ -236,7 +243,17 @@ export function createLeaseStore(
         : { held: false, cause: result.cause };
     },
 
-    renewMany: (items, opts) => run(() => renewMany(sql, items, opts)),
+    // Waiting (the batcher's retry of a locked row): row by row, by key, so
+    // that a renewal that waited re-checks its guard on the version it
+    // locked and decides; the batched form updates by ctid and, after a
+    // wait, could only answer busy again.
+    renewMany: (items, opts) =>
+      run(async () => {
+        if (!opts.wait) return renewMany(sql, items, opts);
+        const results: RenewManyResult[] = [];
+        for (const item of items) results.push(await renewOne(sql, item, opts));
+        return results;
+      }),
 
     async release(key, runId): Promise<EndedLease | undefined> {
       const item: EndItem = { ...key, runId, ended: "released", reason: undefined };

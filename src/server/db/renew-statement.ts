@@ -3,8 +3,12 @@
 // (group-committed). One statement, so throughput is not bound by commit
 // latency (DESIGN §3).
 //
-// S4: key + run_id + not expired, at one clock reading: a late renewal of an
-//     expired run matches nothing, even when nobody has taken the session over.
+// S4: key + run_id + not ended + not expired, at one clock reading: a late
+//     renewal of an expired run matches nothing, even when nobody has taken
+//     the session over. `ended` is checked as well as the deadline because a
+//     statement that waited on the row lock sees the version a Release or
+//     Revoke committed after its clock reading, whose end (expires_at) can
+//     be later than that reading: only `ended` says that lease is over.
 // S8: rows are locked in key order; with SKIP LOCKED a row held by another
 //     transaction (a stuck one) is left out instead of stalling the batch,
 //     answered `busy`, and the caller retries it alone, with waiting.
@@ -60,7 +64,7 @@ export async function renewMany(
       CROSS JOIN LATERAL (
         SELECT l.ctid FROM leases l
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
-          AND l.run_id = w.run_id
+          AND l.run_id = w.run_id AND l.ended IS NULL
           AND l.expires_at > (SELECT observed_at FROM lease_clock)
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
       ) held
@@ -75,7 +79,8 @@ export async function renewMany(
           + coalesce(k.ttl_ms * interval '1 millisecond', held.ttl)
       FROM locked k, lease_clock
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
-        AND held.ctid = k.row_id AND held.expires_at > lease_clock.observed_at
+        AND held.ctid = k.row_id AND held.ended IS NULL
+        AND held.expires_at > lease_clock.observed_at
       RETURNING k.idx, held.*
     )
     SELECT r.idx IS NOT NULL AS renewed,
@@ -159,7 +164,8 @@ export async function renewOne(
       locked AS MATERIALIZED (
         SELECT 1 FROM leases l, lease_clock c
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
-          AND l.run_id = ${item.runId}::uuid AND l.expires_at > c.observed_at
+          AND l.run_id = ${item.runId}::uuid AND l.ended IS NULL
+          AND l.expires_at > c.observed_at
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
       -- By key, not by the locked ctid (end-statement.ts, endOne: a version
@@ -171,7 +177,8 @@ export async function renewOne(
             + coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl)
         FROM locked k, lease_clock
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
-          AND held.run_id = ${item.runId}::uuid AND held.expires_at > lease_clock.observed_at
+          AND held.run_id = ${item.runId}::uuid AND held.ended IS NULL
+          AND held.expires_at > lease_clock.observed_at
         RETURNING held.*
       )
       SELECT ${leaseColumns(sql, "renewed")}, renewed.account_id IS NOT NULL AS renewed,

@@ -14,12 +14,30 @@ export class InvalidArgumentError extends Error {
   }
 }
 
-/** Renew (or a KeepAlive renewal) for a run that does not hold a valid lease. */
+/**
+ * Renew (or a KeepAlive renewal) for a run that does not hold a valid lease,
+ * or a same-run Acquire of a lease that ended (S4: a run whose lease ended
+ * never holds the session again).
+ */
 export class LeaseNotHeldError extends Error {
   override readonly name = "LeaseNotHeldError";
-  constructor(readonly reason: LossCause) {
-    super(`lease not held: ${reason.replace("_", " ")}`);
+  constructor(
+    readonly reason: LossCause,
+    message = `lease not held: ${reason.replace("_", " ")}`,
+  ) {
+    super(message);
   }
+}
+
+/** The answer to a same-run Acquire of the run's own ended lease. */
+export function endedLeaseNotReacquired(
+  runId: string,
+  cause: "released" | "revoked" | "expired",
+): LeaseNotHeldError {
+  return new LeaseNotHeldError(
+    cause,
+    `lease not held: run ${runId} ${cause === "expired" ? "let its lease expire" : `had its lease ${cause}`}; a run never holds a session again after its lease ended: acquire with a new run_id`,
+  );
 }
 
 /** A fencing token lower than the highest one seen for the session (S7). */

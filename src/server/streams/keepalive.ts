@@ -8,6 +8,9 @@
 // request for a run it renews, and `lost` as soon as this instance learns
 // that the run's lease was released, revoked or taken over.
 //
+// A renewal the database cannot decide (its row stays locked by another
+// transaction past lock_timeout) gets no answer; its neighbours do.
+//
 // A client that stops reading must not stall anything else. Renewals are
 // decided by the shared batcher whatever a stream's consumer does, and each
 // stream's undelivered answers are bounded: past the bound the stream ends
@@ -19,7 +22,7 @@ import { ResourceExhaustedError } from "../lease/errors.js";
 import { keyString, type LeaseChange, runKey } from "../lease/lease-change.js";
 import type { LeaseRecord, SessionKey } from "../lease/types.js";
 import type { ChangeFeed } from "./change-feed.js";
-import type { RenewalBatcher } from "./renewal-batcher.js";
+import { type RenewalBatcher, RenewalUndecidedError } from "./renewal-batcher.js";
 import { createStreamLeases, type StreamLeases } from "./stream-limits.js";
 
 export type KeepAliveAnswer =
@@ -147,7 +150,14 @@ class Session implements KeepAliveSession {
       (error, outcome) => {
         this.inFlight -= 1;
         if (!outcome) {
-          this.fail(error);
+          // One renewal the database could not decide (its row stayed
+          // locked): no answer this round, the stream and its other leases
+          // go on. The client's next renewal tries again; its local
+          // deadline covers a lock that persists (L2). A batch that failed
+          // whole (the database unreachable) ends the stream, so that the
+          // client moves to another instance.
+          if (error instanceof RenewalUndecidedError) this.notify();
+          else this.fail(error);
           return;
         }
         if (this.closed) return;

@@ -24,12 +24,22 @@
 // The batch never waits on a row lock (SKIP LOCKED): a row held by another
 // transaction is retried alone with an ordinary lock wait, so a stuck
 // transaction on one key delays that key only (S8) and fails it fast with
-// lock_timeout rather than the whole batch.
+// lock_timeout rather than the whole batch. A renewal still undecided then
+// fails with RenewalUndecidedError: a KeepAlive stream leaves that one
+// renewal unanswered (the client's next renewal tries again, its local
+// deadline covers a lock that persists) and answers the others as usual.
 
 import type { LossCause } from "../../protocol/errors.js";
 import { DatabaseUnavailableError } from "../lease/errors.js";
 import { runKey } from "../lease/lease-change.js";
 import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
+
+/**
+ * One renewal could not be decided: its row stayed locked by another
+ * transaction through the waiting retries (lock_timeout), or the retry
+ * failed. Only that renewal is affected; the batch it came from was decided.
+ */
+export class RenewalUndecidedError extends DatabaseUnavailableError {}
 
 export type RenewalOutcome =
   | { renewed: true; lease: LeaseRecord; handoff: HandoffRecord | undefined }
@@ -187,11 +197,20 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
           return;
         }
       }
-      throw new DatabaseUnavailableError(
+      throw new RenewalUndecidedError(
         "the session's lease row stayed locked by other transactions; retry",
       );
     } catch (error) {
-      fail(p, error);
+      fail(
+        p,
+        error instanceof RenewalUndecidedError
+          ? error
+          : new RenewalUndecidedError(
+              error instanceof Error ? error.message : "the renewal could not be decided",
+              error instanceof DatabaseUnavailableError ? error.sqlState : undefined,
+              { cause: error },
+            ),
+      );
     }
   }
 

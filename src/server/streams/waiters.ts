@@ -11,6 +11,7 @@
 // conditional UPSERT picks exactly one winner per release (S2). Losers keep
 // their place and wait for the next end of the lease.
 
+import { LeaseNotHeldError } from "../lease/errors.js";
 import { endsLease, keyString } from "../lease/lease-change.js";
 import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
@@ -110,7 +111,9 @@ export function createWaiters(options: WaitersOptions): Waiters {
           result = await store.acquire(head.input);
         } catch (error) {
           head.attempting = false;
-          if (head.waitOver) {
+          // The waiter's own run had its lease end (S4): no later attempt
+          // can grant it, so that is the answer now.
+          if (head.waitOver || error instanceof LeaseNotHeldError) {
             finish(k, head);
             head.reject(error);
             continue;
