@@ -370,7 +370,7 @@ describe("handoff", () => {
 
 describe("writing to the guarded store", () => {
   it("S7, L2: a run writes with its token; once revoked it stops, its context sends nothing, and its late raw write is refused", async () => {
-    const guarded = await startGuardedServer();
+    const guarded = await startGuardedServer(["--lease-url", server.url]);
     const endpoint = createEndpoint(guarded.url, { interceptors: [fencingInterceptor()] });
     defer(() => endpoint.close());
     const store = createClient(GuardedStoreService, endpoint.transport);

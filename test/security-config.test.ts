@@ -12,6 +12,7 @@ import { Code, createClient } from "@connectrpc/connect";
 import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect-node";
 import { exportJWK, generateKeyPair, SignJWT } from "jose";
 import { beforeAll, describe, expect, it } from "vitest";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { isLoopback } from "../src/server/config/ops-config.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
@@ -126,6 +127,36 @@ describe("key settings", () => {
       /--max-leases-per-account .* must be an integer from 0/,
     );
     expect(configError(["--session-authorizer", "ldap"])).toMatch(/own-account or acl-table/);
+  });
+});
+
+describe("tokens without exp", () => {
+  it("`leasehold serve` refuses a token without exp (UNAUTHENTICATED, cause claims); --allow-tokens-without-exp on accepts it", async () => {
+    const keys = await createTestKeys();
+    const token = await keys.token("acct", { expiresIn: null });
+    const key = { accountId: "acct", sessionId: "no-exp" };
+    const strict = await startServer(keys.args);
+    const lenient = await startServer([...keys.args, "--allow-tokens-without-exp", "on"]);
+    try {
+      const error = await failure(grpcClient(strict.url).get({ key }, bearer(token)));
+      expect(error.code).toBe(Code.Unauthenticated);
+      expect(error.rawMessage).toMatch(/no "exp" claim/);
+      expect(error.findDetails(ErrorInfoSchema)[0]?.metadata).toMatchObject({ cause: "claims" });
+      expect((await grpcClient(lenient.url).get({ key }, bearer(token))).held).toBe(false);
+    } finally {
+      await Promise.all([strict.close(), lenient.close()]);
+    }
+  });
+
+  it("the setting is on or off, from the flag or LEASEHOLD_ALLOW_TOKENS_WITHOUT_EXP", () => {
+    expect(parseServerConfig([], {}).ops.auth.allowTokensWithoutExp).toBe(false);
+    expect(
+      parseServerConfig([], { LEASEHOLD_ALLOW_TOKENS_WITHOUT_EXP: "on" }).ops.auth
+        .allowTokensWithoutExp,
+    ).toBe(true);
+    expect(configError(["--allow-tokens-without-exp", "yes"])).toMatch(
+      /--allow-tokens-without-exp \(LEASEHOLD_ALLOW_TOKENS_WITHOUT_EXP\) must be on or off, got "yes"/,
+    );
   });
 });
 

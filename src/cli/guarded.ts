@@ -14,13 +14,21 @@ fencing token. Same port sharing and database handling as "leasehold serve":
 without --database-url (DATABASE_URL) it starts an embedded PostgreSQL with
 its data under --data-dir.
 
+Callers authenticate as on the lease server (same key flags and variables;
+without keys, development mode on loopback only), and reach only their own
+account's documents. --lease-url is required: a write that would raise a
+session's fence must present the newest token the lease server has granted
+for it (checked with CheckFence, as this store's own --lease-token); while
+the lease server is unreachable such writes are UNAVAILABLE and writes at
+the highest token seen go on.
+
 Fence modes:
   monotonic   a write passes when its token is >= the highest token this
               store has seen for the session (a late write of a replaced run
               is refused)
-  live        also asks the lease server (CheckFence) that the token is the
-              valid lease's (a holder whose lease expired is refused even
-              when nobody replaced it)
+  live        every write asks the lease server (CheckFence) that the token
+              is the valid lease's (a holder whose lease expired is refused
+              even when nobody replaced it)
 
 Flags (each also read from the environment variable shown):
 ${settingsHelp(guardedSettings)}

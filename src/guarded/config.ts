@@ -1,6 +1,7 @@
 // Configuration of the guarded store server: the lease server's hosting
-// settings (database, listener, pool, timeouts) plus the fence mode and,
-// for live mode, where the lease server is.
+// settings (database, listener, pool, timeouts) and its token settings
+// (how callers are authenticated), plus the fence mode and where the lease
+// server is: every write that raises a session's fence is confirmed there.
 
 import { readFileSync } from "node:fs";
 import {
@@ -9,14 +10,28 @@ import {
   hostSettings,
   parseHostConfig,
 } from "../server/config/host-config.js";
+import {
+  isLoopback,
+  parseTokenConfig,
+  type TokenConfig,
+  tokenSettings,
+} from "../server/config/ops-config.js";
 import { ConfigError, readSettings, type Setting } from "../server/config/settings.js";
 
 export type FenceMode = "monotonic" | "live";
 
 export interface GuardedConfig extends HostConfig {
   fenceMode: FenceMode;
-  /** The lease server's base URL; required in live mode. */
-  leaseUrl: string | undefined;
+  /**
+   * How callers' bearer tokens are verified: the lease server's settings.
+   * Keys unset: development mode, loopback only.
+   */
+  auth: TokenConfig;
+  /**
+   * The lease server's base URL: a write that would raise a session's fence
+   * is confirmed with its CheckFence (every write in live mode).
+   */
+  leaseUrl: string;
   /** Deadline of each CheckFence call in live mode. */
   leaseTimeoutMs: number;
   /**
@@ -36,13 +51,14 @@ export const guardedDefaults: HostDefaults = {
 
 export const guardedSettings = {
   ...hostSettings(guardedDefaults),
+  ...tokenSettings,
   "fence-mode": {
     env: "LEASEHOLD_FENCE_MODE",
-    help: "monotonic (default: token >= highest seen) or live (also CheckFence)",
+    help: "monotonic (default: token >= highest seen) or live (every write asks CheckFence)",
   },
   "lease-url": {
     env: "LEASEHOLD_LEASE_URL",
-    help: "lease server URL for live mode, e.g. http://127.0.0.1:7070",
+    help: "lease server URL (required): CheckFence confirms a write that raises the fence",
   },
   "lease-timeout": {
     env: "LEASEHOLD_LEASE_TIMEOUT",
@@ -50,7 +66,7 @@ export const guardedSettings = {
   },
   "lease-token": {
     env: "LEASEHOLD_LEASE_TOKEN",
-    help: "bearer token (JWT with the fence scope) for the lease server (environment only)",
+    help: "this store's own bearer token (a JWT with the fence scope) for the lease server (environment only)",
     envOnly: true,
   },
   "lease-token-file": {
@@ -77,17 +93,33 @@ export function parseGuardedConfig(
       `--lease-url (LEASEHOLD_LEASE_URL) must be an http(s) base URL such as http://127.0.0.1:7070, got ${JSON.stringify(leaseUrl)}`,
     );
   }
-  if (mode === "live" && leaseUrl === undefined) {
+  if (leaseUrl === undefined) {
     throw new ConfigError(
-      "--fence-mode live needs --lease-url (LEASEHOLD_LEASE_URL): live mode asks the lease server",
+      "--lease-url (LEASEHOLD_LEASE_URL) is required: a write that raises a session's fence must be confirmed by the lease server",
+    );
+  }
+  const auth = parseTokenConfig(read);
+  const leaseToken = parseLeaseToken(read.get("lease-token"), read.get("lease-token-file"));
+  if (auth.keys === undefined && !isLoopback(host.listenHost)) {
+    throw new ConfigError(
+      `refusing to listen on ${host.listenHost} without authentication keys: anyone could read and write every account's documents. ` +
+        "Set LEASEHOLD_JWT_SECRET or --jwt-secret-file (HS256) or --jwks-file (RS256/ES256), as for the lease server, " +
+        "or listen on a loopback address such as 127.0.0.1 for development",
+    );
+  }
+  if (auth.keys !== undefined && leaseToken === undefined) {
+    throw new ConfigError(
+      "with authentication keys the store needs its own token for the lease server's CheckFence: " +
+        "set LEASEHOLD_LEASE_TOKEN or --lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE) to a JWT with the lease server's fence scope",
     );
   }
   return {
     ...host,
     fenceMode: mode,
+    auth,
     leaseUrl,
     leaseTimeoutMs: read.duration("lease-timeout", 2_000),
-    leaseToken: parseLeaseToken(read.get("lease-token"), read.get("lease-token-file")),
+    leaseToken,
   };
 }
 

@@ -35,6 +35,8 @@ export interface DocumentStore {
   get(key: SessionKey, name: string): Promise<(DocumentRecord & { value: Uint8Array }) | undefined>;
   /** Every document of a session by name, and the highest token seen for it. */
   list(key: SessionKey): Promise<{ documents: DocumentRecord[]; highestToken: bigint }>;
+  /** The highest token seen for a session (0: none), read without a lock. */
+  highestToken(key: SessionKey): Promise<bigint>;
 }
 
 export interface DocumentLimits {
@@ -112,5 +114,7 @@ export function createDocumentStore(sql: Sql, limits: DocumentLimits): DocumentS
           return { documents: [...documents], highestToken: await highestToken(tx, key) };
         }),
       ),
+
+    highestToken: (key) => highestToken(sql, key),
   };
 }

@@ -1,6 +1,7 @@
-// GuardedStoreService: validates requests, runs the live check when the
-// server is in live mode, calls the document store and maps the records to
-// messages. No SQL here.
+// GuardedStoreService: validates requests, asks the lease server about the
+// writes that need it (live-check.ts), calls the document store and maps the
+// records to messages. No SQL here. Callers are authenticated before, by
+// caller-auth.ts.
 
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
@@ -18,7 +19,7 @@ import type { Limits } from "../server/lease/limits.js";
 import { checkFencingToken, checkKey, checkText } from "../server/lease/validation.js";
 import { timestampFromMicros } from "../server/rpc/convert.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
-import type { LiveCheck } from "./live-check.js";
+import { checkWrite, type WriteChecks } from "./live-check.js";
 
 export interface GuardedLimits extends DocumentLimits, Pick<Limits, "maxIdLength"> {
   maxNameLength: number;
@@ -35,14 +36,14 @@ export const defaultGuardedLimits: GuardedLimits = {
 export interface GuardedServiceDeps {
   store: DocumentStore;
   limits: GuardedLimits;
-  /** Set in live mode. */
-  live?: LiveCheck;
+  /** What the lease server is asked before a write. */
+  checks: WriteChecks;
 }
 
 export function createGuardedService(
   deps: GuardedServiceDeps,
 ): ServiceImpl<typeof GuardedStoreService> {
-  const { store, limits, live } = deps;
+  const { store, limits, checks } = deps;
   const checkName = (name: string) => {
     if (name === "") throw new InvalidArgumentError("name", "must not be empty");
     return checkText("name", name, limits.maxNameLength);
@@ -61,7 +62,7 @@ export function createGuardedService(
       // Outside the write transaction: no row lock is held across a call to
       // the lease server. The fence in the transaction still refuses any
       // token older than one a write has already used.
-      await live?.(key, token);
+      await checkWrite(checks, key, token, () => store.highestToken(key));
       const written = await store.put(key, name, req.value, token);
       return create(PutResponseSchema, {
         document: documentInfo(written.document),

@@ -10,9 +10,9 @@ import { classifyDatabaseError } from "../server/db/database-errors.js";
 import type { Sql } from "../server/db/pool.js";
 import { defaultLimits, type Limits } from "../server/lease/limits.js";
 import { toConnectError } from "../server/rpc/error-codes.js";
-import { fence, type Transaction } from "./fence.js";
+import { fence, highestToken, type Transaction } from "./fence.js";
 import { type FenceClaim, readFenceClaim } from "./headers.js";
-import type { LiveCheck } from "./live-check.js";
+import { checkWrite, type LiveCheck } from "./live-check.js";
 
 /** What a fenced handler finds in `context.values.get(fencedCallKey)`. */
 export interface FencedCall {
@@ -36,8 +36,15 @@ export interface FencingInterceptorOptions {
   sql: Sql;
   /** Methods that need a token (default: every method). Reads may go unfenced. */
   fenced?: (method: DescMethod) => boolean;
-  /** Live mode: also ask the lease server that the token is the valid lease's. */
+  /** Live mode: also ask the lease server that the token is the valid lease's, for every call. */
   live?: LiveCheck;
+  /**
+   * The grant check (`createGrantCheck`): a call whose token would raise the
+   * session's fence is confirmed with the lease server first. Without it (or
+   * `live`) the interceptor trusts the token in the headers: whoever can
+   * reach the service can raise a fence to any number.
+   */
+  granted?: LiveCheck;
   limits?: Pick<Limits, "maxIdLength">;
 }
 
@@ -60,7 +67,7 @@ export function fencingInterceptor(options: FencingInterceptorOptions): Intercep
       }
       const claim = readFenceClaim(req.header, limits);
       // Before the transaction: no row lock is held across a network call.
-      await options.live?.(claim.key, claim.token);
+      await checkWrite(options, claim.key, claim.token, () => highestToken(options.sql, claim.key));
       return (await options.sql.begin(async (tx) => {
         const highestToken = await fence(tx, claim.key, claim.token);
         req.contextValues.set(fencedCallKey, { claim, highestToken, tx });

@@ -1,19 +1,23 @@
 // Wires the guarded store server: the document store and its service on a
-// host (database, migrations, pool, listener), plus, in live mode, a client
-// of the lease server's CheckFence.
+// host (database, migrations, pool, listener), its callers' authentication
+// (the lease server's authn module), and a client of the lease server's
+// CheckFence, which confirms every write that would raise a fence (every
+// write in live mode).
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { createAuthenticator } from "../server/auth/authn.js";
 import { guardedStoreSets } from "../server/db/migrate.js";
 import { type RunningServer, startHost } from "../server/http/host.js";
 import { createLogger, type Logger } from "../server/observability/logger.js";
 import { errorCodeInterceptor } from "../server/rpc/error-codes.js";
+import { callerAuthInterceptor } from "./caller-auth.js";
 import { type GuardedConfig, readLeaseTokenFile } from "./config.js";
 import { createDocumentStore } from "./document-store.js";
 import { defaultGuardedLimits, type GuardedLimits } from "./guarded-service.js";
-import { createLiveCheck, type LiveCheck } from "./live-check.js";
+import { createGrantCheck, createLiveCheck } from "./live-check.js";
 import { guardedRoutes } from "./routes.js";
 
 // A token file is re-read at most every few seconds, so that a rotated
@@ -48,27 +52,36 @@ export async function startGuardedServer(
     applicationName: "leasehold-guarded",
     migrationSets: guardedStoreSets,
     build: (sql) => {
-      let live: LiveCheck | undefined;
-      let session: Http2SessionManager | undefined;
-      if (config.fenceMode === "live" && config.leaseUrl !== undefined) {
-        // Our own session manager, so shutdown can close the connection to
-        // the lease server instead of waiting for it to idle out.
-        session = new Http2SessionManager(config.leaseUrl);
-        const token = leaseToken(config.leaseToken);
-        const transport = createGrpcTransport({
-          baseUrl: config.leaseUrl,
-          sessionManager: session,
-          interceptors: token ? [bearerTokenInterceptor(token)] : [],
-        });
-        live = createLiveCheck(createClient(LeaseService, transport), {
-          timeoutMs: config.leaseTimeoutMs,
-        });
+      // Our own session manager, so shutdown can close the connection to
+      // the lease server instead of waiting for it to idle out.
+      const session = new Http2SessionManager(config.leaseUrl);
+      const token = leaseToken(config.leaseToken);
+      const transport = createGrpcTransport({
+        baseUrl: config.leaseUrl,
+        sessionManager: session,
+        interceptors: token ? [bearerTokenInterceptor(token)] : [],
+      });
+      const leases = createClient(LeaseService, transport);
+      const options = { timeoutMs: config.leaseTimeoutMs };
+      const checks =
+        config.fenceMode === "live"
+          ? { live: createLiveCheck(leases, options) }
+          : { granted: createGrantCheck(leases, options) };
+      const auth = config.auth;
+      if (auth.keys === undefined) {
+        logger.warn(
+          { listen: config.listenHost },
+          "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
+        );
       }
+      const authenticator = auth.keys
+        ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
+        : undefined;
       logger.info({ fenceMode: config.fenceMode, leaseUrl: config.leaseUrl }, "fencing");
       return {
-        routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, live }),
-        interceptors: [errorCodeInterceptor()],
-        close: async () => session?.abort(),
+        routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
+        interceptors: [errorCodeInterceptor(), callerAuthInterceptor(authenticator)],
+        close: async () => session.abort(),
       };
     },
   });

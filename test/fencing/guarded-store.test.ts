@@ -1,7 +1,10 @@
 // GuardedStoreService in this process over real sockets: documents record
 // the token that wrote them, stale writes are refused (S7), bad input is
 // INVALID_ARGUMENT naming the field and changes nothing, and the live mode
-// asks a real lease server.
+// asks a real lease server. Every store here runs in development mode beside
+// a lease server that grants the tokens it writes with (a write that raises
+// the fence is confirmed there); guarded-auth.test.ts covers its callers'
+// authentication and the grant check.
 
 import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
@@ -13,6 +16,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
 import { defaultGuardedLimits } from "../../src/guarded/guarded-service.js";
+import type { SessionKey } from "../../src/server/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { useTestDatabase } from "../support/fixture.js";
@@ -26,6 +30,7 @@ import {
 import { bearer, createTestKeys, type TestKeys } from "../support/tokens.js";
 
 const { db, startServer, startGuardedServer } = useTestDatabase();
+let devLeaseServer: RunningServer;
 let store: RunningServer;
 let grpc: GuardedClient;
 let connect: GuardedClient;
@@ -34,7 +39,8 @@ const text = (s: string) => new TextEncoder().encode(s);
 const read = (b: Uint8Array) => new TextDecoder().decode(b);
 
 beforeAll(async () => {
-  store = await startGuardedServer([], {
+  devLeaseServer = await startServer();
+  store = await startGuardedServer(["--lease-url", devLeaseServer.url], {
     ...defaultGuardedLimits,
     maxValueBytes: 1024,
     maxDocumentsPerSession: 3,
@@ -42,6 +48,31 @@ beforeAll(async () => {
   grpc = guardedGrpcClient(store.url);
   connect = guardedConnectClient(store.url);
 });
+
+/**
+ * `count` successive grants of `key` by the lease server (each run released
+ * at once), in grant order: strictly increasing tokens (S6).
+ */
+async function grants(key: SessionKey, count: number): Promise<bigint[]> {
+  const leases = grpcClient(devLeaseServer.url);
+  const tokens: bigint[] = [];
+  for (let i = 0; i < count; i++) {
+    const { lease } = await leases.acquire({ key, ttl: durationFromMillis(60_000) });
+    if (!lease) throw new Error(`grant ${i} of ${key.sessionId} refused`);
+    tokens.push(lease.fencingToken);
+    // Monotonic mode asks only that a raising token is the newest grant,
+    // not that its lease is still valid.
+    await leases.release({ key, runId: lease.runId });
+  }
+  return tokens;
+}
+
+/** The one grant of a fresh key. */
+async function granted(prefix: string): Promise<{ key: SessionKey; token: bigint }> {
+  const key = freshKey(prefix);
+  const [token] = await grants(key, 1);
+  return { key, token: token ?? 0n };
+}
 
 async function refusal(call: Promise<unknown>): Promise<ConnectError> {
   return call.then(
@@ -57,58 +88,77 @@ async function storedDocuments(): Promise<unknown[]> {
 describe("GuardedStoreService", () => {
   it("S7: Put records the writing token; Get and List return it, over gRPC and Connect", async () => {
     const key = freshKey("docs");
-    const put = await grpc.put({ key, name: "transcript", value: text("hello"), fencingToken: 8n });
-    expect(put.highestToken).toBe(8n);
-    expect(put.document).toMatchObject({ name: "transcript", fencingToken: 8n, size: 5n });
-    await connect.put({ key, name: "files/notes.md", value: text("# notes"), fencingToken: 9n });
+    const [t1, t2] = await grants(key, 2);
+    if (t1 === undefined || t2 === undefined) throw new Error("two grants");
+    // The first run writes while its grant is the newest.
+    const put = await grpc.put({ key, name: "transcript", value: text("hello"), fencingToken: t2 });
+    expect(put.highestToken).toBe(t2);
+    expect(put.document).toMatchObject({ name: "transcript", fencingToken: t2, size: 5n });
+    const [t3] = await grants(key, 1);
+    if (t3 === undefined) throw new Error("a third grant");
+    await connect.put({ key, name: "files/notes.md", value: text("# notes"), fencingToken: t3 });
 
     const got = await connect.get({ key, name: "transcript" });
     expect(read(got.value)).toBe("hello");
-    expect(got.fencingToken).toBe(8n);
+    expect(got.fencingToken).toBe(t2);
     expect(got.updatedAt).toEqual(put.document?.updatedAt);
     const listed = await grpc.list({ key });
-    expect(listed.highestToken).toBe(9n);
+    expect(listed.highestToken).toBe(t3);
     expect(listed.documents.map((d) => [d.name, d.fencingToken, d.size])).toEqual([
-      ["files/notes.md", 9n, 7n],
-      ["transcript", 8n, 5n],
+      ["files/notes.md", t3, 7n],
+      ["transcript", t2, 5n],
     ]);
   });
 
   it("S7: a stale Put is ABORTED with STALE_FENCING_TOKEN and highest_token, and the document is intact", async () => {
     const key = freshKey("docs");
-    await grpc.put({ key, name: "transcript", value: text("run B"), fencingToken: 21n });
+    const [older, newer] = await grants(key, 2);
+    if (older === undefined || newer === undefined) throw new Error("two grants");
+    await grpc.put({ key, name: "transcript", value: text("run B"), fencingToken: newer });
     for (const client of [grpc, connect]) {
       const error = await refusal(
-        client.put({ key, name: "transcript", value: text("run A"), fencingToken: 20n }),
+        client.put({ key, name: "transcript", value: text("run A"), fencingToken: older }),
       );
       expect(error.code).toBe(Code.Aborted);
       const [info] = error.findDetails(ErrorInfoSchema);
       expect(info?.reason).toBe("STALE_FENCING_TOKEN");
-      expect(info?.metadata).toMatchObject({ highest_token: "21", presented_token: "20" });
+      expect(info?.metadata).toMatchObject({
+        highest_token: String(newer),
+        presented_token: String(older),
+      });
     }
     const got = await grpc.get({ key, name: "transcript" });
-    expect([read(got.value), got.fencingToken]).toEqual(["run B", 21n]);
+    expect([read(got.value), got.fencingToken]).toEqual(["run B", newer]);
   });
 
-  it("S7: concurrent writers with random tokens: the document ends with the highest accepted token's value", async () => {
+  it("S7: concurrent writers with the tokens of successive grants: the document ends with the highest accepted token's value", async () => {
     const key = freshKey("docs");
+    // Grants interleave with the writes, so the fence rises while they race.
+    const issued: bigint[] = [];
     const clients = Array.from({ length: 6 }, (_, i) =>
       i % 2 ? guardedGrpcClient(store.url) : guardedConnectClient(store.url),
     );
     const accepted: bigint[] = [];
-    await Promise.all(
-      clients.map(async (client) => {
-        for (let n = 0; n < 15; n++) {
-          const token = BigInt(1 + Math.floor(Math.random() * 40));
-          try {
-            await client.put({ key, name: "doc", value: text(`v${token}`), fencingToken: token });
-            accepted.push(token);
-          } catch (error) {
-            expect(ConnectError.from(error).code).toBe(Code.Aborted);
+    const writers = async (rounds: number) =>
+      Promise.all(
+        clients.map(async (client) => {
+          for (let n = 0; n < rounds; n++) {
+            const token = issued[Math.floor(Math.random() * issued.length)] ?? 0n;
+            try {
+              await client.put({ key, name: "doc", value: text(`v${token}`), fencingToken: token });
+              accepted.push(token);
+            } catch (error) {
+              expect(ConnectError.from(error).code).toBe(Code.Aborted);
+            }
           }
-        }
-      }),
-    );
+        }),
+      );
+    for (let round = 0; round < 4; round++) {
+      const [token] = await grants(key, 1);
+      issued.push(token ?? 0n);
+      await writers(4);
+    }
+    expect(accepted.length).toBeGreaterThan(0);
     const highest = [...accepted].sort((a, b) => (a < b ? -1 : a > b ? 1 : 0)).at(-1) ?? 0n;
     const got = await grpc.get({ key, name: "doc" });
     expect([read(got.value), got.fencingToken]).toEqual([`v${highest}`, highest]);
@@ -123,21 +173,23 @@ describe("GuardedStoreService", () => {
   });
 
   it("a session holds a bounded number of documents: RESOURCE_EXHAUSTED, and rewrites still pass", async () => {
-    const key = freshKey("docs");
+    const { key, token } = await granted("docs");
     for (const name of ["a", "b", "c"]) {
-      await grpc.put({ key, name, value: text(name), fencingToken: 1n });
+      await grpc.put({ key, name, value: text(name), fencingToken: token });
     }
-    const error = await refusal(grpc.put({ key, name: "d", value: text("d"), fencingToken: 1n }));
+    const error = await refusal(
+      grpc.put({ key, name: "d", value: text("d"), fencingToken: token }),
+    );
     expect(error.code).toBe(Code.ResourceExhausted);
     const info = error.findDetails(ErrorInfoSchema).find((d) => d.reason === "LIMIT_EXCEEDED");
     expect(info?.metadata).toEqual({ limit: "documents-per-session", max: "3" });
-    await grpc.put({ key, name: "a", value: text("again"), fencingToken: 1n });
+    await grpc.put({ key, name: "a", value: text("again"), fencingToken: token });
     expect((await grpc.list({ key })).documents.map((d) => d.name)).toEqual(["a", "b", "c"]);
   });
 
   it("bad input: INVALID_ARGUMENT naming the field, and nothing changes", async () => {
-    const key = freshKey("docs");
-    await grpc.put({ key, name: "kept", value: text("v"), fencingToken: 4n });
+    const { key, token } = await granted("docs");
+    await grpc.put({ key, name: "kept", value: text("v"), fencingToken: token });
     const before = await storedDocuments();
     const value = text("x");
     const cases: [Parameters<GuardedClient["put"]>[0], string][] = [
@@ -172,7 +224,7 @@ describe("GuardedStoreService", () => {
     }
     expect((await refusal(grpc.list({}))).code).toBe(Code.InvalidArgument);
     expect(await storedDocuments()).toEqual(before);
-    expect((await grpc.list({ key })).highestToken).toBe(4n);
+    expect((await grpc.list({ key })).highestToken).toBe(token);
   });
 
   it("a body that is not protobuf, or flagged compressed without a compression, is INVALID_ARGUMENT naming the request message, in gRPC, gRPC-Web and Connect; nothing changes", async () => {
@@ -371,13 +423,16 @@ describe("guarded store, live mode against a lease server with keys", () => {
 });
 
 describe("guarded store configuration", () => {
-  it("defaults to monotonic mode on its own port and data folder", () => {
-    const config = parseGuardedConfig([], {});
+  const lease = ["--lease-url", "http://127.0.0.1:7070"];
+
+  it("defaults to monotonic mode on its own port and data folder, in development mode", () => {
+    const config = parseGuardedConfig(lease, {});
     expect(config).toMatchObject({
       fenceMode: "monotonic",
       listenPort: 7071,
       dataDir: ".leasehold/guarded-pgdata",
-      leaseUrl: undefined,
+      leaseUrl: "http://127.0.0.1:7070",
+      auth: { keys: undefined },
     });
   });
 
@@ -387,6 +442,8 @@ describe("guarded store configuration", () => {
       LEASEHOLD_LEASE_URL: "http://lease:7070",
       LEASEHOLD_LISTEN: "0.0.0.0:9000",
       DATABASE_URL: "postgres://x@db/y",
+      LEASEHOLD_JWT_SECRET: "s".repeat(32),
+      LEASEHOLD_LEASE_TOKEN: "a.b.c",
     });
     expect(config).toMatchObject({
       fenceMode: "live",
@@ -406,23 +463,27 @@ describe("guarded store configuration", () => {
   });
 
   it("takes the lease-server token from the environment or a file, not both, never empty", async () => {
-    expect(parseGuardedConfig([], { LEASEHOLD_LEASE_TOKEN: " abc.def.ghi\n" }).leaseToken).toEqual({
-      text: "abc.def.ghi",
-    });
+    expect(
+      parseGuardedConfig(lease, { LEASEHOLD_LEASE_TOKEN: " abc.def.ghi\n" }).leaseToken,
+    ).toEqual({ text: "abc.def.ghi" });
     const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-lease-token-"));
     try {
       const file = path.join(dir, "token");
-      expect(() => parseGuardedConfig(["--lease-token-file", file], {})).toThrow(
+      expect(() => parseGuardedConfig([...lease, "--lease-token-file", file], {})).toThrow(
         /--lease-token-file \(LEASEHOLD_LEASE_TOKEN_FILE\): cannot read/,
       );
       await writeFile(file, "\n");
-      expect(() => parseGuardedConfig(["--lease-token-file", file], {})).toThrow(/is empty/);
+      expect(() => parseGuardedConfig([...lease, "--lease-token-file", file], {})).toThrow(
+        /is empty/,
+      );
       await writeFile(file, "abc.def.ghi\n");
-      expect(parseGuardedConfig(["--lease-token-file", file], {}).leaseToken).toEqual({ file });
+      expect(parseGuardedConfig([...lease, "--lease-token-file", file], {}).leaseToken).toEqual({
+        file,
+      });
       expect(() =>
-        parseGuardedConfig(["--lease-token-file", file], { LEASEHOLD_LEASE_TOKEN: "x" }),
+        parseGuardedConfig([...lease, "--lease-token-file", file], { LEASEHOLD_LEASE_TOKEN: "x" }),
       ).toThrow(/set only one of LEASEHOLD_LEASE_TOKEN and --lease-token-file/);
-      expect(() => parseGuardedConfig([], { LEASEHOLD_LEASE_TOKEN: " " })).toThrow(
+      expect(() => parseGuardedConfig(lease, { LEASEHOLD_LEASE_TOKEN: " " })).toThrow(
         /LEASEHOLD_LEASE_TOKEN must not be empty/,
       );
     } finally {

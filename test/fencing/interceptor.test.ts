@@ -28,7 +28,7 @@ import { BadRequestSchema, ErrorInfoSchema } from "../../src/gen/google/rpc/erro
 import { highestToken } from "../../src/guarded/fence.js";
 import { fenceClaimHeaders } from "../../src/guarded/headers.js";
 import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor.js";
-import { createLiveCheck } from "../../src/guarded/live-check.js";
+import { createGrantCheck, createLiveCheck } from "../../src/guarded/live-check.js";
 import { fencingHeaderNames as fencingHeaders } from "../../src/protocol/headers.js";
 import type { Sql } from "../../src/server/db/pool.js";
 import { listen } from "../../src/server/http/listener.js";
@@ -106,6 +106,7 @@ const message = (name: string) => registry.getMessage(`test.ledger.v1.${name}`) 
 const { db, server: leaseServer, client: leases, defer } = useTestServer();
 let ledgerUrl: string;
 let liveLedgerUrl: string;
+let grantedLedgerUrl: string;
 
 function ledgerRoutes(sql: Sql) {
   return (router: ConnectRouter) => {
@@ -178,6 +179,13 @@ beforeAll(async () => {
     connectNodeAdapter({
       routes: ledgerRoutes(db.sql),
       interceptors: [fencingInterceptor({ sql: db.sql, fenced, live })],
+    }),
+  );
+  const granted = createGrantCheck(leases, { timeoutMs: 2_000 });
+  grantedLedgerUrl = await serve(
+    connectNodeAdapter({
+      routes: ledgerRoutes(db.sql),
+      interceptors: [fencingInterceptor({ sql: db.sql, fenced, granted })],
     }),
   );
 });
@@ -327,5 +335,26 @@ describe("fencing interceptor, limits and live mode", () => {
     const error = await refusal(append(client, "x", fenceClaimHeaders({ key, token: 7n })));
     expect(error.code).toBe(Code.FailedPrecondition);
     expect(error.findDetails(ErrorInfoSchema)[0]?.metadata.cause).toBe("not_found");
+  });
+
+  it("S7 granted: a token above every grant cannot raise the fence; the granted token raises it and writes again", async () => {
+    const lease = grpcClient(leaseServer.url);
+    const key = freshKey("ledger-granted");
+    const answer = await lease.acquire({ key, ttl: durationFromMillis(30_000), holder: "run-a" });
+    const token = answer.lease?.fencingToken ?? 0n;
+    const client = ledgerClient(createGrpcTransport({ baseUrl: grantedLedgerUrl }));
+    const forged = await refusal(
+      append(client, "forged", fenceClaimHeaders({ key, token: 9_223_372_036_854_775_807n })),
+    );
+    expect(forged.code).toBe(Code.FailedPrecondition);
+    expect(forged.findDetails(ErrorInfoSchema)[0]?.metadata.cause).toBe("not_found");
+    expect(await highestToken(db.sql, key)).toBe(0n);
+    expect((await append(client, "held", fenceClaimHeaders({ key, token }))).highestToken).toBe(
+      token,
+    );
+    expect((await append(client, "again", fenceClaimHeaders({ key, token }))).highestToken).toBe(
+      token,
+    );
+    expect(await lines(key.sessionId)).toEqual(["held", "again"]);
   });
 });

@@ -29,13 +29,12 @@ let otherStore: GuardedClient;
 beforeAll(async () => {
   const [storeDb, otherStoreDb] = await Promise.all([anotherDatabase(), anotherDatabase()]);
   const leaseServer = await spawnServer();
+  // Every store asks the lease server before a write raises its fence.
+  const lease = { LEASEHOLD_LEASE_URL: leaseServer.url };
   const [monotonic, live, other] = await Promise.all([
-    spawnGuardedServer([], { LEASEHOLD_FENCE_MODE: "monotonic" }, storeDb.url),
-    spawnGuardedServer([], {
-      LEASEHOLD_FENCE_MODE: "live",
-      LEASEHOLD_LEASE_URL: leaseServer.url,
-    }),
-    spawnGuardedServer([], {}, otherStoreDb.url),
+    spawnGuardedServer([], { ...lease, LEASEHOLD_FENCE_MODE: "monotonic" }, storeDb.url),
+    spawnGuardedServer([], { ...lease, LEASEHOLD_FENCE_MODE: "live" }),
+    spawnGuardedServer([], lease, otherStoreDb.url),
   ]);
   leases = grpcClient(leaseServer.url);
   store = guardedGrpcClient(monotonic.url);
@@ -200,10 +199,17 @@ describe("the paused run (both servers as processes)", () => {
   it("S7: two independently guarded resources do not interfere: each refuses what it has seen, nothing more", async () => {
     const before = await store.list({ key: session });
 
-    // The other store never saw B's token for this session, so A's is the
-    // highest it knows: it accepts it. What one resource learns does not
-    // leak into, or block, another.
-    await otherStore.put({ key: session, name: "cache", value: text("A"), fencingToken: t1 });
+    // The other store never saw a token of this session. A's token would
+    // raise its fence, so it asks the lease server, which has granted B's
+    // since: refused, naming B's. Its fence stays untouched.
+    expect((await otherStore.list({ key: session })).highestToken).toBe(0n);
+    expectStale(
+      await refusal(
+        otherStore.put({ key: session, name: "cache", value: text("A"), fencingToken: t1 }),
+      ),
+      t2,
+    );
+    expect((await otherStore.list({ key: session })).highestToken).toBe(0n);
     await otherStore.put({ key: session, name: "cache", value: text("B"), fencingToken: t2 });
     expectStale(
       await refusal(

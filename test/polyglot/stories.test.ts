@@ -89,10 +89,9 @@ function headerFencedRoutes() {
 beforeAll(async () => {
   let storeDb: TestDatabase;
   [storeDb, headerDb] = await Promise.all([anotherDatabase(), anotherDatabase()]);
-  [leaseServer, guardedServer] = await Promise.all([
-    spawnServer(),
-    spawnGuardedServer([], {}, storeDb.url),
-  ]);
+  leaseServer = await spawnServer();
+  // The store confirms with the lease server every write that raises a fence.
+  guardedServer = await spawnGuardedServer(["--lease-url", leaseServer.url], {}, storeDb.url);
   leases = grpcClient(leaseServer.url);
   store = guardedGrpcClient(guardedServer.url);
   await headerDb.sql`

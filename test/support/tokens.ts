@@ -18,8 +18,8 @@ export interface TestKeys {
 export interface TokenOptions {
   scope?: string;
   subject?: string;
-  /** Seconds from now; negative for an expired token. */
-  expiresIn?: number;
+  /** Seconds from now (default 600); negative for an expired token; null: no `exp` claim. */
+  expiresIn?: number | null;
   secret?: Uint8Array;
   claims?: Record<string, unknown>;
 }
@@ -45,15 +45,15 @@ export function signToken(
   options: TokenOptions = {},
 ): Promise<string> {
   const now = Math.floor(Date.now() / 1000);
-  return new SignJWT({
+  const jwt = new SignJWT({
     ...(options.scope === undefined ? {} : { scope: options.scope }),
     ...options.claims,
   })
     .setProtectedHeader({ alg: "HS256" })
     .setSubject(options.subject ?? account)
-    .setIssuedAt(now - 60)
-    .setExpirationTime(now + (options.expiresIn ?? 600))
-    .sign(secret);
+    .setIssuedAt(now - 60);
+  if (options.expiresIn !== null) jwt.setExpirationTime(now + (options.expiresIn ?? 600));
+  return jwt.sign(secret);
 }
 
 /** Call options carrying a bearer token. */

@@ -4,7 +4,8 @@
 // and never repeats the token.
 
 import { createLocalJWKSet, errors, type JWTPayload, type JWTVerifyGetKey, jwtVerify } from "jose";
-import type { AuthConfig, VerificationKeys } from "../config/ops-config.js";
+import { LRUCache } from "lru-cache";
+import type { TokenConfig, VerificationKeys } from "../config/ops-config.js";
 import { UnauthenticatedError } from "../lease/errors.js";
 
 /** Who is calling: the account it may act for, and what it may do there. */
@@ -25,13 +26,28 @@ export interface Authenticator {
   authenticate(authorization: string | null): Promise<Principal>;
 }
 
+/** What the cache of verified tokens holds right now. */
+export interface VerifiedCacheStats {
+  entries: number;
+  /** Counted as `verifiedEntryBytes` does; never above `verifiedCacheBytes`. */
+  bytes: number;
+}
+
+/** The authenticator of `createAuthenticator`, whose cache can be inspected (tests, metrics). */
+export interface CachingAuthenticator extends Authenticator {
+  verifiedCache(): VerifiedCacheStats;
+}
+
 // Tokens are short strings; anything longer is not worth parsing.
 const maxTokenLength = 8192;
 // A client sends the same token with every call until it refreshes it, and
 // verifying a JWT costs more than a lease decision: verified tokens are kept
-// (bounded) until they expire, for at most this long.
+// until they expire, for at most this long. The cache is keyed by the token,
+// not the header, so spellings of one header ("Bearer  t", "bearer t ") share
+// one entry, and it is bounded in bytes, since a token may be 8 KiB: 16 MiB
+// holds some 16,000 tokens of a usual 1 KiB, least recently used out first.
 const verifiedCacheMs = 300_000;
-const verifiedCacheSize = 10_000;
+export const verifiedCacheBytes = 16 << 20;
 // jose's clockTolerance below, in ms: a token is accepted this long past `exp`.
 const clockToleranceMs = 5_000;
 // Accounts from tokens obey the same rule as account ids in requests, so a
@@ -39,10 +55,10 @@ const clockToleranceMs = 5_000;
 const accountPattern = /^[A-Za-z0-9._:@+=-]+$/;
 
 export function createAuthenticator(
-  config: AuthConfig,
+  config: TokenConfig,
   keys: VerificationKeys,
   maxIdLength: number,
-): Authenticator {
+): CachingAuthenticator {
   const algorithms = keys.kind === "hs256" ? ["HS256"] : ["RS256", "ES256"];
   const key: Uint8Array | JWTVerifyGetKey =
     keys.kind === "hs256" ? keys.secret : createLocalJWKSet(keys.jwks);
@@ -54,12 +70,14 @@ export function createAuthenticator(
     clockTolerance: 5,
   };
 
-  const verified = new Map<string, { principal: Principal; untilMs: number }>();
+  const verified = new LRUCache<string, { principal: Principal; untilMs: number }>({
+    maxSize: verifiedCacheBytes,
+    sizeCalculation: (entry, token) => verifiedEntryBytes(token, entry.principal),
+  });
 
   return {
+    verifiedCache: () => ({ entries: verified.size, bytes: verified.calculatedSize }),
     authenticate: async (authorization) => {
-      const cached = authorization === null ? undefined : verified.get(authorization);
-      if (cached && Date.now() < cached.untilMs) return cached.principal;
       if (authorization === null || authorization === "") {
         throw new UnauthenticatedError(
           "missing bearer token: send the header 'authorization: Bearer <JWT>'",
@@ -74,6 +92,11 @@ export function createAuthenticator(
         );
       }
       const token = m[1];
+      const cached = verified.get(token);
+      if (cached) {
+        if (Date.now() < cached.untilMs) return cached.principal;
+        verified.delete(token);
+      }
       if (token.length > maxTokenLength) {
         throw new UnauthenticatedError(
           `malformed token: longer than ${maxTokenLength} characters`,
@@ -102,6 +125,14 @@ export function createAuthenticator(
           "account_claim",
         );
       }
+      // A token without `exp` would be accepted for as long as its key is:
+      // a leaked one could not be made useless short of rotating the key.
+      if (typeof payload.exp !== "number" && !config.allowTokensWithoutExp) {
+        throw new UnauthenticatedError(
+          'token not accepted: it has no "exp" claim (a server started with --allow-tokens-without-exp on accepts such tokens)',
+          "claims",
+        );
+      }
       const expiresMs =
         typeof payload.exp === "number" ? payload.exp * 1000 + clockToleranceMs : Infinity;
       const principal: Principal = {
@@ -111,18 +142,23 @@ export function createAuthenticator(
         anonymous: false,
         validUntilMs: Number.isFinite(expiresMs) ? expiresMs : undefined,
       };
-      verified.delete(authorization);
-      if (verified.size >= verifiedCacheSize) {
-        const oldest = verified.keys().next().value;
-        if (oldest !== undefined) verified.delete(oldest);
-      }
-      verified.set(authorization, {
+      verified.set(token, {
         principal,
         untilMs: Math.min(expiresMs, Date.now() + verifiedCacheMs),
       });
       return principal;
     },
   };
+}
+
+/**
+ * What one cached token costs, roughly: its text and the principal's strings
+ * (UTF-16, two bytes a character) plus a fixed overhead for the objects.
+ */
+export function verifiedEntryBytes(token: string, principal: Principal): number {
+  let chars = token.length + principal.account.length + principal.subject.length;
+  for (const scope of principal.scopes) chars += scope.length;
+  return 2 * chars + 256;
 }
 
 /** The refusal of a failed verification, in words a client can act on. */

@@ -16,7 +16,8 @@ export type VerificationKeys =
 
 export type SessionAuthorizerKind = "own-account" | "acl-table";
 
-export interface AuthConfig {
+/** How bearer tokens are verified: what every Leasehold server that authenticates shares. */
+export interface TokenConfig {
   /** Unset: development mode, allowed only on loopback addresses. */
   keys: VerificationKeys | undefined;
   issuer: string | undefined;
@@ -24,6 +25,11 @@ export interface AuthConfig {
   audience: string[];
   /** The claim naming the caller's account. */
   accountClaim: string;
+  /** Accept tokens without an `exp` claim (default refused). */
+  allowTokensWithoutExp?: boolean;
+}
+
+export interface AuthConfig extends TokenConfig {
   /** The scope (in the space-separated `scope` claim) that Revoke needs. */
   adminScope: string;
   /**
@@ -57,7 +63,7 @@ export interface OpsConfig {
  * back to. `envOnly` settings hold secrets: a flag would show them to anyone
  * who can list processes.
  */
-export const opsSettings = {
+export const tokenSettings = {
   "jwt-secret": {
     env: "LEASEHOLD_JWT_SECRET",
     help: "HS256 shared secret, at least 32 bytes (environment only)",
@@ -74,6 +80,16 @@ export const opsSettings = {
     env: "LEASEHOLD_ACCOUNT_CLAIM",
     help: "token claim naming the account (default sub)",
   },
+  "allow-tokens-without-exp": {
+    env: "LEASEHOLD_ALLOW_TOKENS_WITHOUT_EXP",
+    help: "on|off: accept tokens that have no exp claim (default off: refused)",
+  },
+} as const;
+
+export type TokenSettingName = keyof typeof tokenSettings;
+
+export const opsSettings = {
+  ...tokenSettings,
   "admin-scope": {
     env: "LEASEHOLD_ADMIN_SCOPE",
     help: "scope that Revoke needs (default leasehold:admin)",
@@ -215,6 +231,27 @@ export function parseOpsConfig(
 }
 
 function parseAuth(read: OpsSettingsReader): AuthConfig {
+  const authorizer = read.get("session-authorizer") ?? "own-account";
+  if (authorizer !== "own-account" && authorizer !== "acl-table") {
+    throw new ConfigError(
+      `--session-authorizer (LEASEHOLD_SESSION_AUTHORIZER) must be own-account or acl-table, got ${JSON.stringify(authorizer)}`,
+    );
+  }
+  const adminScope = read.get("admin-scope") ?? "leasehold:admin";
+  if (/\s/.test(adminScope) || adminScope === "") {
+    throw new ConfigError("--admin-scope (LEASEHOLD_ADMIN_SCOPE) must be one scope without spaces");
+  }
+  const fenceScope = read.get("fence-scope") ?? "leasehold:fence";
+  if (/\s/.test(fenceScope) || fenceScope === "") {
+    throw new ConfigError("--fence-scope (LEASEHOLD_FENCE_SCOPE) must be one scope without spaces");
+  }
+  return { ...parseTokenConfig(read), adminScope, fenceScope, sessionAuthorizer: authorizer };
+}
+
+/** The token settings (`tokenSettings`), as the lease server and the guarded store read them. */
+export function parseTokenConfig(read: {
+  get(name: TokenSettingName): string | undefined;
+}): TokenConfig {
   const secretText = read.get("jwt-secret");
   const secretFile = read.get("jwt-secret-file");
   const jwksFile = read.get("jwks-file");
@@ -249,20 +286,11 @@ function parseAuth(read: OpsSettingsReader): AuthConfig {
     }
     keys = { kind: "jwks", file: jwksFile, jwks };
   }
-  const authorizer = read.get("session-authorizer") ?? "own-account";
-  if (authorizer !== "own-account" && authorizer !== "acl-table") {
+  const withoutExp = read.get("allow-tokens-without-exp") ?? "off";
+  if (withoutExp !== "on" && withoutExp !== "off") {
     throw new ConfigError(
-      `--session-authorizer (LEASEHOLD_SESSION_AUTHORIZER) must be own-account or acl-table, got ${JSON.stringify(authorizer)}`,
+      `--allow-tokens-without-exp (LEASEHOLD_ALLOW_TOKENS_WITHOUT_EXP) must be on or off, got ${JSON.stringify(withoutExp)}`,
     );
-  }
-  const accountClaim = read.get("account-claim") ?? "sub";
-  const adminScope = read.get("admin-scope") ?? "leasehold:admin";
-  if (/\s/.test(adminScope) || adminScope === "") {
-    throw new ConfigError("--admin-scope (LEASEHOLD_ADMIN_SCOPE) must be one scope without spaces");
-  }
-  const fenceScope = read.get("fence-scope") ?? "leasehold:fence";
-  if (/\s/.test(fenceScope) || fenceScope === "") {
-    throw new ConfigError("--fence-scope (LEASEHOLD_FENCE_SCOPE) must be one scope without spaces");
   }
   return {
     keys,
@@ -271,10 +299,8 @@ function parseAuth(read: OpsSettingsReader): AuthConfig {
       .split(",")
       .map((a) => a.trim())
       .filter((a) => a !== ""),
-    accountClaim,
-    adminScope,
-    fenceScope,
-    sessionAuthorizer: authorizer,
+    accountClaim: read.get("account-claim") ?? "sub",
+    allowTokensWithoutExp: withoutExp === "on",
   };
 }
 
@@ -292,7 +318,7 @@ export function isLoopback(host: string): boolean {
  * listen where nobody else can connect. Refuses anything else, saying how
  * to configure keys.
  */
-export function checkExposure(listenHost: string, auth: AuthConfig): void {
+export function checkExposure(listenHost: string, auth: TokenConfig): void {
   if (auth.keys !== undefined || isLoopback(listenHost)) return;
   throw new ConfigError(
     `refusing to listen on ${listenHost} without authentication keys: anyone could reach every account's leases. ` +
@@ -301,12 +327,12 @@ export function checkExposure(listenHost: string, auth: AuthConfig): void {
   );
 }
 
-function readSettingFile(name: OpsSettingName, file: string): string {
+function readSettingFile(name: TokenSettingName, file: string): string {
   try {
     return readFileSync(file, "utf8");
   } catch (error) {
     throw new ConfigError(
-      `--${name} (${opsSettings[name].env}): cannot read ${file}: ${(error as Error).message}`,
+      `--${name} (${tokenSettings[name].env}): cannot read ${file}: ${(error as Error).message}`,
     );
   }
 }
