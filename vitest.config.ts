@@ -6,7 +6,8 @@ import { defineConfig } from "vitest/config";
 // processes and injects faults into them, so it must not share the machine's
 // two cores with the first project. The browser tests and the polyglot client
 // tests have their own configs (vitest.e2e.config.ts, vitest.polyglot.config.ts):
-// they need Debian's Chromium, and Debian's protoc, grpcio and Go. So has the
+// they need Debian's Chromium, and Debian's protoc, grpcio and Go; and so has
+// the tools suite (vitest.tools.config.ts), for Debian's promtool. So has the
 // hostile volume suite (vitest.hostile.config.ts, npm run test:hostile): it
 // takes minutes and measures its servers' memory.
 export default defineConfig({
@@ -20,6 +21,7 @@ export default defineConfig({
             "test/faults/**",
             "test/e2e/**",
             "test/polyglot/**",
+            "test/tools/**",
             "test/hostile-volume.test.ts",
             "node_modules/**",
           ],

@@ -13,12 +13,11 @@
 
 import { spawn } from "node:child_process";
 import { once } from "node:events";
-import { mkdtemp, rm } from "node:fs/promises";
-import os from "node:os";
+import { rm } from "node:fs/promises";
 import path from "node:path";
 import { createLeaseClient } from "../src/client/index.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
-import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import { makeDataParent, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
 import { parseDuration } from "../src/server/lease/limits.js";
 import { createLogger } from "../src/server/observability/logger.js";
 import { startServer } from "../src/server/server.js";
@@ -40,7 +39,7 @@ const ttlMs =
   usageError(`--ttl must be a duration such as 2s, got ${JSON.stringify(values.ttl)}`, usage);
 const repoRoot = path.resolve(import.meta.dirname, "..");
 
-const dataDir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
+const dataDir = await makeDataParent("leasehold-bench-");
 const embedded = process.env.DATABASE_URL
   ? undefined
   : await startEmbeddedPostgres({ dataDir: path.join(dataDir, "pgdata"), ephemeral: true });

@@ -3,8 +3,7 @@
 // in monotonic and live mode. Run: npx tsx bench/fence.ts [seconds per case]
 // (embedded PostgreSQL in a temp folder unless DATABASE_URL is set).
 
-import { mkdtemp, rm } from "node:fs/promises";
-import os from "node:os";
+import { rm } from "node:fs/promises";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
 import { createClient } from "@connectrpc/connect";
@@ -17,6 +16,7 @@ import { startGuardedServer } from "../src/guarded/server.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import {
   type EmbeddedDatabase,
+  makeDataParent,
   startEmbeddedPostgres,
 } from "../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
@@ -71,7 +71,7 @@ async function main() {
   let dir: string | undefined;
   let url = process.env.DATABASE_URL;
   if (!url) {
-    dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
+    dir = await makeDataParent("leasehold-bench-");
     embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
     url = embedded.url;
   }

@@ -5,8 +5,7 @@
 // (embedded PostgreSQL in a temp folder unless DATABASE_URL is set).
 
 import { randomBytes, randomUUID } from "node:crypto";
-import { mkdtemp, rm, writeFile } from "node:fs/promises";
-import os from "node:os";
+import { rm, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { performance } from "node:perf_hooks";
 import { createClient } from "@connectrpc/connect";
@@ -17,6 +16,7 @@ import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import {
   type EmbeddedDatabase,
+  makeDataParent,
   startEmbeddedPostgres,
 } from "../src/server/db/embedded-postgres.js";
 import { createLogger } from "../src/server/observability/logger.js";
@@ -53,7 +53,7 @@ async function measure(name: string, op: (worker: number, n: number) => Promise<
   console.log(JSON.stringify(row));
 }
 
-const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-ops-"));
+const dir = await makeDataParent("leasehold-bench-ops-");
 let embedded: EmbeddedDatabase | undefined;
 let url = process.env.DATABASE_URL;
 if (!url) {

@@ -3,12 +3,11 @@
 // the raw-SQL limit and the store all share, and the counters that say how
 // hard the database worked during a window.
 
-import { mkdtemp, readFile, rm } from "node:fs/promises";
-import os from "node:os";
+import { readFile, rm } from "node:fs/promises";
 import path from "node:path";
 import postgres from "postgres";
 import { defaultTimeouts } from "../src/server/config/host-config.js";
-import { startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
+import { makeDataParent, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
 import { openDatabase, type Sql } from "../src/server/db/pool.js";
 import { processTree } from "./process-stats.js";
@@ -52,7 +51,7 @@ const shownSettings = [
  * server of another build (--server-cli) may know other migrations.
  */
 export async function startBenchPostgres(options: { migrate: boolean }): Promise<BenchPostgres> {
-  const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
+  const dir = await makeDataParent("leasehold-bench-");
   const embedded = await startEmbeddedPostgres({
     dataDir: path.join(dir, "pgdata"),
     ephemeral: true,

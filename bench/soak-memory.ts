@@ -470,12 +470,25 @@ interface Sample {
 }
 
 const metricNames = {
-  heapUsed: "leasehold_process_nodejs_heap_size_used_bytes",
-  heapTotal: "leasehold_process_nodejs_heap_size_total_bytes",
-  external: "leasehold_process_nodejs_external_memory_bytes",
-  handles: "leasehold_process_nodejs_active_handles_total",
-  oldSpace: 'leasehold_process_nodejs_heap_space_size_used_bytes{space="old"}',
+  heapUsed: "leasehold_nodejs_heap_size_used_bytes",
+  heapTotal: "leasehold_nodejs_heap_size_total_bytes",
+  external: "leasehold_nodejs_external_memory_bytes",
+  oldSpace: 'leasehold_nodejs_heap_space_size_used_bytes{space="old"}',
 };
+
+/** Active handles of every type: the sum of the gauge's series (one per handle type). */
+const handlesSeries = "leasehold_nodejs_active_handles{";
+
+function activeHandles(m: Map<string, number>): number {
+  let sum = 0;
+  let seen = false;
+  for (const [series, v] of m) {
+    if (!series.startsWith(handlesSeries)) continue;
+    sum += v;
+    seen = true;
+  }
+  return seen ? sum : Number.NaN;
+}
 
 /** The server's own view of its heap, from prom-client's default metrics on /metrics. */
 async function readServerMetrics(serverUrl: string): Promise<Map<string, number>> {
@@ -598,7 +611,7 @@ async function main(): Promise<number> {
           heapTotalMiB: mib(m.get(metricNames.heapTotal)),
           oldSpaceUsedMiB: mib(m.get(metricNames.oldSpace)),
           externalMiB: mib(m.get(metricNames.external)),
-          activeHandles: m.get(metricNames.handles) ?? Number.NaN,
+          activeHandles: activeHandles(m),
         });
       } catch (error) {
         tally.error("sample", error);

@@ -110,4 +110,81 @@ describe("leasehold client commands", () => {
     const top = await runCli(["--help"]);
     for (const c of commands) expect(top.stdout).toContain(`  ${c} `);
   });
+
+  // Which of the flags that only some commands take each one has.
+  const ownFlags: Record<string, string[]> = {
+    acquire: ["--account", "--session", "--ttl", "--holder"],
+    renew: ["--account", "--session", "--ttl"],
+    release: ["--account", "--session"],
+    get: ["--account", "--session"],
+    list: ["--account"],
+    watch: ["--account", "--session"],
+    history: ["--account", "--session"],
+    revoke: ["--account", "--session"],
+    run: ["--account", "--session", "--ttl", "--holder"],
+  };
+
+  it("each command's help lists only the flags it takes, and refuses the others", async () => {
+    for (const c of commands) {
+      const help = (await runCli([c, "--help"])).stdout;
+      for (const flag of ["--account", "--session", "--ttl", "--holder"]) {
+        const has = ownFlags[c]?.includes(flag) ?? false;
+        expect(new RegExp(`^  ${flag} `, "m").test(help), `${c} ${flag}`).toBe(has);
+      }
+    }
+    const ignored = await runCli(["release", "--account", "a", "--session", "s", "--ttl", "5s"]);
+    expect(ignored.code).toBe(2);
+    expect(ignored.stderr).toMatch(/^leasehold release: Unknown option '--ttl'/);
+  });
+
+  it("every duration the help texts and errors offer as an example is one the server accepts", async () => {
+    const texts = await Promise.all(
+      commands.map(async (c) => (await runCli([c, "--help"])).stdout),
+    );
+    const bad = await runCli(["acquire", "--account", "a", "--session", "s", "--ttl", "soon"]);
+    texts.push(bad.stderr);
+    const examples = new Set<string>();
+    for (const text of texts) {
+      for (const m of text.matchAll(/--ttl (\S+)|such as ((?:\d+(?:ms|s|m|h)(?:, | or )?)+)/g)) {
+        for (const d of (m[1] ?? m[2] ?? "").split(/, | or /)) {
+          if (/^\d+(ms|s|m|h)$/.test(d)) examples.add(d);
+        }
+      }
+    }
+    expect(examples.size).toBeGreaterThan(3);
+    for (const ttl of examples) {
+      const key = freshKey("help-ttl");
+      const result = await runCli([
+        "acquire",
+        "--server",
+        server.url,
+        "--account",
+        key.accountId,
+        "--session",
+        key.sessionId,
+        "--ttl",
+        ttl,
+      ]);
+      expect(result.stderr, `--ttl ${ttl}`).toBe("");
+      expect(result.code, `--ttl ${ttl}`).toBe(0);
+    }
+  });
+
+  it("the examples in the help texts run as shown", async () => {
+    for (const c of ["acquire", "run"]) {
+      const help = (await runCli([c, "--help"])).stdout;
+      const example = /^Example:\n {2}leasehold (.*)$/m.exec(help)?.[1];
+      expect(example, c).toBeDefined();
+      const key = freshKey("help-example");
+      // The example's words, split as a shell would (one quoted argument at most).
+      const words = (example ?? "")
+        .match(/'[^']*'|\S+/g)
+        ?.map((w) => (w.startsWith("'") ? w.slice(1, -1) : w))
+        .map((w) => (w === "acme" ? key.accountId : w))
+        .map((w) => (w === "s1" || w === "s2" ? key.sessionId : w));
+      const result = await runCli(words ?? [], { LEASEHOLD_SERVER: server.url });
+      expect(result.stderr, c).toBe("");
+      expect(result.code, c).toBe(0);
+    }
+  });
 });

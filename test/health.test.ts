@@ -2,8 +2,7 @@
 // PostgreSQL, stops it under a serving Leasehold and starts it again: Watch
 // reports NOT_SERVING and then SERVING, event by event, without sleeps.
 
-import { mkdtemp, rm } from "node:fs/promises";
-import os from "node:os";
+import { rm } from "node:fs/promises";
 import path from "node:path";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createGrpcTransport } from "@connectrpc/connect-node";
@@ -14,6 +13,7 @@ import {
 } from "../src/gen/grpc/health/v1/health_pb.js";
 import {
   type EmbeddedDatabase,
+  makeDataParent,
   startEmbeddedPostgres,
 } from "../src/server/db/embedded-postgres.js";
 import type { RunningServer } from "../src/server/server.js";
@@ -57,7 +57,7 @@ describe("health follows the database", () => {
   let server: RunningServer | undefined;
 
   beforeAll(async () => {
-    dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-health-"));
+    dir = await makeDataParent("leasehold-health-");
     pg = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata") });
   });
   afterAll(async () => {

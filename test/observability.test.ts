@@ -156,7 +156,8 @@ describe("/metrics", () => {
       ),
     ).toBe(1);
     expect(after).toContain("leasehold_notification_lag_seconds");
-    expect(after).toContain("leasehold_process_");
+    expect(after).toContain("leasehold_process_cpu_seconds_total");
+    expect(after).toContain("leasehold_nodejs_active_handles{");
   });
 
   it("other methods on /metrics are refused and other paths reach the RPC router", async () => {

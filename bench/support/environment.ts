@@ -6,13 +6,13 @@
 import { type ChildProcess, execFileSync, spawn } from "node:child_process";
 import { once } from "node:events";
 import { appendFileSync } from "node:fs";
-import { mkdtemp, readdir, readFile } from "node:fs/promises";
-import os from "node:os";
+import { readdir, readFile } from "node:fs/promises";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import postgres from "postgres";
 import {
   type EmbeddedDatabase,
+  makeDataParent,
   startEmbeddedPostgres,
 } from "../../src/server/db/embedded-postgres.js";
 
@@ -30,7 +30,7 @@ export interface BenchDatabase {
 }
 
 export async function startBenchDatabase(name = "leasehold_bench"): Promise<BenchDatabase> {
-  const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-bench-"));
+  const dir = await makeDataParent("leasehold-bench-");
   const pgLog = process.env.BENCH_PG_LOG;
   const embedded: EmbeddedDatabase = await startEmbeddedPostgres({
     dataDir: path.join(dir, "pgdata"),

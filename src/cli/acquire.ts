@@ -4,7 +4,17 @@
 import { randomUUID } from "node:crypto";
 import { durationFromMs } from "../client/index.js";
 import { AcquireResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import { clientCommand, commonHelp, durationFlag, ExitCode, sessionKey } from "./common.js";
+import {
+  clientCommand,
+  commonHelp,
+  durationFlag,
+  ExitCode,
+  flagHelp,
+  holderOption,
+  keyOptions,
+  sessionKey,
+  ttlOption,
+} from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const acquireHelp = `Usage: leasehold acquire --account A --session S [--ttl 10s] [--wait 5s] [flags]
@@ -15,15 +25,26 @@ The lease is not renewed: it expires after --ttl unless you run
 the session (and says which).
 
 Flags:
+${flagHelp.account}
+${flagHelp.session}
+${flagHelp.ttl}
+${flagHelp.holder}
   --wait DURATION     wait up to this long for the session to become free
   --run-id UUID       run id to use (retrying with the same one is idempotent)
+
 ${commonHelp}
+
+Example:
+  leasehold acquire --account acme --session s1 --ttl 30s --holder desktop
 `;
 
 export const acquire = clientCommand(
   "acquire",
   acquireHelp,
   {
+    ...keyOptions,
+    ...ttlOption,
+    ...holderOption,
     wait: { type: "string" },
     "run-id": { type: "string" },
   },

@@ -33,27 +33,37 @@ export class UsageError extends Error {
   override readonly name = "UsageError";
 }
 
-/** Flags every client command accepts. */
+/** Flags every client command accepts: which server, and how to talk to it. */
 export const commonOptions = {
   server: { type: "string", multiple: true },
   protocol: { type: "string" },
-  account: { type: "string" },
-  session: { type: "string" },
-  ttl: { type: "string" },
-  holder: { type: "string" },
   token: { type: "string" },
   json: { type: "boolean" },
   help: { type: "boolean", short: "h" },
 } as const;
 
-export const commonHelp = `Common flags:
+// The flags only some commands take; each command lists the ones it has, so
+// that its --help shows only flags that do something for it, and a flag it
+// would ignore is refused.
+export const accountOption = { account: { type: "string" } } as const;
+export const keyOptions = { ...accountOption, session: { type: "string" } } as const;
+export const ttlOption = { ttl: { type: "string" } } as const;
+export const holderOption = { holder: { type: "string" } } as const;
+
+/** Help lines of those flags, for the commands' own "Flags:" lists. */
+export const flagHelp = {
+  account: "  --account ID        account of the session (required)",
+  session: "  --session ID        session id (required)",
+  ttl: `  --ttl DURATION      lease TTL such as 10s, 1500ms or 1m (default 10s); the
+                      server takes 1s to 1h unless its --min-ttl/--max-ttl differ`,
+  holder: `  --holder LABEL      label shown to others, such as "desktop" (default this
+                      machine's host name)`,
+} as const;
+
+export const commonHelp = `Connection flags:
   --server URL        server base URL; repeat (or separate with commas) for
                       several instances (default ${defaultServer}, or LEASEHOLD_SERVER)
   --protocol P        connect (default) or grpc
-  --account ID        account of the session
-  --session ID        session id
-  --ttl DURATION      lease TTL such as 10s, 500ms, 1m (default 10s)
-  --holder LABEL      label shown to others, such as "desktop" (default the host name)
   --token JWT         bearer token (default LEASEHOLD_TOKEN)
   --json              print protobuf JSON instead of text
   -h, --help          show this help`;
@@ -152,7 +162,7 @@ export function durationFlag(name: string, text: string | undefined, fallback: n
   const ms = parseDuration(text);
   if (ms === undefined) {
     throw new UsageError(
-      `--${name} must be a duration such as 250ms, 10s, 5m or 1h, got ${JSON.stringify(text)}`,
+      `--${name} must be a duration such as 10s, 1500ms, 5m or 1h, got ${JSON.stringify(text)}`,
     );
   }
   return ms;

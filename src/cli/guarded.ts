@@ -4,6 +4,7 @@ import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
 import { startGuardedServer } from "../guarded/server.js";
 import { ConfigError, settingsHelp } from "../server/config/settings.js";
 import { createLogger } from "../server/observability/logger.js";
+import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";
 
 export const guardedHelp = `Usage: leasehold guarded serve [flags]
@@ -64,7 +65,16 @@ export async function guarded(argv: string[]): Promise<number> {
     throw error;
   }
   const logger = createLogger({ name: "leasehold-guarded" });
-  const server = await startGuardedServer(config, logger);
+  let server: Awaited<ReturnType<typeof startGuardedServer>>;
+  try {
+    await preflight(config);
+    server = await startGuardedServer(config, logger);
+  } catch (error) {
+    const message = describeStartError(error, config);
+    if (message === undefined) throw error;
+    process.stderr.write(`leasehold guarded serve: ${message}\n`);
+    return 1;
+  }
   process.stderr.write(
     `Leasehold guarded store serving on ${server.url} (database ${server.databaseUrl}, fence mode ${config.fenceMode})\n`,
   );

@@ -1,7 +1,15 @@
 // `leasehold history`: the audit trail of a session, newest first.
 
 import { HistoryResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import { clientCommand, commonHelp, ExitCode, sessionKey, UsageError } from "./common.js";
+import {
+  clientCommand,
+  commonHelp,
+  ExitCode,
+  flagHelp,
+  keyOptions,
+  sessionKey,
+  UsageError,
+} from "./common.js";
 import { eventText, keyText, printJson } from "./format.js";
 
 export const historyHelp = `Usage: leasehold history --account A --session S [--limit N] [flags]
@@ -11,14 +19,17 @@ expiries, revocations and handoff requests, with run, token, holder and
 the database time of each.
 
 Flags:
+${flagHelp.account}
+${flagHelp.session}
   --limit N           print at most N events (default 50; 0 for all)
+
 ${commonHelp}
 `;
 
 export const history = clientCommand(
   "history",
   historyHelp,
-  { limit: { type: "string" } },
+  { ...keyOptions, limit: { type: "string" } },
   async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const limitText = values.limit ?? "50";

@@ -2,7 +2,14 @@
 
 import { msFromDuration } from "../client/index.js";
 import { ListResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import { clientCommand, commonHelp, ExitCode, required, UsageError } from "./common.js";
+import {
+  accountOption,
+  clientCommand,
+  commonHelp,
+  ExitCode,
+  required,
+  UsageError,
+} from "./common.js";
 import { printJson, secondsText, table } from "./format.js";
 
 export const listHelp = `Usage: leasehold list --account A [--page-size N] [flags]
@@ -11,14 +18,16 @@ Lists the valid leases of an account, by session id, following every page.
 With --json, prints each page as one ListResponse per line.
 
 Flags:
+  --account ID        the account (required)
   --page-size N       leases per request (default: the server's)
+
 ${commonHelp}
 `;
 
 export const list = clientCommand(
   "list",
   listHelp,
-  { "page-size": { type: "string" } },
+  { ...accountOption, "page-size": { type: "string" } },
   async ({ values, flags, client }) => {
     const accountId = required("account", flags.account);
     const pageSizeText = values["page-size"];

@@ -2,7 +2,16 @@
 
 import { durationFromMs } from "../client/index.js";
 import { RenewResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import { clientCommand, commonHelp, ExitCode, required, sessionKey } from "./common.js";
+import {
+  clientCommand,
+  commonHelp,
+  ExitCode,
+  flagHelp,
+  keyOptions,
+  required,
+  sessionKey,
+  ttlOption,
+} from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const renewHelp = `Usage: leasehold renew --account A --session S --run-id UUID [--ttl 10s] [flags]
@@ -12,14 +21,18 @@ Extends the run's valid lease. Without --ttl the lease keeps its TTL. Fails
 released, taken over, revoked or not found.
 
 Flags:
+${flagHelp.account}
+${flagHelp.session}
   --run-id UUID       the run whose lease to renew (required)
+  --ttl DURATION      a new TTL such as 30s or 1m (default: the lease's own)
+
 ${commonHelp}
 `;
 
 export const renew = clientCommand(
   "renew",
   renewHelp,
-  { "run-id": { type: "string" } },
+  { ...keyOptions, ...ttlOption, "run-id": { type: "string" } },
   async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const runId = required("run-id", values["run-id"]);

@@ -1,7 +1,15 @@
 // `leasehold revoke`: ends a session's valid lease whatever its run (admin).
 
 import { RevokeResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
-import { clientCommand, commonHelp, ExitCode, required, sessionKey } from "./common.js";
+import {
+  clientCommand,
+  commonHelp,
+  ExitCode,
+  flagHelp,
+  keyOptions,
+  required,
+  sessionKey,
+} from "./common.js";
 import { keyText, leaseText, printJson } from "./format.js";
 
 export const revokeHelp = `Usage: leasehold revoke --account A --session S --reason TEXT [flags]
@@ -11,14 +19,17 @@ admin scope; the revocation and its reason are recorded in the history.
 The run that held the lease learns it lost it at its next renewal.
 
 Flags:
+${flagHelp.account}
+${flagHelp.session}
   --reason TEXT       why, for the audit trail (required)
+
 ${commonHelp}
 `;
 
 export const revoke = clientCommand(
   "revoke",
   revokeHelp,
-  { reason: { type: "string" } },
+  { ...keyOptions, reason: { type: "string" } },
   async ({ values, flags, client }) => {
     const key = sessionKey(flags);
     const reason = required("reason", values.reason);

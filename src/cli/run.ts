@@ -10,9 +10,13 @@ import {
   commonHelp,
   durationFlag,
   ExitCode,
+  flagHelp,
+  holderOption,
+  keyOptions,
   parseCommandArgs,
   runCommand,
   sessionKey,
+  ttlOption,
   UsageError,
 } from "./common.js";
 import { keyText, leaseText } from "./format.js";
@@ -32,12 +36,20 @@ says by whom and exits 75 without running CMD. SIGINT, SIGTERM and SIGHUP
 are passed on to CMD.
 
 Flags:
+${flagHelp.account}
+${flagHelp.session}
+${flagHelp.ttl}
+${flagHelp.holder}
   --wait DURATION     wait up to this long for the session to become free
   --grace DURATION    time between SIGTERM and SIGKILL (default 10s)
   --on-handoff SIG    send CMD this signal (e.g. SIGUSR1) when another holder
                       asks for the session; by default only a message is printed
   --verbose           report the lease and stream reconnects on stderr
+
 ${commonHelp}
+
+Example:
+  leasehold run --account acme --session s2 --ttl 5s -- sh -c 'echo token=$LEASEHOLD_FENCING_TOKEN'
 `;
 
 const forwarded = ["SIGINT", "SIGTERM", "SIGHUP"] as const;
@@ -69,6 +81,9 @@ export function run(argv: string[]): Promise<number> {
     const separator = argv.indexOf("--");
     const command = separator === -1 ? [] : argv.slice(separator + 1);
     const { values } = parseCommandArgs(separator === -1 ? argv : argv.slice(0, separator), {
+      ...keyOptions,
+      ...ttlOption,
+      ...holderOption,
       wait: { type: "string" },
       grace: { type: "string" },
       "on-handoff": { type: "string" },

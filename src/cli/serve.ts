@@ -4,6 +4,7 @@ import { parseServerConfig, serverSettings } from "../server/config/server-confi
 import { ConfigError, settingsHelp } from "../server/config/settings.js";
 import { createLogger } from "../server/observability/logger.js";
 import { startServer } from "../server/server.js";
+import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";
 
 export const serveHelp = `Usage: leasehold serve [flags]
@@ -35,7 +36,16 @@ export async function serve(argv: string[]): Promise<number> {
     throw error;
   }
   const logger = createLogger();
-  const server = await startServer(config, logger);
+  let server: Awaited<ReturnType<typeof startServer>>;
+  try {
+    await preflight(config);
+    server = await startServer(config, logger);
+  } catch (error) {
+    const message = describeStartError(error, config);
+    if (message === undefined) throw error;
+    process.stderr.write(`leasehold serve: ${message}\n`);
+    return 1;
+  }
   process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
   const signal = await untilStopSignal();
   logger.info({ signal }, "shutting down");

@@ -9,6 +9,7 @@ import {
   commonFlags,
   commonHelp,
   ExitCode,
+  keyOptions,
   parseCommandArgs,
   required,
   runCommand,
@@ -30,7 +31,10 @@ connection drops), watch says so on stderr and connects again, to the next
 fresh snapshot. A refusal (bad token, no permission, bad flags) ends it.
 
 Flags:
+  --account ID        the account (required)
+  --session ID        only this session (default every session of the account)
   --renewals          also print every renewal
+
 ${commonHelp}
 `;
 
@@ -48,7 +52,7 @@ function retryable(error: unknown): boolean {
 
 export function watch(argv: string[]): Promise<number> {
   return runCommand("watch", watchHelp, argv, async () => {
-    const { values } = parseCommandArgs(argv, { renewals: { type: "boolean" } });
+    const { values } = parseCommandArgs(argv, { ...keyOptions, renewals: { type: "boolean" } });
     const flags = commonFlags(values);
     const accountId = required("account", flags.account);
     const key = { accountId, sessionId: flags.session ?? "" };

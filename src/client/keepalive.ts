@@ -72,6 +72,14 @@ export interface KeepAliveRegistration {
   renew(): void;
   /** Stops keeping the lease alive. */
   remove(): void;
+  /**
+   * Resolves once no renewal of this lease is unanswered: its answers came,
+   * it was lost, or its stream failed (the stall watch bounds the wait by
+   * the response timeout). A run waits for it before its Release, so that
+   * its own renewal, still on the way, is never refused as "released" and
+   * counted by the server as a lost lease.
+   */
+  settled(): Promise<void>;
 }
 
 /** Where and how the channel connects, and how it backs off. */
@@ -108,6 +116,15 @@ interface Entry {
   sent: number;
   /** False once the entry left the channel: its requests no longer count as stalled. */
   active: boolean;
+  /** Waiting for `outstanding` to empty (settled()). */
+  onSettled: (() => void)[];
+}
+
+/** Tells whoever waits on settled() that no renewal of the entry is on the way any more. */
+function settle(entry: Entry): void {
+  const waiting = entry.onSettled;
+  entry.onSettled = [];
+  for (const resolve of waiting) resolve();
 }
 
 interface OpenStream {
@@ -275,6 +292,7 @@ class KeepAliveLane {
     if (!entry) return;
     entry.active = false;
     this.entries.delete(id);
+    settle(entry);
     if (this.entries.size === 0) this.shutdown();
   }
 
@@ -284,7 +302,7 @@ class KeepAliveLane {
     const id = entryId(target.key, target.runId);
     const replaced = this.entries.get(id);
     if (replaced) replaced.active = false;
-    const entry: Entry = { target, outstanding: [], sent: 0, active: true };
+    const entry: Entry = { target, outstanding: [], sent: 0, active: true, onSettled: [] };
     this.entries.set(id, entry);
     if (!this.stream && !this.reconnectTimer) this.open();
     return {
@@ -295,8 +313,13 @@ class KeepAliveLane {
         if (this.entries.get(id) !== entry) return;
         entry.active = false;
         this.entries.delete(id);
+        settle(entry);
         if (this.entries.size === 0) this.shutdown();
       },
+      settled: () =>
+        this.entries.get(id) !== entry || !this.stream || entry.outstanding.length === 0
+          ? Promise.resolve()
+          : new Promise<void>((resolve) => entry.onSettled.push(resolve)),
     };
   }
 
@@ -319,7 +342,10 @@ class KeepAliveLane {
 
   /** Drops every lease; their requests no longer count as stalled. */
   private forgetAll(): void {
-    for (const entry of this.entries.values()) entry.active = false;
+    for (const entry of this.entries.values()) {
+      entry.active = false;
+      settle(entry);
+    }
     this.entries.clear();
   }
 
@@ -394,11 +420,13 @@ class KeepAliveLane {
         const sentAt = entry.outstanding.shift();
         this.failures = 0;
         entry.target.onRenewed(result.value, sentAt);
+        if (entry.outstanding.length === 0) settle(entry);
         break;
       }
       case "lost":
         entry.active = false;
         this.entries.delete(id);
+        settle(entry);
         entry.target.onLost(lossCauseFromReason(result.value.reason));
         if (this.entries.size === 0) this.shutdown();
         break;
@@ -416,6 +444,8 @@ class KeepAliveLane {
     this.stream = undefined;
     stream.stalls.stop();
     stream.abort.abort(error);
+    // Renewals sent on this stream will not be answered.
+    for (const entry of this.entries.values()) settle(entry);
     stream.queue.end();
     stream.endpoint.close();
     if (definitiveCodes.has(error.code)) {
@@ -521,6 +551,8 @@ export class KeepAliveChannel {
         placement.registration.remove();
         this.placed.delete(id);
       },
+      settled: () =>
+        this.placed.get(id) === placement ? placement.registration.settled() : Promise.resolve(),
     };
   }
 

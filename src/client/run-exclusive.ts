@@ -294,6 +294,12 @@ export async function runExclusive<T>(
     return await work(ctx);
   } finally {
     options.signal?.removeEventListener("abort", onCallerAbort);
+    clearInterval(renewTimer);
+    // The run's own renewal may still be on the way (the first one leaves
+    // as the stream opens): released before it arrives, the lease would be
+    // refused to it as "released", a loss in the server's metrics though
+    // the run ended it itself. Its answer (or a stall) comes first.
+    if (!controller.signal.aborted) await registration.settled();
     stopKeepingAlive();
     // L2: once the work has settled, nothing may present this lease again.
     if (!controller.signal.aborted) {

@@ -7,11 +7,9 @@
 // a DNS name or a load balancer's backend (docs/failover.md). Every fault
 // the suite injects is a method here.
 
-import { mkdtemp, rm } from "node:fs/promises";
-import os from "node:os";
-import path from "node:path";
+import { rm } from "node:fs/promises";
 import postgres from "postgres";
-import { freePort } from "../../src/server/db/embedded-postgres.js";
+import { freePort, makeDataParent } from "../../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
@@ -65,7 +63,7 @@ function instance0Url(instances: LeaseInstance[]): string {
 }
 
 export async function startCluster(instanceCount = 3): Promise<Cluster> {
-  const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-faults-"));
+  const dir = await makeDataParent("leasehold-faults-");
   const database = await startReplicatedDatabase({ synchronous: true, dir });
   const endpoint = await startPrimaryEndpoint(database);
   const admin = postgres(database.directUrlFor("postgres"), { max: 1, onnotice: () => {} });

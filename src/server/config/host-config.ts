@@ -126,7 +126,7 @@ export function parseHostConfig(
     throw new ConfigError("--idle-timeout (LEASEHOLD_IDLE_TIMEOUT) must be at least 100ms");
   }
   return {
-    databaseUrl: read.get("database-url"),
+    databaseUrl: parseDatabaseUrl(read.get("database-url")),
     dataDir: read.get("data-dir") ?? defaults.dataDir,
     listenHost,
     listenPort,
@@ -139,6 +139,45 @@ export function parseHostConfig(
     idleTimeoutMs,
     tls: parseTls(read),
   };
+}
+
+/** A URL for messages and logs: its password replaced by ***. */
+export function hidePassword(url: string): string {
+  try {
+    const u = new URL(url);
+    if (u.password) u.password = "***";
+    return u.toString();
+  } catch {
+    // Not a URL: hide whatever sits between "user:" and "@".
+    return url.replace(/:[^:@/]*@/, ":***@");
+  }
+}
+
+/**
+ * DATABASE_URL must be a postgres:// or postgresql:// URL: any other scheme
+ * would be taken by the driver as PostgreSQL at its default port anyway.
+ */
+export function parseDatabaseUrl(text: string | undefined): string | undefined {
+  if (text === undefined) return undefined;
+  const name = "--database-url (DATABASE_URL)";
+  const shown = hidePassword(text);
+  let url: URL;
+  try {
+    url = new URL(text);
+  } catch {
+    throw new ConfigError(
+      `${name} must be a URL such as postgres://user:password@host:5432/database, got ${JSON.stringify(shown)}`,
+    );
+  }
+  if (url.protocol !== "postgres:" && url.protocol !== "postgresql:") {
+    throw new ConfigError(
+      `${name} must start with postgres:// or postgresql://, got ${url.protocol}// in ${shown}`,
+    );
+  }
+  if (url.hostname === "" && !url.searchParams.has("host")) {
+    throw new ConfigError(`${name} names no host: ${shown}`);
+  }
+  return text;
 }
 
 export function parseListen(text: string): [string, number] {

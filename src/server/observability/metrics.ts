@@ -40,7 +40,16 @@ export interface MetricsOptions {
 
 export function createMetrics(options: MetricsOptions): LeaseMetrics {
   const registry = new Registry();
-  collectDefaultMetrics({ register: registry, prefix: "leasehold_process_" });
+  // prom-client's Node.js and process metrics, named after Prometheus's
+  // conventions: its own names already say "process_" or "nodejs_", so the
+  // prefix is the service alone (no leasehold_process_process_…), and its
+  // three gauges that end in _total (a suffix for counters) are dropped:
+  // sum(leasehold_nodejs_active_handles) and the like give the same figure.
+  // docs/operations.md lists the former names.
+  collectDefaultMetrics({ register: registry, prefix: "leasehold_" });
+  for (const kind of ["handles", "requests", "resources"]) {
+    registry.removeSingleMetric(`leasehold_nodejs_active_${kind}_total`);
+  }
   const metric = { registers: [registry] };
 
   const rpcDuration = new Histogram({

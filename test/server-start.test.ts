@@ -1,0 +1,202 @@
+// Starting and stopping `leasehold serve` with its embedded PostgreSQL, the
+// way a new user does: a second start on the same folder, a port in use, a
+// SIGTERM to `npm start`, a server killed with SIGKILL, a data folder the
+// `postgres` user cannot reach, a DATABASE_URL that is wrong. Each case
+// names what the user sees and checks the processes and files behind it.
+
+import { spawn } from "node:child_process";
+import { once } from "node:events";
+import { existsSync } from "node:fs";
+import { mkdtemp, readFile, rm, stat } from "node:fs/promises";
+import net from "node:net";
+import os from "node:os";
+import path from "node:path";
+import { afterAll, describe, expect, it } from "vitest";
+import { freePort, lockFileOf, makeDataParent } from "../src/server/db/embedded-postgres.js";
+import { runCli } from "./support/cli.js";
+import { repoRoot, type ServerProcess, spawnLeasehold } from "./support/server-process.js";
+import { waitFor } from "./support/wait.js";
+
+const dirs: string[] = [];
+const servers: ServerProcess[] = [];
+afterAll(async () => {
+  for (const server of servers) await server.stop();
+  for (const dir of dirs) await rm(dir, { recursive: true, force: true });
+});
+
+async function dataDir(): Promise<string> {
+  const dir = await makeDataParent("leasehold-start-");
+  dirs.push(dir);
+  return path.join(dir, "pgdata");
+}
+
+async function serve(data: string, listen = "127.0.0.1:0"): Promise<ServerProcess> {
+  const server = await spawnLeasehold({
+    argv: ["serve", "--listen", listen, "--data-dir", data],
+    env: { DATABASE_URL: "" },
+  });
+  servers.push(server);
+  return server;
+}
+
+function alive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+async function postmasterPid(data: string): Promise<number> {
+  return Number((await readFile(path.join(data, "postmaster.pid"), "utf8")).split("\n")[0]);
+}
+
+async function portFree(port: number): Promise<boolean> {
+  const server = net.createServer();
+  const ok = await new Promise<boolean>((resolve) => {
+    server.once("error", () => resolve(false));
+    server.listen(port, "127.0.0.1", () => resolve(true));
+  });
+  if (ok) await new Promise((resolve) => server.close(resolve));
+  return ok;
+}
+
+describe("starting `leasehold serve` on an embedded database", () => {
+  it("a second start on the same data folder names the live Leasehold and what to do", async () => {
+    const data = await dataDir();
+    const first = await serve(data);
+    const second = await runCli(["serve", "--listen", "127.0.0.1:0", "--data-dir", data], {
+      DATABASE_URL: "",
+    });
+    expect(second.code).toBe(1);
+    expect(second.stderr).toContain(
+      `another Leasehold (pid ${first.child.pid}) serves the data folder ${data}`,
+    );
+    expect(second.stderr).toMatch(/kill \d+.*--data-dir/);
+    // The first one still serves.
+    expect((await fetch(`${first.url}/metrics`)).status).toBe(200);
+  });
+
+  it("a port already in use is found before a database is started and migrated", async () => {
+    const busy = net.createServer();
+    await new Promise<void>((resolve) => busy.listen(0, "127.0.0.1", resolve));
+    const { port } = busy.address() as net.AddressInfo;
+    try {
+      const data = await dataDir();
+      const result = await runCli(["serve", "--listen", `127.0.0.1:${port}`, "--data-dir", data], {
+        DATABASE_URL: "",
+      });
+      expect(result.code).toBe(1);
+      expect(result.stderr).toContain(`127.0.0.1:${port} is already in use`);
+      expect(result.stderr).toContain("--listen");
+      expect(existsSync(path.join(data, "PG_VERSION"))).toBe(false);
+    } finally {
+      busy.close();
+    }
+  });
+
+  it("SIGTERM to `npm start` stops the server and its PostgreSQL and frees the port", async () => {
+    const data = await dataDir();
+    const port = await freePort();
+    // --ignore-scripts skips only the prestart build (the test setup built dist/).
+    const npm = spawn(
+      "npm",
+      ["start", "--ignore-scripts", "--", "--listen", `127.0.0.1:${port}`, "--data-dir", data],
+      {
+        cwd: repoRoot,
+        env: { ...process.env, DATABASE_URL: "", LEASEHOLD_LOG_LEVEL: "warn" },
+        stdio: ["ignore", "pipe", "pipe"],
+      },
+    );
+    let stderr = "";
+    npm.stderr?.on("data", (chunk: Buffer) => {
+      stderr += chunk.toString();
+    });
+    npm.stdout?.resume();
+    const exited = once(npm, "exit");
+    await waitFor(() => stderr.includes("serving on"), {
+      what: "npm start to serve",
+      timeoutMs: 60_000,
+    });
+    const serverPid = Number((await readFile(lockFileOf(data), "utf8")).trim());
+    const postgresPid = await postmasterPid(data);
+    expect(serverPid).not.toBe(npm.pid);
+    expect(alive(serverPid) && alive(postgresPid)).toBe(true);
+
+    npm.kill("SIGTERM");
+    await exited;
+    await waitFor(() => !alive(serverPid) && !alive(postgresPid), {
+      what: `the server (pid ${serverPid}) and its PostgreSQL (pid ${postgresPid}) to exit`,
+    });
+    expect(await portFree(port)).toBe(true);
+    expect(existsSync(lockFileOf(data))).toBe(false);
+  });
+
+  it("after a SIGKILL of the server, the next start stops the PostgreSQL left behind and serves", async () => {
+    const data = await dataDir();
+    const killed = await serve(data);
+    const leftBehind = await postmasterPid(data);
+    await killed.kill();
+    // SIGKILL gives the server no chance to stop its database.
+    expect(alive(leftBehind)).toBe(true);
+
+    const next = await serve(data);
+    expect(alive(leftBehind)).toBe(false);
+    const running = await postmasterPid(data);
+    expect(running).not.toBe(leftBehind);
+    expect(Number((await readFile(lockFileOf(data), "utf8")).trim())).toBe(next.child.pid);
+    expect((await fetch(`${next.url}/metrics`)).status).toBe(200);
+    await next.stop();
+    expect(alive(running)).toBe(false);
+  });
+
+  it.runIf(process.getuid?.() === 0)(
+    "run as root, a data folder the postgres user cannot reach is refused and no folder's permissions change",
+    async () => {
+      const parent = await mkdtemp(path.join(os.tmpdir(), "leasehold-private-"));
+      dirs.push(parent);
+      const before = (await stat(parent)).mode & 0o777;
+      expect(before).toBe(0o700);
+      const result = await runCli(
+        ["serve", "--listen", "127.0.0.1:0", "--data-dir", path.join(parent, "pgdata")],
+        { DATABASE_URL: "" },
+      );
+      expect(result.code).toBe(1);
+      expect(result.stderr).toContain(`the folder ${parent} (mode 700) does not let it pass`);
+      expect(result.stderr).toContain(`chmod o+x ${parent}`);
+      expect((await stat(parent)).mode & 0o777).toBe(before);
+      expect((await stat(os.tmpdir())).mode & 0o777).toBe(0o777);
+    },
+  );
+});
+
+describe("DATABASE_URL errors name the URL (password hidden) and what is wrong", () => {
+  const serveWith = (url: string) =>
+    runCli(["serve", "--listen", "127.0.0.1:0"], { DATABASE_URL: url });
+
+  it("not a URL", async () => {
+    const result = await serveWith("notaurl");
+    expect(result.code).toBe(2);
+    expect(result.stderr).toBe(
+      'leasehold serve: --database-url (DATABASE_URL) must be a URL such as postgres://user:password@host:5432/database, got "notaurl"\n',
+    );
+  });
+
+  it("another scheme than postgres:// or postgresql://", async () => {
+    const result = await serveWith("mysql://app:secret@127.0.0.1/x");
+    expect(result.code).toBe(2);
+    expect(result.stderr).toBe(
+      "leasehold serve: --database-url (DATABASE_URL) must start with postgres:// or postgresql://, got mysql:// in mysql://app:***@127.0.0.1/x\n",
+    );
+  });
+
+  it("nothing listening there", async () => {
+    const port = await freePort();
+    const result = await serveWith(`postgres://nobody:secret@127.0.0.1:${port}/x`);
+    expect(result.code).toBe(1);
+    expect(result.stderr).toBe(
+      `leasehold serve: cannot use the database at postgres://nobody:***@127.0.0.1:${port}/x (--database-url, DATABASE_URL): connection refused: is PostgreSQL running there, on that port?\n`,
+    );
+  });
+});
