@@ -104,12 +104,14 @@ export async function startHost(
     // has far more than Node's default of 10 listeners, and that is no leak.
     setMaxListeners(0, shutdown.signal);
     services = await options.build(sql, shutdown.signal, databaseUrl);
-    const entry = createRpcEntry();
+    // connect-es's own bound when none is given.
+    const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
+    const entry = createRpcEntry({ readMaxBytes });
     const handler = connectNodeAdapter({
       routes: entry.routes(services.routes),
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
-      readMaxBytes: services.readMaxBytes,
+      readMaxBytes,
       fallback: entry.fallback(services.fallback),
     });
     listener = await listen({

@@ -1,5 +1,8 @@
 // Where requests enter the Connect adapter, for both servers (host.ts):
 //
+// - every routed handler gets its request body one whole message per chunk
+//   (whole-messages.ts: connect-es's envelope decoder is quadratic in the
+//   chunks of a message);
 // - an RPC path asked with a content type or HTTP method it does not take
 //   gets connect-es's 415, 405 or 505 with a body saying what it takes
 //   (connect-es sends them empty, so `curl -s` printed nothing);
@@ -22,10 +25,16 @@ import { codeToHttpStatus, endStreamFlag, errorToJson } from "@connectrpc/connec
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
 import type { ConnectNodeAdapterOptions } from "@connectrpc/connect-node";
 import { entryTexts } from "./entry-texts.js";
+import { wholeBody, wholeEnvelopes } from "./whole-messages.js";
 
 export type Fallback = NonNullable<ConnectNodeAdapterOptions["fallback"]>;
 type NodeRequest = Parameters<Fallback>[0];
 type NodeResponse = Parameters<Fallback>[1];
+
+export interface RpcEntryOptions {
+  /** Largest request message in bytes (the adapter's readMaxBytes). */
+  readMaxBytes: number;
+}
 
 export interface RpcEntry {
   /** The services' routes, with every handler they register wrapped. */
@@ -34,13 +43,13 @@ export interface RpcEntry {
   fallback(next: Fallback | undefined): Fallback;
 }
 
-export function createRpcEntry(): RpcEntry {
+export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
   let handlers: UniversalHandler[] = [];
   return {
     routes: (register) => (router) => {
       register(router);
       router.handlers.forEach((handler, i) => {
-        router.handlers[i] = wrapHandler(handler);
+        router.handlers[i] = wrapHandler(handler, options);
       });
       handlers = router.handlers;
     },
@@ -58,14 +67,28 @@ export function createRpcEntry(): RpcEntry {
 
 // ---- routed requests ------------------------------------------------------
 
+const enveloped = /^application\/(grpc|grpc-web|connect\+)/i;
 const connectUnary = /^application\/(json|proto)(;|$)/i;
 
-function wrapHandler(handler: UniversalHandler): UniversalHandler {
+function wrapHandler(handler: UniversalHandler, options: RpcEntryOptions): UniversalHandler {
   const wrapped = async (req: UniversalServerRequest): Promise<UniversalServerResponse> => {
-    const res = await handler(req);
+    const res = await handler(withWholeMessages(req, options));
     return res.body === undefined ? explain(handler, req, res) : res;
   };
   return Object.assign(wrapped, handler);
+}
+
+function withWholeMessages(
+  req: UniversalServerRequest,
+  options: RpcEntryOptions,
+): UniversalServerRequest {
+  const body = req.body;
+  if (req.method !== "POST" || body === null || typeof body !== "object") return req;
+  if (!(Symbol.asyncIterator in body)) return req;
+  const type = req.header.get("content-type") ?? "";
+  if (enveloped.test(type)) return { ...req, body: wholeEnvelopes(body, options.readMaxBytes) };
+  if (connectUnary.test(type)) return { ...req, body: wholeBody(body, options.readMaxBytes) };
+  return req;
 }
 
 /** connect-es answers 415, 405 and 505 without a body; this one says what the path takes. */
