@@ -3,7 +3,7 @@
 // CONTINUATION or RST_STREAM. Frames out are built here; frames in are split
 // here and handed to the caller one at a time.
 
-import type net from "node:net";
+import net from "node:net";
 
 export const preface = Buffer.from("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
 
@@ -82,4 +82,101 @@ export function readFrames(socket: net.Socket, onFrame: (frame: InboundFrame) =>
       buffered = buffered.subarray(9 + length);
     }
   });
+}
+
+export interface TricklingProxy {
+  /** http://127.0.0.1:<port>, for HTTP/2 (h2c) clients. */
+  readonly url: string;
+  /** DATA frames forwarded to the server so far. */
+  readonly dataFrames: number;
+  close(): Promise<void>;
+}
+
+/**
+ * A TCP proxy in front of an h2c server that forwards every DATA frame a
+ * client sends as DATA frames of one byte each, written one per turn of the
+ * event loop so that the server reads them one at a time: a peer trickling
+ * its messages. Other frames, and everything the server sends, pass
+ * unchanged; flow control is unaffected (the same bytes, in order).
+ */
+export async function startTricklingProxy(target: string): Promise<TricklingProxy> {
+  const { hostname, port } = new URL(target);
+  const sockets = new Set<net.Socket>();
+  let dataFrames = 0;
+  const server = net.createServer((client) => {
+    const upstream = net.connect(Number(port), hostname);
+    for (const s of [client, upstream]) {
+      sockets.add(s);
+      s.setNoDelay(true);
+      s.on("error", () => {});
+      s.once("close", () => {
+        sockets.delete(s);
+        client.destroy();
+        upstream.destroy();
+      });
+    }
+    upstream.on("data", (chunk: Buffer) => client.write(chunk));
+    const out: Buffer[] = [];
+    let next = 0;
+    let pumping = false;
+    const pump = () => {
+      if (pumping) return;
+      pumping = true;
+      const step = () => {
+        const frame = out[next];
+        if (frame === undefined || upstream.destroyed) {
+          pumping = false;
+          return;
+        }
+        out[next++] = Buffer.alloc(0);
+        upstream.write(frame);
+        setImmediate(step);
+      };
+      step();
+    };
+    let buffered = Buffer.alloc(0);
+    let prefaceSeen = false;
+    client.on("data", (chunk: Buffer) => {
+      buffered = Buffer.concat([buffered, chunk]);
+      if (!prefaceSeen) {
+        if (buffered.length < preface.length) return;
+        out.push(buffered.subarray(0, preface.length));
+        buffered = buffered.subarray(preface.length);
+        prefaceSeen = true;
+      }
+      while (buffered.length >= 9) {
+        const length = buffered.readUIntBE(0, 3);
+        if (buffered.length < 9 + length) break;
+        const type = buffered[3];
+        const flags = buffered[4] ?? 0;
+        const streamId = buffered.readUInt32BE(5) & 0x7fffffff;
+        const payload = buffered.subarray(9, 9 + length);
+        const PADDED = 0x8;
+        if (type === FRAME.DATA && length > 1 && (flags & PADDED) === 0) {
+          for (let i = 0; i < length; i++) {
+            const last = i === length - 1;
+            out.push(h2Frame(FRAME.DATA, last ? flags : 0, streamId, payload.subarray(i, i + 1)));
+            dataFrames += 1;
+          }
+        } else {
+          if (type === FRAME.DATA) dataFrames += 1;
+          out.push(buffered.subarray(0, 9 + length));
+        }
+        buffered = buffered.subarray(9 + length);
+      }
+      pump();
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const address = server.address() as net.AddressInfo;
+  return {
+    url: `http://127.0.0.1:${address.port}`,
+    get dataFrames() {
+      return dataFrames;
+    },
+    close: async () => {
+      for (const s of sockets) s.destroy();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
 }

@@ -14,6 +14,7 @@ import { type MigrationSet, migrate } from "../db/migrate.js";
 import { openDatabase, type Sql } from "../db/pool.js";
 import type { Logger } from "../observability/logger.js";
 import { type Listener, listen, type StreamHandler } from "./listener.js";
+import { createRpcEntry } from "./rpc-entry.js";
 
 export interface RunningServer {
   /** Base URL for clients, e.g. http://127.0.0.1:7070 */
@@ -103,12 +104,15 @@ export async function startHost(
     // has far more than Node's default of 10 listeners, and that is no leak.
     setMaxListeners(0, shutdown.signal);
     services = await options.build(sql, shutdown.signal, databaseUrl);
+    // connect-es's own bound when none is given.
+    const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
+    const entry = createRpcEntry({ readMaxBytes });
     const handler = connectNodeAdapter({
-      routes: services.routes,
+      routes: entry.routes(services.routes),
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
-      readMaxBytes: services.readMaxBytes,
-      fallback: services.fallback,
+      readMaxBytes,
+      fallback: entry.fallback(services.fallback),
     });
     listener = await listen({
       host: config.listenHost,

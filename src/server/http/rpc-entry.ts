@@ -1,0 +1,215 @@
+// Where requests enter the Connect adapter, for both servers (host.ts):
+//
+// - every routed handler gets its request body one whole message per chunk
+//   (whole-messages.ts: connect-es's envelope decoder is quadratic in the
+//   chunks of a message);
+// - an RPC path asked with a content type or HTTP method it does not take
+//   gets connect-es's 415, 405 or 505 with a body saying what it takes
+//   (connect-es sends them empty, so `curl -s` printed nothing);
+// - a request shaped like an RPC (POST with a gRPC, gRPC-Web or Connect
+//   content type, or a Connect GET) for a method or service this server does
+//   not have gets UNIMPLEMENTED in its protocol, instead of falling through
+//   to the web page (HTTP 405, which gRPC clients report as UNKNOWN). Other
+//   requests go on to the fallback: a page that does not exist stays a 404.
+//
+// The words are in entry-texts.ts.
+
+import { Code, ConnectError, type ConnectRouter } from "@connectrpc/connect";
+import {
+  encodeEnvelope,
+  type UniversalHandler,
+  type UniversalServerRequest,
+  type UniversalServerResponse,
+} from "@connectrpc/connect/protocol";
+import { codeToHttpStatus, endStreamFlag, errorToJson } from "@connectrpc/connect/protocol-connect";
+import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
+import type { ConnectNodeAdapterOptions } from "@connectrpc/connect-node";
+import { entryTexts } from "./entry-texts.js";
+import { wholeBody, wholeEnvelopes } from "./whole-messages.js";
+
+export type Fallback = NonNullable<ConnectNodeAdapterOptions["fallback"]>;
+type NodeRequest = Parameters<Fallback>[0];
+type NodeResponse = Parameters<Fallback>[1];
+
+export interface RpcEntryOptions {
+  /** Largest request message in bytes (the adapter's readMaxBytes). */
+  readMaxBytes: number;
+}
+
+export interface RpcEntry {
+  /** The services' routes, with every handler they register wrapped. */
+  routes(register: (router: ConnectRouter) => void): (router: ConnectRouter) => void;
+  /** Answers unrouted RPC-shaped requests with UNIMPLEMENTED; passes the rest to `next`. */
+  fallback(next: Fallback | undefined): Fallback;
+}
+
+export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
+  let handlers: UniversalHandler[] = [];
+  return {
+    routes: (register) => (router) => {
+      register(router);
+      router.handlers.forEach((handler, i) => {
+        router.handlers[i] = wrapHandler(handler, options);
+      });
+      handlers = router.handlers;
+    },
+    fallback: (next) => (req, res) => {
+      const protocol = rpcProtocol(req);
+      if (protocol === undefined) {
+        (next ?? notFound)(req, res);
+        return;
+      }
+      const error = new ConnectError(unroutedMessage(req.url ?? "/", handlers), Code.Unimplemented);
+      answerError(res, protocol, error, String(req.headers["content-type"] ?? ""));
+    },
+  };
+}
+
+// ---- routed requests ------------------------------------------------------
+
+const enveloped = /^application\/(grpc|grpc-web|connect\+)/i;
+const connectUnary = /^application\/(json|proto)(;|$)/i;
+
+function wrapHandler(handler: UniversalHandler, options: RpcEntryOptions): UniversalHandler {
+  const wrapped = async (req: UniversalServerRequest): Promise<UniversalServerResponse> => {
+    const res = await handler(withWholeMessages(req, options));
+    return res.body === undefined ? explain(handler, req, res) : res;
+  };
+  return Object.assign(wrapped, handler);
+}
+
+function withWholeMessages(
+  req: UniversalServerRequest,
+  options: RpcEntryOptions,
+): UniversalServerRequest {
+  const body = req.body;
+  if (req.method !== "POST" || body === null || typeof body !== "object") return req;
+  if (!(Symbol.asyncIterator in body)) return req;
+  const type = req.header.get("content-type") ?? "";
+  if (enveloped.test(type)) return { ...req, body: wholeEnvelopes(body, options.readMaxBytes) };
+  if (connectUnary.test(type)) return { ...req, body: wholeBody(body, options.readMaxBytes) };
+  return req;
+}
+
+/** connect-es answers 415, 405 and 505 without a body; this one says what the path takes. */
+function explain(
+  handler: UniversalHandler,
+  req: UniversalServerRequest,
+  res: UniversalServerResponse,
+): UniversalServerResponse {
+  let text: string;
+  const header = new Headers(res.header);
+  switch (res.status) {
+    case 415:
+      text = entryTexts.unsupportedMediaType(
+        handler.method,
+        handler.protocolNames,
+        req.header.get("content-type"),
+      );
+      break;
+    case 405:
+      text = entryTexts.methodNotAllowed(
+        handler.method,
+        handler.protocolNames,
+        handler.allowedMethods,
+        req.method,
+      );
+      header.set("allow", handler.allowedMethods.join(", "));
+      break;
+    case 505:
+      text = entryTexts.needsHttp2(handler.method);
+      break;
+    default:
+      return res;
+  }
+  const bytes = Buffer.from(text);
+  header.set("content-type", "text/plain; charset=utf-8");
+  header.set("content-length", String(bytes.byteLength));
+  return { ...res, header, body: once(bytes) };
+}
+
+async function* once(bytes: Uint8Array) {
+  yield bytes;
+}
+
+// ---- unrouted requests ----------------------------------------------------
+
+type Protocol = "grpc" | "grpc-web" | "connect" | "connect-stream";
+
+/** The RPC protocol a request speaks by its HTTP method and content type, or undefined for anything else. */
+function rpcProtocol(req: NodeRequest): Protocol | undefined {
+  const type = String(req.headers["content-type"] ?? "").toLowerCase();
+  if (req.method === "POST") {
+    if (/^application\/grpc-web(-text)?([+;]|$)/.test(type)) return "grpc-web";
+    if (/^application\/grpc([+;]|$)/.test(type)) return "grpc";
+    if (type.startsWith("application/connect+")) return "connect-stream";
+    if (connectUnary.test(type)) return "connect";
+    return undefined;
+  }
+  // A Connect GET names the protocol in its query.
+  if (req.method === "GET" && /[?&]connect=v1(&|$)/.test(req.url ?? "")) return "connect";
+  return undefined;
+}
+
+function unroutedMessage(url: string, handlers: readonly UniversalHandler[]): string {
+  const path = url.split("?", 1)[0] ?? "/";
+  const services = [...new Set(handlers.map((h) => h.service.typeName))];
+  const example = handlers[0]?.requestPath ?? "/leasehold.v1.LeaseService/Acquire";
+  const m = /^\/([^/]+)\/([^/]+)$/.exec(path);
+  if (!m) return entryTexts.notAnRpcPath(path, example);
+  const [, service = "", method = ""] = m;
+  return services.includes(service)
+    ? entryTexts.unknownMethod(service, method)
+    : entryTexts.unknownService(service, services);
+}
+
+/**
+ * An error as each protocol sends one that ends a call before any message,
+ * in the request's content type (clients check that the answer's matches).
+ */
+function answerError(
+  res: NodeResponse,
+  protocol: Protocol,
+  error: ConnectError,
+  requestType: string,
+): void {
+  const type = requestType.split(";", 1)[0]?.trim().toLowerCase() ?? "";
+  switch (protocol) {
+    case "grpc":
+    case "grpc-web": {
+      // Trailers-only: the status in the response headers, no body.
+      const header = new Headers({ "content-type": type });
+      setTrailerStatus(header, error);
+      res.writeHead(200, Object.fromEntries(header));
+      res.end();
+      return;
+    }
+    case "connect": {
+      const body = Buffer.from(JSON.stringify(errorToJson(error, undefined)));
+      res.writeHead(codeToHttpStatus(error.code), {
+        "content-type": "application/json",
+        "content-length": String(body.byteLength),
+      });
+      res.end(body);
+      return;
+    }
+    case "connect-stream": {
+      const endStream = JSON.stringify({ error: errorToJson(error, undefined) });
+      const body = Buffer.from(encodeEnvelope(endStreamFlag, Buffer.from(endStream)));
+      res.writeHead(200, {
+        "content-type": type,
+        "content-length": String(body.byteLength),
+      });
+      res.end(body);
+      return;
+    }
+  }
+}
+
+function notFound(_req: NodeRequest, res: NodeResponse): void {
+  res.writeHead(404, {
+    "content-type": "text/plain; charset=utf-8",
+    "content-length": String(Buffer.byteLength(entryTexts.notFound)),
+  });
+  res.end(entryTexts.notFound);
+}

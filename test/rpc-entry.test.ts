@@ -1,0 +1,321 @@
+// Requests where they enter the server, before any method runs: a method or
+// service the server does not have, an RPC path asked with the wrong content
+// type or HTTP method, JSON fields the API does not have. On both serving
+// paths of the lease server (--grpc-path native and connect) and on the
+// guarded store, over every protocol where the case applies (gRPC, gRPC-Web,
+// Connect), on real sockets.
+
+import http from "node:http";
+import http2 from "node:http2";
+import type { DescMethod, DescMethodStreaming, DescMethodUnary } from "@bufbuild/protobuf";
+import { Code, type Transport } from "@connectrpc/connect";
+import {
+  createConnectTransport,
+  createGrpcTransport,
+  createGrpcWebTransport,
+} from "@connectrpc/connect-node";
+import { beforeAll, describe, expect, it } from "vitest";
+import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
+import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import type { RunningServer } from "../src/server/server.js";
+import { failure } from "./support/calls.js";
+import { useTestDatabase } from "./support/fixture.js";
+import { freshKey } from "./support/leases.js";
+
+const { startServer, startGuardedServer } = useTestDatabase();
+let native: RunningServer;
+let connectPath: RunningServer;
+let guarded: RunningServer;
+
+beforeAll(async () => {
+  native = await startServer(["--grpc-path", "native"]);
+  connectPath = await startServer(["--grpc-path", "connect"]);
+  guarded = await startGuardedServer();
+});
+
+// Names for it.each, which runs before beforeAll has started the servers.
+const servers = [
+  "lease server, --grpc-path native",
+  "lease server, --grpc-path connect",
+  "guarded store",
+] as const;
+const serverNamed = (name: (typeof servers)[number]): RunningServer =>
+  ({ [servers[0]]: native, [servers[1]]: connectPath, [servers[2]]: guarded })[name];
+
+// ---- plain HTTP -------------------------------------------------------------
+
+interface Answer {
+  status: number;
+  headers: Record<string, string | string[] | undefined>;
+  body: Buffer;
+  trailers?: Record<string, string | string[] | undefined>;
+}
+
+/** One request over HTTP/1.1, as curl sends it by default. */
+function h1(
+  baseUrl: string,
+  path: string,
+  options: { method?: string; headers?: http.OutgoingHttpHeaders; body?: Uint8Array } = {},
+): Promise<Answer> {
+  const { hostname, port } = new URL(baseUrl);
+  return new Promise((resolve, reject) => {
+    const req = http.request(
+      { hostname, port, path, method: options.method ?? "POST", headers: options.headers },
+      (res) => {
+        const chunks: Buffer[] = [];
+        res.on("data", (c: Buffer) => chunks.push(c));
+        res.on("end", () =>
+          resolve({
+            status: res.statusCode ?? 0,
+            headers: res.headers,
+            body: Buffer.concat(chunks),
+          }),
+        );
+      },
+    );
+    req.on("error", reject);
+    req.end(options.body);
+  });
+}
+
+/** One request over HTTP/2 (h2c), with its trailers. */
+function h2(
+  baseUrl: string,
+  path: string,
+  headers: http2.OutgoingHttpHeaders,
+  body?: Uint8Array,
+): Promise<Answer> {
+  return new Promise((resolve, reject) => {
+    const session = http2.connect(baseUrl);
+    session.on("error", reject);
+    const stream = session.request({ ":method": "POST", ":path": path, ...headers });
+    let answer: Answer | undefined;
+    const chunks: Buffer[] = [];
+    stream.on("response", (h) => {
+      answer = { status: Number(h[":status"]), headers: h, body: Buffer.alloc(0) };
+    });
+    stream.on("trailers", (t) => {
+      if (answer) answer.trailers = t;
+    });
+    stream.on("data", (c: Buffer) => chunks.push(c));
+    stream.on("error", reject);
+    stream.on("end", () => {
+      session.close();
+      if (!answer) reject(new Error("no response headers"));
+      else resolve({ ...answer, body: Buffer.concat(chunks) });
+    });
+    stream.end(body);
+  });
+}
+
+/** A gRPC-style envelope (flag 0) around a message. */
+function envelope(payload: Uint8Array, flags = 0): Buffer {
+  const out = Buffer.alloc(5 + payload.byteLength);
+  out[0] = flags;
+  out.writeUInt32BE(payload.byteLength, 1);
+  out.set(payload, 5);
+  return out;
+}
+
+/** The status of a gRPC or gRPC-Web answer: trailers, trailers-only headers, or gRPC-Web's trailer frame. */
+function grpcStatus(a: Answer): { code: number; message: string } {
+  let fields: Record<string, unknown> = { ...a.headers, ...a.trailers };
+  if (fields["grpc-status"] === undefined) {
+    // gRPC-Web: the last frame of the body, flag 0x80, holds the trailers as HTTP/1 header lines.
+    let offset = 0;
+    while (offset + 5 <= a.body.length) {
+      const length = a.body.readUInt32BE(offset + 1);
+      if (a.body[offset] === 0x80) {
+        const text = a.body.subarray(offset + 5, offset + 5 + length).toString("latin1");
+        fields = Object.fromEntries(
+          text
+            .split("\r\n")
+            .filter(Boolean)
+            .map((line) => {
+              const i = line.indexOf(":");
+              return [line.slice(0, i).trim().toLowerCase(), line.slice(i + 1).trim()];
+            }),
+        );
+      }
+      offset += 5 + length;
+    }
+  }
+  return {
+    code: Number(fields["grpc-status"]),
+    message: decodeURIComponent(String(fields["grpc-message"] ?? "")),
+  };
+}
+
+// ---- clients of every protocol ------------------------------------------------
+
+const protocols = (baseUrl: string): [string, Transport][] => [
+  ["gRPC", createGrpcTransport({ baseUrl })],
+  ["gRPC-Web over HTTP/2", createGrpcWebTransport({ baseUrl, httpVersion: "2" })],
+  ["gRPC-Web over HTTP/1.1", createGrpcWebTransport({ baseUrl, httpVersion: "1.1" })],
+  ["Connect over HTTP/1.1", createConnectTransport({ baseUrl, httpVersion: "1.1" })],
+  ["Connect over HTTP/2", createConnectTransport({ baseUrl, httpVersion: "2" })],
+];
+
+/** A method with another name on the same service: a method the server does not have. */
+function renamed<M extends DescMethod>(method: M, name: string): M {
+  return { ...method, name, localName: name.toLowerCase() };
+}
+
+async function callUnary(transport: Transport, method: DescMethod, input: Record<string, unknown>) {
+  if (method.methodKind !== "unary") throw new Error("not unary");
+  return transport.unary(method as DescMethodUnary, undefined, 10_000, undefined, input);
+}
+
+async function callServerStream(
+  transport: Transport,
+  method: DescMethod,
+  input: Record<string, unknown>,
+) {
+  if (method.methodKind !== "server_streaming") throw new Error("not server streaming");
+  async function* one() {
+    yield input;
+  }
+  const res = await transport.stream(
+    method as DescMethodStreaming,
+    undefined,
+    10_000,
+    undefined,
+    one(),
+  );
+  for await (const _ of res.message) {
+    // Drain: the error, if any, comes at the end.
+  }
+}
+
+describe("a method or service the server does not have (issue 30, item 3)", () => {
+  it.each(servers)(
+    "%s: UNIMPLEMENTED naming the method, over gRPC, gRPC-Web and Connect, unary and streaming",
+    async (name) => {
+      const server = serverNamed(name);
+      const [service, other] =
+        server === guarded
+          ? [GuardedStoreService, LeaseService]
+          : [LeaseService, GuardedStoreService];
+      const unary = renamed(service.methods[1] as DescMethod, "Nope");
+      const streaming = { ...renamed(LeaseService.method.watch, "NopeStream"), parent: service };
+      for (const [protocol, transport] of protocols(server.url)) {
+        const nope = await failure(callUnary(transport, unary, {}));
+        expect([protocol, nope.code], nope.message).toEqual([protocol, Code.Unimplemented]);
+        expect(nope.rawMessage).toBe(`unknown method: ${service.typeName} has no method "Nope"`);
+
+        const unknownService = await failure(
+          callUnary(transport, other.methods[0] as DescMethod, {}),
+        );
+        expect([protocol, unknownService.code]).toEqual([protocol, Code.Unimplemented]);
+        expect(unknownService.rawMessage).toContain(`unknown service "${other.typeName}"`);
+        expect(unknownService.rawMessage).toContain(service.typeName);
+
+        if (protocol.startsWith("gRPC-Web over HTTP/1.1")) continue;
+        const stream = await failure(callServerStream(transport, streaming, { key: freshKey() }));
+        expect([protocol, stream.code]).toEqual([protocol, Code.Unimplemented]);
+        expect(stream.rawMessage).toContain('no method "NopeStream"');
+      }
+    },
+  );
+
+  it.each(servers)(
+    "%s: curl's POST of JSON to an unknown method gets the Connect error; GET of a missing page stays a plain 404",
+    async (name) => {
+      const server = serverNamed(name);
+      const json = await h1(server.url, "/leasehold.v1.LeaseService/Nope", {
+        headers: { "content-type": "application/json" },
+        body: Buffer.from("{}"),
+      });
+      expect(json.status).toBe(501);
+      expect(JSON.parse(json.body.toString())).toMatchObject({ code: "unimplemented" });
+
+      const notRpc = await h1(server.url, "/nothing", {
+        headers: { "content-type": "application/json" },
+        body: Buffer.from("{}"),
+      });
+      expect(notRpc.status).toBe(501);
+      expect(JSON.parse(notRpc.body.toString()).message).toMatch(
+        /^no RPC at "\/nothing": RPC paths are \/<package>.<Service>\/<Method>/,
+      );
+
+      const page = await h1(server.url, "/no-such-page.html", { method: "GET" });
+      expect(page.status).toBe(404);
+      expect(page.headers["content-type"]).toBe("text/plain; charset=utf-8");
+      expect(page.body.toString()).toBe("not found\n");
+    },
+  );
+
+  it("raw gRPC over HTTP/2: an unknown method is a trailers-only UNIMPLEMENTED with HTTP 200", async () => {
+    for (const server of [native, connectPath]) {
+      const a = await h2(
+        server.url,
+        "/leasehold.v1.LeaseService/Nope",
+        { "content-type": "application/grpc", te: "trailers" },
+        envelope(new Uint8Array()),
+      );
+      expect(a.status).toBe(200);
+      expect(grpcStatus(a)).toEqual({
+        code: Code.Unimplemented,
+        message: 'unknown method: leasehold.v1.LeaseService has no method "Nope"',
+      });
+    }
+  });
+});
+
+describe("an RPC path asked the wrong way says what it takes (issue 30, item 4)", () => {
+  it.each(servers)(
+    "%s: a wrong or missing content type is 415 and a GET is 405, each with a body naming what is expected",
+    async (name) => {
+      const server = serverNamed(name);
+      const path =
+        server === guarded
+          ? "/leasehold.guarded.v1.GuardedStoreService/Get"
+          : "/leasehold.v1.LeaseService/Acquire";
+      const rpc = path.slice(1);
+      for (const send of ["HTTP/1.1", "HTTP/2"] as const) {
+        const ask = (headers: Record<string, string>, method = "POST") =>
+          send === "HTTP/1.1"
+            ? h1(server.url, path, {
+                method,
+                headers,
+                body: method === "GET" ? undefined : Buffer.from("{}"),
+              })
+            : h2(
+                server.url,
+                path,
+                { ":method": method, ...headers },
+                method === "GET" ? undefined : Buffer.from("{}"),
+              );
+
+        const wrong = await ask({ "content-type": "text/plain" });
+        expect([send, wrong.status]).toEqual([send, 415]);
+        expect(wrong.headers["content-type"]).toBe("text/plain; charset=utf-8");
+        const said = wrong.body.toString();
+        expect(said).toContain(`${rpc} is an RPC; it does not take content-type "text/plain"`);
+        expect(said).toContain("application/json or application/proto (Connect)");
+        expect(said).toContain("application/grpc");
+        expect(said).toContain("application/grpc-web");
+
+        const missing = await ask({});
+        expect([send, missing.status]).toEqual([send, 415]);
+        expect(missing.body.toString()).toContain("does not take content-type (none given)");
+
+        const get = await ask({}, "GET");
+        expect([send, get.status]).toEqual([send, 405]);
+        expect(get.headers.allow).toBe("POST");
+        expect(get.body.toString()).toContain(
+          `${rpc} is an RPC; it does not answer GET. Send POST with content-type`,
+        );
+      }
+    },
+  );
+
+  it("a method that streams both ways, asked over HTTP/1.1, is 505 saying it needs HTTP/2", async () => {
+    const a = await h1(native.url, "/leasehold.v1.LeaseService/KeepAlive", {
+      headers: { "content-type": "application/connect+json" },
+      body: envelope(Buffer.from("{}")),
+    });
+    expect(a.status).toBe(505);
+    expect(a.body.toString()).toContain("KeepAlive streams both ways and needs HTTP/2");
+  });
+});
