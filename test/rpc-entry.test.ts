@@ -30,7 +30,7 @@ let guarded: RunningServer;
 beforeAll(async () => {
   native = await startServer(["--grpc-path", "native"]);
   connectPath = await startServer(["--grpc-path", "connect"]);
-  guarded = await startGuardedServer();
+  guarded = await startGuardedServer(["--lease-url", native.url]);
 });
 
 // Names for it.each, which runs before beforeAll has started the servers.

@@ -9,6 +9,7 @@ import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
 import { createLeaseStore } from "../../src/server/db/lease-store.js";
 import type { Sql } from "../../src/server/db/pool.js";
+import { LeaseNotHeldError } from "../../src/server/lease/errors.js";
 import type { LeaseStore, SessionKey } from "../../src/server/lease/types.js";
 import { useTestDatabase } from "../support/fixture.js";
 import { freshKey } from "../support/leases.js";
@@ -80,19 +81,21 @@ describe("S6 monotonic fencing under churn", () => {
           const action = pick(["release", "renew-release", "abandon", "retry", "reacquire"]);
           if (action === "retry") {
             // S6: an idempotent retry of the same run keeps its token — while
-            // its lease is valid. A retry after its deadline is a new grant.
-            // Either way the lease is then left to expire.
-            const again = await store.acquire({ ...key, runId, ttlMs, holder: "churn" });
-            if (again.acquired && again.retried) {
+            // its lease is valid. After its deadline the run never holds the
+            // session again (S4): refused, never a new grant. Either way the
+            // lease is then left to expire.
+            let again: Awaited<ReturnType<LeaseStore["acquire"]>>;
+            try {
+              again = await store.acquire({ ...key, runId, ttlMs, holder: "churn" });
+            } catch (error) {
+              expect(error).toBeInstanceOf(LeaseNotHeldError);
+              expect((error as LeaseNotHeldError).reason).toBe("expired");
+              continue;
+            }
+            if (again.acquired) {
+              expect(again.retried).toBe(true);
               retries.push({ original: grant.token, again: again.lease.fencingToken });
               grant.endUs = again.lease.expiresAtUs;
-            } else if (again.acquired) {
-              grants.push({
-                ...grant,
-                token: again.lease.fencingToken,
-                atUs: again.lease.acquiredAtUs,
-                endUs: again.lease.expiresAtUs,
-              });
             }
             continue;
           }
