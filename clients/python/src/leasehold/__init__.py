@@ -3,6 +3,7 @@ lost, fence every write. See clients/python/README.md and docs/clients.md."""
 
 from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from ._core import KeepAliveEvent
+from .aio import AsyncHold, AsyncLeaseClient
 from .client import Hold, LeaseClient
 from .errors import (
     CanceledError,
@@ -40,6 +41,8 @@ __all__ = [
     "FENCING_TOKEN_HEADER",
     "SESSION_ID_HEADER",
     "AcquireResult",
+    "AsyncHold",
+    "AsyncLeaseClient",
     "CanceledError",
     "CheckFenceResult",
     "DeadlineExceededError",
