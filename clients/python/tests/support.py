@@ -74,7 +74,7 @@ class Server:
             if not line:
                 raise RuntimeError(f"{argv[0]} exited before serving: {seen.decode()}")
             seen += line
-            m = re.search(rb"serving on http://(\S+)", line)
+            m = re.search(rb"serving on https?://(\S+)", line)
             if m:
                 self.address = m.group(1).decode()
                 break

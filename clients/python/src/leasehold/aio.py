@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
@@ -319,8 +319,8 @@ class AsyncLeaseClient:
         *,
         include_renewals: bool = False,
         timeout: timedelta | float | None = None,
-    ) -> AsyncIterator[Snapshot | Event]:
-        """A snapshot, then every change, until the iterator is closed (or ``timeout``)."""
+    ) -> AsyncGenerator[Snapshot | Event, None]:
+        """A snapshot, then every change, until the generator is closed (or ``timeout``)."""
         request = lease_pb2.WatchRequest(
             key=c.as_key(key).to_proto(), include_renewals=include_renewals
         )

@@ -8,7 +8,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, TypeVar
@@ -387,8 +387,8 @@ class LeaseClient:
         *,
         include_renewals: bool = False,
         timeout: timedelta | float | None = None,
-    ) -> Iterator[Snapshot | Event]:
-        """A snapshot, then every change, until the iterator is closed (or ``timeout``)."""
+    ) -> Generator[Snapshot | Event, None, None]:
+        """A snapshot, then every change, until the generator is closed (or ``timeout``)."""
         request = lease_pb2.WatchRequest(
             key=c.as_key(key).to_proto(), include_renewals=include_renewals
         )
