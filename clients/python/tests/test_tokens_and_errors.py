@@ -16,6 +16,7 @@ from leasehold import (
     DeadlineExceededError,
     InvalidArgumentError,
     LeaseClient,
+    LeaseLostError,
     LeaseNotHeldError,
     NotAcquiredError,
     PermissionDeniedError,
@@ -174,3 +175,30 @@ def test_bad_input_raises_an_error_naming_what_failed(
 
     # CANCELLED as its class (no server sends it: a cancelled call's status).
     assert isinstance(from_status(grpc.StatusCode.CANCELLED, "cancelled", None), CanceledError)
+
+
+def test_l2_a_server_gone_mid_hold_ends_the_hold_at_its_deadline_naming_it(
+    database_url: str,
+    secret: str,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+) -> None:
+    """L2: the only instance stops mid-hold; the hold is lost at its local
+    deadline (never reported held after it), and the reason names the
+    instance and what it did."""
+    k = key("gone")
+    doomed = lease_server(database_url, secret)
+    try:
+        c = clients(doomed.address, token=token())
+        with c.hold(k, ttl=2.0, safety_margin=0.5) as h:
+            doomed.stop()
+            assert h.lost.wait(10)
+            with pytest.raises(LeaseLostError) as lost:
+                h.check()
+            assert lost.value.loss_reason == "deadline"
+            assert doomed.address in lost.value.message
+            assert h.remaining() == timedelta(0)
+        assert h.released is None
+    finally:
+        doomed.stop()

@@ -203,6 +203,9 @@ class _Lane:
         self.failures = 0
         self.reconnect: Timer | None = None
         self.closed = False
+        #: The last failure of this lane's stream, named with its instance
+        #: (cleared by an answered renewal): what a deadline loss reports.
+        self.last_failure: str | None = None
 
     @property
     def size(self) -> int:
@@ -328,6 +331,7 @@ class _Lane:
             # send time can only make the deadline earlier, never later.
             sent_at = entry.outstanding.popleft() if entry.outstanding else None
             self.failures = 0
+            self.last_failure = None
             entry.target.on_renewed(response.lease, sent_at)
         elif kind == "lost":
             entry.active = False
@@ -349,6 +353,7 @@ class _Lane:
             stream.handle.cancel()
         addresses = self.channel.addresses
         address = addresses[self.address_index % len(addresses)]
+        self.last_failure = f"{address}: {error.message}"
         expired_token = isinstance(error, UnauthenticatedError) and error.failure == "expired"
         if error.code in _DEFINITIVE and not (expired_token and self.channel.refreshable_token):
             reason = "token_expired" if expired_token else "renewal_failed"
@@ -576,7 +581,12 @@ class HoldCore:
         """Reads the monotonic clock: a passed deadline is a loss at once,
         even when the timer thread or the event loop has not run yet."""
         if self.loss is None and not self.ended and self.rt.now() >= self.deadline:
-            self.lose("deadline", "the local deadline passed without a confirmed renewal")
+            self.lose("deadline", self._deadline_message())
+
+    def _deadline_message(self) -> str:
+        message = "the local deadline passed without a confirmed renewal"
+        failure = self.registration.lane.last_failure if self.registration else None
+        return f"{message} (the KeepAlive stream failed: {failure})" if failure else message
 
     def remaining(self) -> float:
         if self.loss is not None or self.ended:
@@ -621,7 +631,7 @@ class HoldCore:
         if self.loss is not None or self.ended:
             return
         if self.rt.now() >= self.deadline:
-            self.lose("deadline", "the local deadline passed without a confirmed renewal")
+            self.lose("deadline", self._deadline_message())
         else:
             self._arm_deadline()
 
