@@ -346,6 +346,8 @@ def test_s5_revoked_lease_is_lost_and_not_released(
     with pytest.raises(LeaseLostError) as lost:
         c.run_exclusive(k, work, ttl=TTL)
     assert lost.value.loss_reason == "revoked"
+    # The lost lease left the client's KeepAlive bookkeeping.
+    assert c._keepalive.placed == {}
 
     with c.hold(k, ttl=TTL) as h:
         pass

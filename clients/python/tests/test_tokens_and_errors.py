@@ -95,6 +95,7 @@ def test_l2_a_static_token_that_expired_loses_the_lease_saying_why(
         assert h.lost.wait(10)
         assert h.loss_reason == "token_expired"
         assert h.remaining() == timedelta(0)
+        assert c._keepalive.placed == {}
 
 
 def test_bad_input_raises_an_error_naming_what_failed(

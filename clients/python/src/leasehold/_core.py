@@ -564,7 +564,6 @@ class HoldCore:
             self._arm_deadline()
 
     def on_lost(self, cause: str | None) -> None:
-        self.registration = None
         words = cause.replace("_", " ") if cause else "no reason given"
         self.lose(cause or "renewal_failed", f"the server reports the lease lost ({words})")
 
@@ -573,7 +572,6 @@ class HoldCore:
             self._on_handoff(request)
 
     def on_failed(self, error: LeaseholdError, reason: str) -> None:
-        self.registration = None
         self.lose(reason, f"renewals failed: {error.message}")
 
     # State
