@@ -1,11 +1,12 @@
 import { defineConfig } from "vitest/config";
 
 // Polyglot client tests (npm run test:polyglot): the Python and Go example
-// workers against `leasehold serve` and `leasehold guarded serve`. They need
-// Debian's protoc, grpcio and Go packages (examples/install-toolchains.sh),
-// so `npm test`, which needs only Node, leaves them out. The setup starts
-// PostgreSQL (embedded unless DATABASE_URL is set), then generates the
-// stubs and builds the Go worker.
+// workers against `leasehold serve` and `leasehold guarded serve`, and the
+// Python client library's pytest suites. They need the Go packages of
+// examples/install-toolchains.sh and the Python client's venv (made from its
+// lock by clients/python/scripts/setup.sh, from PyPI), so `npm test`, which
+// needs only Node, leaves them out. The setup starts PostgreSQL (embedded
+// unless DATABASE_URL is set), then makes the venv and builds the Go worker.
 export default defineConfig({
   test: {
     include: ["test/polyglot/**/*.test.ts"],

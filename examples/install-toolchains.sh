@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the polyglot examples build with, when any is
-# missing (as .ci/run does for Chromium). Everything comes from Debian's apt
-# repositories: no PyPI, no Go module proxy.
+# Installs the Debian packages the Go example builds with, when any is
+# missing (as .ci/run does for Chromium), from Debian's apt repositories.
+# The Python side needs none: the Python worker runs on the client library
+# in clients/python, whose venv clients/python/scripts/setup.sh makes from
+# PyPI (test/polyglot/build-setup.ts runs it).
 #
 #   protobuf-compiler             protoc, and the well-known types in /usr/include
-#   protobuf-compiler-grpc        grpc_python_plugin (Python gRPC stubs)
-#   python3-grpcio, python3-protobuf   the Python runtime, for /usr/bin/python3
 #   golang-go                     the Go toolchain
 #   protoc-gen-go, protoc-gen-go-grpc  Go code generators
 #   golang-google-grpc-dev        grpc-go's sources under /usr/share/gocode
@@ -19,9 +19,6 @@ set -euo pipefail
 
 packages=(
   protobuf-compiler
-  protobuf-compiler-grpc
-  python3-grpcio
-  python3-protobuf
   golang-go
   protoc-gen-go
   protoc-gen-go-grpc

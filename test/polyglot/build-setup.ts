@@ -1,13 +1,15 @@
-// Generates the Python stubs and builds the Go worker before the polyglot
-// tests, so that they always run against stubs made from proto/ as it is
-// now. The Debian toolchains themselves are installed by
-// examples/install-toolchains.sh (`pretest:polyglot`).
+// Makes the Python client's venv (clients/python/.venv, from its lock; kept
+// when the lock has not changed: the Python worker and the pytest suites run
+// in it) and builds the Go worker before the polyglot tests, so that it
+// always runs against stubs made from proto/ as it is now. The Debian
+// toolchains themselves are installed by examples/install-toolchains.sh
+// (`pretest:polyglot`).
 
 import { spawn } from "node:child_process";
 import { once } from "node:events";
 import { repoRoot } from "../support/server-process.js";
 
-const scripts = ["examples/python/generate.sh", "examples/go/build.sh"];
+const scripts = ["clients/python/scripts/setup.sh", "examples/go/build.sh"];
 
 export async function setup(): Promise<void> {
   for (const script of scripts) {

@@ -14,9 +14,12 @@ export type Language = "python" | "go";
 
 export const languages: readonly Language[] = ["python", "go"];
 
-/** How each worker is started: Debian's interpreter (the one that sees python3-grpcio), or the binary examples/go/build.sh made. */
+/** How each worker is started: the Python client's venv (clients/python/scripts/setup.sh), or the binary examples/go/build.sh made. */
 const commands: Record<Language, { file: string; args: string[] }> = {
-  python: { file: "/usr/bin/python3", args: [path.join(repoRoot, "examples/python/worker.py")] },
+  python: {
+    file: path.join(repoRoot, "clients/python/.venv/bin/python"),
+    args: [path.join(repoRoot, "examples/python/worker.py")],
+  },
   go: { file: path.join(repoRoot, "examples/go/gen/bin/worker"), args: [] },
 };
 

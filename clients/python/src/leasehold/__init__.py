@@ -1,0 +1,74 @@
+"""Leasehold's Python client: hold a session's lease, stop the moment it is
+lost, fence every write. See clients/python/README.md and docs/clients.md."""
+
+from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
+from ._core import KeepAliveEvent
+from .aio import AsyncHold, AsyncLeaseClient
+from .client import Hold, LeaseClient
+from .errors import (
+    CanceledError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    LateGrantError,
+    LeaseholdError,
+    LeaseLostError,
+    LeaseNotHeldError,
+    NotAcquiredError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StaleFencingTokenError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from .types import (
+    AcquireResult,
+    CheckFenceResult,
+    Event,
+    GetResult,
+    HandoffRequest,
+    HandoffResult,
+    HistoryResult,
+    Lease,
+    ListResult,
+    ReleaseFailure,
+    RevokeResult,
+    SessionKey,
+    Snapshot,
+)
+
+__all__ = [
+    "ACCOUNT_ID_HEADER",
+    "FENCING_TOKEN_HEADER",
+    "SESSION_ID_HEADER",
+    "AcquireResult",
+    "AsyncHold",
+    "AsyncLeaseClient",
+    "CanceledError",
+    "CheckFenceResult",
+    "DeadlineExceededError",
+    "Event",
+    "GetResult",
+    "HandoffRequest",
+    "HandoffResult",
+    "HistoryResult",
+    "Hold",
+    "InvalidArgumentError",
+    "KeepAliveEvent",
+    "LateGrantError",
+    "Lease",
+    "LeaseClient",
+    "LeaseLostError",
+    "LeaseNotHeldError",
+    "LeaseholdError",
+    "ListResult",
+    "NotAcquiredError",
+    "PermissionDeniedError",
+    "ReleaseFailure",
+    "ResourceExhaustedError",
+    "RevokeResult",
+    "SessionKey",
+    "Snapshot",
+    "StaleFencingTokenError",
+    "UnauthenticatedError",
+    "UnavailableError",
+]

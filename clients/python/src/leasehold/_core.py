@@ -1,0 +1,643 @@
+"""The KeepAlive channel and a held lease's local deadline, shared by the
+blocking and the asyncio client (DESIGN §6, L2).
+
+Nothing here blocks or locks: a runtime (threads for ``LeaseClient``, the
+event loop for ``AsyncLeaseClient``) supplies the clock, timers and streams,
+and calls in with its lock held. The logic mirrors src/client/keepalive.ts and
+run-exclusive.ts: one stream per client shared by every lease (one more per
+``max_leases_per_stream``), reconnecting to the next instance over a fresh
+connection after a jittered backoff, a renewal unanswered for one renewal
+interval counting as a stalled stream, and each lease's local deadline set
+from the monotonic time its renewal was sent.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import grpc
+
+from ._gen.leasehold.v1 import lease_pb2
+from .errors import (
+    LIMIT_EXCEEDED,
+    LIMIT_LEASES_PER_STREAM,
+    LeaseholdError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from .types import HandoffRequest, SessionKey, handoff_from, loss_cause, seconds_of
+
+DEFAULT_MARGIN_FRACTION = 0.1
+DEFAULT_RENEW_FRACTION = 1 / 3
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTiming:
+    """TTL, safety margin and renewal interval of one hold, in seconds."""
+
+    ttl: float
+    margin: float
+    renew_interval: float
+
+
+def _seconds(name: str, value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a datetime.timedelta or seconds, got {value!r}")
+    return float(value)
+
+
+def lease_timing(
+    ttl: timedelta | float,
+    safety_margin: timedelta | float | None = None,
+    renew_interval: timedelta | float | None = None,
+) -> LeaseTiming:
+    """Fills in the defaults (margin TTL/10, renewals every third of TTL − margin)
+    and checks that one slow answer cannot end a healthy hold."""
+    ttl_s = _seconds("ttl", ttl)
+    if ttl_s is None or not ttl_s > 0:
+        raise ValueError(f"ttl must be a positive duration, got {ttl!r}")
+    margin = _seconds("safety_margin", safety_margin)
+    if margin is None:
+        margin = ttl_s * DEFAULT_MARGIN_FRACTION
+    if not 0 <= margin < ttl_s:
+        raise ValueError(
+            f"safety_margin must be at least 0 and below ttl ({ttl_s}s), got {margin}s"
+        )
+    interval = _seconds("renew_interval", renew_interval)
+    if interval is None:
+        interval = (ttl_s - margin) * DEFAULT_RENEW_FRACTION
+    if not 0 < interval <= (ttl_s - margin) / 2:
+        raise ValueError(
+            "renew_interval must be above 0 and at most half of ttl − safety_margin "
+            f"({(ttl_s - margin) / 2}s), got {interval}s"
+        )
+    return LeaseTiming(ttl_s, margin, interval)
+
+
+def local_deadline(sent_at: float, lease: lease_pb2.Lease, margin: float) -> float:
+    """L2: (monotonic send time) + (the database's ``remaining``) − margin.
+
+    ``remaining`` was computed after the request left, so counting it from the
+    send time errs early, never late; ``expires_at`` is never used.
+    """
+    return sent_at + seconds_of(lease.remaining) - margin
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Stream(Protocol):
+    def send(self, request: lease_pb2.KeepAliveRequest) -> None: ...
+
+    def close(self) -> None:
+        """Half-closes; cuts the stream if the server has not ended it a second later."""
+
+    def cancel(self) -> None: ...
+
+
+OnMessage = Callable[[lease_pb2.KeepAliveResponse], None]
+OnEnd = Callable[[LeaseholdError | None], None]
+
+
+class Runtime(Protocol):
+    """What the channel needs from its client. Callbacks run with the client's lock held."""
+
+    def now(self) -> float: ...
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Timer: ...
+
+    def open_stream(self, address: str, on_message: OnMessage, on_end: OnEnd) -> Stream: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAliveEvent:
+    """Something that happened to a KeepAlive stream (for logs and tests)."""
+
+    #: ``open``, ``failed`` or ``closed``.
+    type: str
+    address: str
+    error: LeaseholdError | None = None
+    #: Seconds until the next attempt; None when the failure is final.
+    retry_in: float | None = None
+
+
+class Target(Protocol):
+    key: SessionKey
+    run_id: str
+    response_timeout: float
+
+    def on_renewed(self, lease: lease_pb2.Lease, sent_at: float | None) -> None: ...
+
+    def on_lost(self, cause: str | None) -> None: ...
+
+    def on_handoff(self, request: HandoffRequest) -> None: ...
+
+    def on_failed(self, error: LeaseholdError, reason: str) -> None: ...
+
+
+_DEFINITIVE = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+EntryId = tuple[str, str, str]
+
+
+class _Entry:
+    __slots__ = ("active", "id", "outstanding", "request", "sent", "target")
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.id: EntryId = (target.key.account_id, target.key.session_id, target.run_id)
+        self.request = lease_pb2.KeepAliveRequest(key=target.key.to_proto(), run_id=target.run_id)
+        self.outstanding: deque[float] = deque()
+        self.sent = 0
+        self.active = True
+
+
+class _Open:
+    __slots__ = ("generation", "handle", "stall_at", "stall_timer", "stalls")
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        self.handle: Stream | None = None
+        # Renewals unanswered, oldest first, one FIFO per response timeout.
+        self.stalls: dict[float, deque[tuple[_Entry, int, float]]] = {}
+        self.stall_timer: Timer | None = None
+        self.stall_at = float("inf")
+
+
+def leases_per_stream_limit(error: LeaseholdError) -> int | None:
+    """The server's --max-leases-per-stream when ``error`` is its refusal of a stream."""
+    if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or error.reason != LIMIT_EXCEEDED:
+        return None
+    if error.metadata.get("limit") != LIMIT_LEASES_PER_STREAM:
+        return None
+    text = error.metadata.get("max", "")
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
+class _Lane:
+    """One self-reconnecting KeepAlive stream and the leases it carries."""
+
+    def __init__(self, channel: KeepAliveChannel) -> None:
+        self.channel = channel
+        self.rt = channel.rt
+        self.entries: dict[EntryId, _Entry] = {}
+        self.stream: _Open | None = None
+        self.generation = 0
+        self.address_index = 0
+        self.failures = 0
+        self.reconnect: Timer | None = None
+        self.closed = False
+        #: The last failure of this lane's stream, named with its instance
+        #: (cleared by an answered renewal): what a deadline loss reports.
+        self.last_failure: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.entries)
+
+    def register(self, target: Target) -> _Entry:
+        entry = _Entry(target)
+        replaced = self.entries.get(entry.id)
+        if replaced is not None:
+            replaced.active = False
+        self.entries[entry.id] = entry
+        if self.stream is None and self.reconnect is None:
+            self._open()
+        return entry
+
+    def renew(self, entry: _Entry) -> None:
+        if self.entries.get(entry.id) is entry:
+            self._send(entry)
+
+    def remove(self, entry: _Entry) -> None:
+        if self.entries.get(entry.id) is not entry:
+            return
+        entry.active = False
+        del self.entries[entry.id]
+        if not self.entries:
+            self._shutdown()
+
+    def close(self) -> None:
+        self.closed = True
+        for entry in self.entries.values():
+            entry.active = False
+        self.entries.clear()
+        self._shutdown()
+
+    def _send(self, entry: _Entry) -> None:
+        stream = self.stream
+        if stream is None or stream.handle is None:
+            return  # reconnecting: the reopened stream renews every lease
+        sent_at = self.rt.now()
+        entry.outstanding.append(sent_at)
+        entry.sent += 1
+        stream.handle.send(entry.request)
+        timeout = entry.target.response_timeout
+        fifo = stream.stalls.get(timeout)
+        if fifo is None:
+            fifo = stream.stalls[timeout] = deque()
+        due = sent_at + timeout
+        fifo.append((entry, entry.sent, due))
+        if due < stream.stall_at:
+            self._arm_stall(stream, due)
+
+    def _arm_stall(self, stream: _Open, at: float) -> None:
+        if stream.stall_timer is not None:
+            stream.stall_timer.cancel()
+        stream.stall_at = at
+        stream.stall_timer = self.rt.call_later(
+            max(0.0, at - self.rt.now()), lambda: self._check_stalls(stream)
+        )
+
+    def _check_stalls(self, stream: _Open) -> None:
+        if self.stream is not stream:
+            return
+        stream.stall_timer = None
+        stream.stall_at = float("inf")
+        now = self.rt.now()
+        nxt = float("inf")
+        for timeout, fifo in stream.stalls.items():
+            while fifo:
+                entry, n, due = fifo[0]
+                if not entry.active or entry.sent - len(entry.outstanding) >= n:
+                    fifo.popleft()
+                    continue
+                if due <= now:
+                    self._fail(
+                        stream.generation,
+                        UnavailableError(f"no answer to a renewal within {timeout * 1000:.0f}ms"),
+                    )
+                    return
+                nxt = min(nxt, due)
+                break
+        if nxt != float("inf"):
+            self._arm_stall(stream, nxt)
+
+    def _open(self) -> None:
+        self.reconnect = None
+        addresses = self.channel.addresses
+        address = addresses[self.address_index % len(addresses)]
+        self.generation += 1
+        stream = _Open(self.generation)
+        self.stream = stream
+        generation = stream.generation
+
+        def on_message(message: lease_pb2.KeepAliveResponse) -> None:
+            if self.stream is stream:
+                self._dispatch(message)
+
+        def on_end(error: LeaseholdError | None) -> None:
+            if self.stream is stream:
+                self._fail(
+                    generation, error or UnavailableError("the server ended the KeepAlive stream")
+                )
+
+        try:
+            stream.handle = self.rt.open_stream(address, on_message, on_end)
+        except LeaseholdError as error:
+            # The token callable failed, or the channel could not be made.
+            self._fail(generation, error)
+            return
+        self.channel.emit(KeepAliveEvent("open", address))
+        for entry in self.entries.values():
+            entry.outstanding.clear()
+            entry.sent = 0
+            self._send(entry)
+
+    def _dispatch(self, response: lease_pb2.KeepAliveResponse) -> None:
+        key = response.key
+        entry = self.entries.get((key.account_id, key.session_id, response.run_id))
+        if entry is None:
+            return
+        kind = response.WhichOneof("result")
+        if kind == "lease":
+            # The answer to the oldest unanswered request: taking the oldest
+            # send time can only make the deadline earlier, never later.
+            sent_at = entry.outstanding.popleft() if entry.outstanding else None
+            self.failures = 0
+            self.last_failure = None
+            entry.target.on_renewed(response.lease, sent_at)
+        elif kind == "lost":
+            entry.active = False
+            del self.entries[entry.id]
+            entry.target.on_lost(loss_cause(response.lost.reason))
+            if not self.entries:
+                self._shutdown()
+        elif kind == "handoff_requested":
+            entry.target.on_handoff(handoff_from(response.handoff_requested))
+
+    def _fail(self, generation: int, error: LeaseholdError) -> None:
+        stream = self.stream
+        if stream is None or stream.generation != generation:
+            return
+        self.stream = None
+        if stream.stall_timer is not None:
+            stream.stall_timer.cancel()
+        if stream.handle is not None:
+            stream.handle.cancel()
+        addresses = self.channel.addresses
+        address = addresses[self.address_index % len(addresses)]
+        self.last_failure = f"{address}: {error.message}"
+        expired_token = isinstance(error, UnauthenticatedError) and error.failure == "expired"
+        if error.code in _DEFINITIVE and not (expired_token and self.channel.refreshable_token):
+            reason = "token_expired" if expired_token else "renewal_failed"
+            if expired_token:
+                error = UnauthenticatedError(
+                    "the bearer token expired and a static token cannot be renewed "
+                    "(pass a callable as token to refresh it): " + error.message,
+                    error.code,
+                    reason=error.reason,
+                    metadata=error.metadata,
+                )
+            failed = list(self.entries.values())
+            for entry in failed:
+                entry.active = False
+            self.entries.clear()
+            for entry in failed:
+                entry.target.on_failed(error, reason)
+            self.channel.emit(KeepAliveEvent("failed", address, error, None))
+            return
+        # Full jitter: clients cut off together do not all come back at once.
+        bound = min(
+            self.channel.backoff_max, self.channel.backoff_initial * 2 ** min(self.failures, 20)
+        )
+        delay = random.random() * bound
+        self.failures += 1
+        self.address_index += 1
+        if self.entries and not self.closed:
+            self.reconnect = self.rt.call_later(delay, self._open)
+        self.channel.emit(KeepAliveEvent("failed", address, error, delay))
+        if self.reconnect is None:
+            return
+        limit = leases_per_stream_limit(error)
+        if limit is not None:
+            self.channel.lower_limit(self, limit)
+
+    def _shutdown(self) -> None:
+        if self.reconnect is not None:
+            self.reconnect.cancel()
+            self.reconnect = None
+        stream = self.stream
+        if stream is None:
+            return
+        self.stream = None
+        if stream.stall_timer is not None:
+            stream.stall_timer.cancel()
+        if stream.handle is not None:
+            stream.handle.close()
+        addresses = self.channel.addresses
+        self.channel.emit(KeepAliveEvent("closed", addresses[self.address_index % len(addresses)]))
+
+
+class Registration:
+    """A lease kept alive on the channel."""
+
+    __slots__ = ("channel", "entry", "lane", "target")
+
+    def __init__(self, channel: KeepAliveChannel, target: Target) -> None:
+        self.channel = channel
+        self.target = target
+        self.lane = channel.lane_with_room()
+        self.entry = self.lane.register(target)
+
+    def renew(self) -> None:
+        if self.channel.placed.get(self.entry.id) is self:
+            self.lane.renew(self.entry)
+
+    def remove(self) -> None:
+        if self.channel.placed.get(self.entry.id) is not self:
+            return
+        self.lane.remove(self.entry)
+        del self.channel.placed[self.entry.id]
+
+
+class KeepAliveChannel:
+    """The KeepAlive streams of one client, shared by every lease it keeps alive."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        addresses: list[str],
+        *,
+        max_leases_per_stream: int = 1000,
+        refreshable_token: bool = False,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 2.0,
+        on_event: Callable[[KeepAliveEvent], None] | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one server address is required")
+        if max_leases_per_stream < 1:
+            raise ValueError(
+                "max_leases_per_stream must be a whole number of at least 1, "
+                f"got {max_leases_per_stream}"
+            )
+        self.rt = rt
+        self.addresses = addresses
+        self.max_per_lane = max_leases_per_stream
+        self.refreshable_token = refreshable_token
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.on_event = on_event
+        self.lanes: list[_Lane] = []
+        self.placed: dict[EntryId, Registration] = {}
+        self.closed = False
+
+    def emit(self, event: KeepAliveEvent) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def register(self, target: Target) -> Registration:
+        if self.closed:
+            raise RuntimeError("the client is closed")
+        registration = Registration(self, target)
+        self.placed[registration.entry.id] = registration
+        return registration
+
+    def lane_with_room(self) -> _Lane:
+        for lane in self.lanes:
+            if lane.size < self.max_per_lane:
+                return lane
+        lane = _Lane(self)
+        self.lanes.append(lane)
+        return lane
+
+    @property
+    def open_streams(self) -> int:
+        """Streams open now (for tests and logs)."""
+        return sum(1 for lane in self.lanes if lane.stream is not None)
+
+    def lower_limit(self, refused: _Lane, limit: int) -> None:
+        """The server carries at most ``limit`` leases per stream and refused
+        ``refused`` for carrying more: it keeps its first ``limit``; the rest
+        move to lanes with room (new streams), renewed at once there."""
+        if self.closed:
+            return
+        self.max_per_lane = min(self.max_per_lane, limit)
+        for entry_id in list(refused.entries)[self.max_per_lane :]:
+            registration = self.placed.get(entry_id)
+            entry = refused.entries.pop(entry_id)
+            entry.active = False
+            if registration is None:
+                continue
+            lane = self.lane_with_room()
+            connected = lane.stream is not None
+            registration.lane = lane
+            registration.entry = lane.register(registration.target)
+            if connected:
+                lane.renew(registration.entry)
+
+    def close(self) -> None:
+        self.closed = True
+        for lane in self.lanes:
+            lane.close()
+        self.placed.clear()
+
+
+class HoldCore:
+    """A held lease's state: its local deadline, renewals and loss (L2).
+
+    ``notify`` is told once when the hold is lost; the blocking and asyncio
+    holds set their event there (and the async ``run_exclusive`` cancels its
+    task).
+    """
+
+    def __init__(
+        self,
+        rt: Runtime,
+        channel: KeepAliveChannel,
+        key: SessionKey,
+        run_id: str,
+        timing: LeaseTiming,
+        lease: lease_pb2.Lease,
+        deadline: float,
+        notify: Callable[[str, str], None],
+        on_handoff: Callable[[HandoffRequest], None],
+    ) -> None:
+        self.rt = rt
+        self.key = key
+        self.run_id = run_id
+        self.timing = timing
+        self.response_timeout = timing.renew_interval
+        self.lease = lease
+        self.deadline = deadline
+        self.loss: tuple[str, str] | None = None
+        self.ended = False
+        self._notify = notify
+        self._on_handoff = on_handoff
+        self._deadline_timer: Timer | None = None
+        self._renew_timer: Timer | None = None
+        self.registration: Registration | None = channel.register(self)
+        self._arm_deadline()
+        self._schedule_renewal()
+
+    # Target
+    def on_renewed(self, lease: lease_pb2.Lease, sent_at: float | None) -> None:
+        if self.loss is not None or self.ended:
+            return
+        # L2: a confirmation after the local deadline cannot revive the hold.
+        if self.rt.now() >= self.deadline:
+            self.lose("deadline", "the local deadline passed before a renewal was confirmed")
+            return
+        self.lease = lease
+        if sent_at is None:
+            return
+        nxt = local_deadline(sent_at, lease, self.timing.margin)
+        if nxt > self.deadline:
+            self.deadline = nxt
+            self._arm_deadline()
+
+    def on_lost(self, cause: str | None) -> None:
+        words = cause.replace("_", " ") if cause else "no reason given"
+        self.lose(cause or "renewal_failed", f"the server reports the lease lost ({words})")
+
+    def on_handoff(self, request: HandoffRequest) -> None:
+        if self.loss is None and not self.ended:
+            self._on_handoff(request)
+
+    def on_failed(self, error: LeaseholdError, reason: str) -> None:
+        self.lose(reason, f"renewals failed: {error.message}")
+
+    # State
+    def check_deadline(self) -> None:
+        """Reads the monotonic clock: a passed deadline is a loss at once,
+        even when the timer thread or the event loop has not run yet."""
+        if self.loss is None and not self.ended and self.rt.now() >= self.deadline:
+            self.lose("deadline", self._deadline_message())
+
+    def _deadline_message(self) -> str:
+        message = "the local deadline passed without a confirmed renewal"
+        failure = self.registration.lane.last_failure if self.registration else None
+        return f"{message} (the KeepAlive stream failed: {failure})" if failure else message
+
+    def remaining(self) -> float:
+        if self.loss is not None or self.ended:
+            return 0.0
+        return max(0.0, self.deadline - self.rt.now())
+
+    def lose(self, reason: str, message: str) -> None:
+        if self.loss is not None or self.ended:
+            return
+        self.loss = (reason, message)
+        self._stop()
+        self._notify(reason, message)
+
+    def end(self) -> None:
+        """The holder is done: stop keeping the lease alive (the caller releases it)."""
+        if self.ended:
+            return
+        self.check_deadline()
+        self.ended = True
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+            self._renew_timer = None
+        if self.registration is not None:
+            self.registration.remove()
+            self.registration = None
+
+    def _arm_deadline(self) -> None:
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadline_timer = self.rt.call_later(
+            max(0.0, self.deadline - self.rt.now()), self._deadline_due
+        )
+
+    def _deadline_due(self) -> None:
+        self._deadline_timer = None
+        if self.loss is not None or self.ended:
+            return
+        if self.rt.now() >= self.deadline:
+            self.lose("deadline", self._deadline_message())
+        else:
+            self._arm_deadline()
+
+    def _schedule_renewal(self) -> None:
+        self._renew_timer = self.rt.call_later(self.timing.renew_interval, self._renew_due)
+
+    def _renew_due(self) -> None:
+        if self.loss is not None or self.ended or self.registration is None:
+            return
+        self.registration.renew()
+        self._schedule_renewal()

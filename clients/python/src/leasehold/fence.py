@@ -1,0 +1,448 @@
+"""Fencing for Python resources (DESIGN S7, §5), as src/guarded/interceptor.ts
+does it for TypeScript ones: a grpc server interceptor (blocking and aio)
+that reads the three fencing headers, runs the ``leasehold_fence`` SQL
+function of migrations/fence in the resource's own PostgreSQL (psycopg 3) in
+a transaction, and runs the handler inside that transaction, so the
+handler's writes commit together with the check or not at all. A
+``CheckFence`` call alone is not atomic with the write; this is.
+
+A refusal is ABORTED with the guarded store's details (ErrorInfo reason
+``STALE_FENCING_TOKEN``, metadata ``presented_token`` and ``highest_token``);
+bad or missing headers are INVALID_ARGUMENT naming the header.
+
+Without gRPC, :func:`fenced_write` does a fenced write in one transaction::
+
+    with psycopg.connect(url) as conn, fenced_write(conn, key, token) as tx:
+        tx.connection.execute("UPDATE documents SET body = %s WHERE …", (body,))
+
+Needs the ``fence`` extra (``pip install 'leasehold[fence]'``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+)
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
+import psycopg
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
+from .errors import (
+    ERROR_DOMAIN,
+    INVALID_ARGUMENT,
+    STALE_FENCING_TOKEN,
+    InvalidArgumentError,
+    LeaseholdError,
+    LeaseNotHeldError,
+    StaleFencingTokenError,
+    UnavailableError,
+)
+from .types import SessionKey
+
+# grpc-stubs makes the interceptor bases generic; at run time they are not.
+if TYPE_CHECKING:
+    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
+    _AioServerInterceptor = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    _ServerInterceptor = grpc.ServerInterceptor
+    _AioServerInterceptor = grpc.aio.ServerInterceptor
+
+#: The SQLSTATE ``leasehold_fence`` raises for a stale token (DETAIL: the highest token).
+STALE_TOKEN_SQLSTATE = "LHF01"
+MAX_TOKEN = 9_223_372_036_854_775_807
+MAX_ID_LENGTH = 128
+_ID = re.compile(r"^[A-Za-z0-9._:@+=-]+$")
+_TOKEN = re.compile(r"^\d{1,19}$")
+
+
+@dataclass(frozen=True, slots=True)
+class FenceClaim:
+    """The session and token a request claims to write with."""
+
+    key: SessionKey
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class FencedCall:
+    """What a fenced handler finds in :func:`current_fenced_call`."""
+
+    claim: FenceClaim
+    #: The highest token seen for the session once this call's token passed.
+    highest_token: int
+    #: The connection whose open transaction ran the check (the session's
+    #: fence row is locked until it ends): make the guarded writes on it.
+    connection: Any
+
+
+_current: contextvars.ContextVar[FencedCall | None] = contextvars.ContextVar(
+    "leasehold_fenced_call", default=None
+)
+
+
+def current_fenced_call() -> FencedCall:
+    """The fenced call being handled (inside a handler the interceptor guards)."""
+    call = _current.get()
+    if call is None:
+        raise RuntimeError("no fenced call: the fencing interceptor did not run for this handler")
+    return call
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 40 else text[:40] + "…"
+
+
+def _check_id(name: str, value: str, max_length: int) -> str:
+    if not value:
+        raise InvalidArgumentError(f"{name}: is required", name, "is required")
+    if len(value) > max_length:
+        rule = f"must be at most {max_length} characters, got {len(value)}"
+        raise InvalidArgumentError(f"{name}: {rule}", name, rule)
+    if not _ID.match(value):
+        rule = "may contain only letters, digits and . _ : @ + = -"
+        raise InvalidArgumentError(f"{name}: {rule}", name, rule)
+    return value
+
+
+def read_fence_claim(
+    metadata: Iterable[tuple[str, str | bytes]] | None, max_id_length: int = MAX_ID_LENGTH
+) -> FenceClaim:
+    """Reads and checks the three fencing headers; InvalidArgumentError names the header."""
+    values: dict[str, str] = {}
+    for name, value in metadata or ():
+        if isinstance(value, str):
+            values.setdefault(name.lower(), value)
+    text = values.get(FENCING_TOKEN_HEADER, "")
+    if not text:
+        raise InvalidArgumentError(
+            f"{FENCING_TOKEN_HEADER}: is required", FENCING_TOKEN_HEADER, "is required"
+        )
+    if not _TOKEN.match(text) or int(text) > MAX_TOKEN:
+        rule = f"must be a decimal int64 fencing token, got {_clip(text)!r}"
+        raise InvalidArgumentError(f"{FENCING_TOKEN_HEADER}: {rule}", FENCING_TOKEN_HEADER, rule)
+    token = int(text)
+    if token <= 0:
+        rule = f"must be a positive fencing token, got {token}"
+        raise InvalidArgumentError(f"{FENCING_TOKEN_HEADER}: {rule}", FENCING_TOKEN_HEADER, rule)
+    account = _check_id(ACCOUNT_ID_HEADER, values.get(ACCOUNT_ID_HEADER, ""), max_id_length)
+    session = _check_id(SESSION_ID_HEADER, values.get(SESSION_ID_HEADER, ""), max_id_length)
+    return FenceClaim(SessionKey(account, session), token)
+
+
+def _fence_error(error: psycopg.Error, token: int) -> Exception:
+    diag = error.diag
+    if error.sqlstate == STALE_TOKEN_SQLSTATE and (diag.message_detail or "").isdigit():
+        highest = int(diag.message_detail or "0")
+        return StaleFencingTokenError(
+            f"fencing token {token} is stale: the highest token seen is {highest}",
+            token,
+            highest,
+            {"presented_token": str(token), "highest_token": str(highest)},
+        )
+    return error
+
+
+_FENCE_SQL = "SELECT leasehold_fence(%s, %s, %s)"
+
+
+def fence(conn: psycopg.Connection[Any], key: SessionKey, token: int) -> int:
+    """S7: accepts ``token`` for ``key`` when it is at least the highest this
+    resource has seen, records it and returns the new highest; otherwise
+    raises StaleFencingTokenError. Call it inside the write's transaction,
+    before the write: the session's fence row stays locked until it ends."""
+    if token <= 0:
+        rule = f"must be a positive fencing token, got {token}"
+        raise InvalidArgumentError(f"fencing_token: {rule}", "fencing_token", rule)
+    try:
+        row = conn.execute(_FENCE_SQL, (key.account_id, key.session_id, token)).fetchone()
+    except psycopg.Error as error:
+        raise _fence_error(error, token) from error
+    if row is None:
+        raise RuntimeError("leasehold_fence returned no row")
+    return int(row[0])
+
+
+async def fence_async(conn: psycopg.AsyncConnection[Any], key: SessionKey, token: int) -> int:
+    """:func:`fence` on an asyncio connection."""
+    if token <= 0:
+        rule = f"must be a positive fencing token, got {token}"
+        raise InvalidArgumentError(f"fencing_token: {rule}", "fencing_token", rule)
+    try:
+        cursor = await conn.execute(_FENCE_SQL, (key.account_id, key.session_id, token))
+        row = await cursor.fetchone()
+    except psycopg.Error as error:
+        raise _fence_error(error, token) from error
+    if row is None:
+        raise RuntimeError("leasehold_fence returned no row")
+    return int(row[0])
+
+
+@contextmanager
+def fenced_write(
+    conn: psycopg.Connection[Any], key: SessionKey, token: int
+) -> Iterator[FencedCall]:
+    """One transaction: the fence check, then the block's writes on
+    ``conn``. Commits when the block ends, rolls back when it raises; a
+    stale token raises StaleFencingTokenError before the block runs."""
+    with conn.transaction():
+        highest = fence(conn, key, token)
+        yield FencedCall(FenceClaim(key, token), highest, conn)
+
+
+@asynccontextmanager
+async def fenced_write_async(
+    conn: psycopg.AsyncConnection[Any], key: SessionKey, token: int
+) -> AsyncIterator[FencedCall]:
+    """:func:`fenced_write` on an asyncio connection."""
+    async with conn.transaction():
+        highest = await fence_async(conn, key, token)
+        yield FencedCall(FenceClaim(key, token), highest, conn)
+
+
+def live_check(client: Any, timeout: float = 2.0) -> Callable[[SessionKey, int], None]:
+    """Live mode for the blocking interceptor: also asks the lease server
+    (``client``, a LeaseClient with the fence scope) that the token is the
+    valid lease's, so a holder whose lease expired is refused even when
+    nobody replaced it."""
+
+    def check(key: SessionKey, token: int) -> None:
+        try:
+            answer = client.check_fence(key, token, timeout=timeout)
+        except LeaseholdError as error:
+            raise UnavailableError(
+                f"the lease server could not confirm the fencing token: {error.message}"
+            ) from error
+        _live_verdict(answer.current, answer.highest_token, token)
+
+    return check
+
+
+def _live_verdict(current: bool, highest: int, token: int) -> None:
+    if current:
+        return
+    if highest > token:
+        raise StaleFencingTokenError(
+            f"fencing token {token} is stale: the highest token seen is {highest}",
+            token,
+            highest,
+            {"presented_token": str(token), "highest_token": str(highest)},
+        )
+    cause = "expired" if highest == token else "not_found"
+    raise LeaseNotHeldError(f"lease not held: {cause}", cause)
+
+
+def _status_of(error: Exception) -> status_pb2.Status:
+    """The google.rpc.Status a guarded store answers for ``error``."""
+    if isinstance(error, StaleFencingTokenError):
+        info = error_details_pb2.ErrorInfo(
+            reason=STALE_FENCING_TOKEN,
+            domain=ERROR_DOMAIN,
+            metadata={"presented_token": str(error.presented), "highest_token": str(error.highest)},
+        )
+        return _status(grpc.StatusCode.ABORTED, error.message, [info])
+    if isinstance(error, InvalidArgumentError):
+        bad = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=error.field, description=error.rule
+                )
+            ]
+        )
+        info = error_details_pb2.ErrorInfo(
+            reason=INVALID_ARGUMENT, domain=ERROR_DOMAIN, metadata={"field": error.field}
+        )
+        return _status(grpc.StatusCode.INVALID_ARGUMENT, error.message, [bad, info])
+    if isinstance(error, LeaseholdError):
+        details = []
+        if error.reason:
+            details.append(
+                error_details_pb2.ErrorInfo(
+                    reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
+                )
+            )
+        return _status(error.code, error.message, details)
+    # The database could not decide (connection lost, timeout): retryable.
+    return _status(grpc.StatusCode.UNAVAILABLE, f"the fence check could not run: {error}", [])
+
+
+def _status(code: grpc.StatusCode, message: str, details: list[Any]) -> status_pb2.Status:
+    packed = []
+    for detail in details:
+        item = any_pb2.Any()
+        item.Pack(detail)
+        packed.append(item)
+    return status_pb2.Status(code=code.value[0], message=message, details=packed)
+
+
+_REFUSED = (LeaseholdError, psycopg.Error)
+Fenced = Callable[[grpc.HandlerCallDetails], bool]
+
+
+def _is_fenced(fenced: Fenced | None, details: grpc.HandlerCallDetails) -> bool:
+    return fenced is None or fenced(details)
+
+
+def _not_unary(details: grpc.HandlerCallDetails) -> status_pb2.Status:
+    return _status(
+        grpc.StatusCode.UNIMPLEMENTED,
+        f"{details.method} is not unary: the fencing interceptor cannot guard it",
+        [],
+    )
+
+
+class FencingInterceptor(_ServerInterceptor):
+    """A blocking grpc server interceptor fencing unary methods.
+
+    ``connection`` returns a context manager yielding a psycopg connection
+    of the resource's database (where migrations/fence/0001_fence.sql is
+    applied), e.g. ``pool.connection`` of psycopg_pool or
+    ``lambda: psycopg.connect(url)``. ``fenced`` picks the methods that need
+    a token (default: all). ``live`` adds a CheckFence (see
+    :func:`live_check`), made before the transaction so that no row lock is
+    held across a network call.
+    """
+
+    def __init__(
+        self,
+        connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
+        *,
+        fenced: Fenced | None = None,
+        live: Callable[[SessionKey, int], None] | None = None,
+        max_id_length: int = MAX_ID_LENGTH,
+    ) -> None:
+        self._connection = connection
+        self._fenced = fenced
+        self._live = live
+        self._max_id_length = max_id_length
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None or not _is_fenced(self._fenced, handler_call_details):
+            return handler
+        if handler.unary_unary is None:
+            refusal = _not_unary(handler_call_details)
+
+            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+                context.abort_with_status(rpc_status.to_status(refusal))
+
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        behavior = handler.unary_unary
+
+        def guarded(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                claim = read_fence_claim(context.invocation_metadata(), self._max_id_length)
+                if self._live is not None:
+                    self._live(claim.key, claim.token)
+                with self._connection() as conn, fenced_write(conn, claim.key, claim.token) as call:
+                    token = _current.set(FencedCall(claim, call.highest_token, call.connection))
+                    try:
+                        return behavior(request, context)
+                    finally:
+                        _current.reset(token)
+            except _REFUSED as error:
+                context.abort_with_status(rpc_status.to_status(_status_of(error)))
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class AsyncFencingInterceptor(_AioServerInterceptor):
+    """The :class:`FencingInterceptor` of a ``grpc.aio`` server.
+
+    ``connection`` returns an async context manager yielding a
+    ``psycopg.AsyncConnection`` (``pool.connection`` of psycopg_pool's
+    AsyncConnectionPool, or an ``asynccontextmanager`` around
+    ``await psycopg.AsyncConnection.connect(url)``); ``live`` is an async
+    callable, if given.
+    """
+
+    def __init__(
+        self,
+        connection: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
+        *,
+        fenced: Fenced | None = None,
+        live: Callable[[SessionKey, int], Awaitable[None]] | None = None,
+        max_id_length: int = MAX_ID_LENGTH,
+    ) -> None:
+        self._connection = connection
+        self._fenced = fenced
+        self._live = live
+        self._max_id_length = max_id_length
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or not _is_fenced(self._fenced, handler_call_details):
+            return handler
+        if handler.unary_unary is None:
+            refusal = _not_unary(handler_call_details)
+
+            async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                await _abort(context, refusal)
+
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        # grpc-stubs types every handler as blocking; an aio server's are coroutines.
+        behavior: Any = handler.unary_unary
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                claim = read_fence_claim(context.invocation_metadata(), self._max_id_length)
+                if self._live is not None:
+                    await self._live(claim.key, claim.token)
+                async with (
+                    self._connection() as conn,
+                    fenced_write_async(conn, claim.key, claim.token) as call,
+                ):
+                    token = _current.set(FencedCall(claim, call.highest_token, call.connection))
+                    try:
+                        return await behavior(request, context)
+                    finally:
+                        _current.reset(token)
+            except _REFUSED as error:
+                await _abort(context, _status_of(error))
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], status: status_pb2.Status) -> None:
+    code = next(c for c in grpc.StatusCode if c.value[0] == status.code)
+    await context.abort(
+        code,
+        status.message,
+        trailing_metadata=(("grpc-status-details-bin", status.SerializeToString()),),
+    )

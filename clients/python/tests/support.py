@@ -1,0 +1,288 @@
+"""Test support: `leasehold` servers as processes, bearer tokens, a TCP
+proxy that can stall, drop or cut what passes, and waiting on conditions
+with a deadline (never a guessed sleep)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+ROOT = Path(__file__).resolve().parents[3]
+CLI = ROOT / "bin" / "leasehold.js"
+NODE = os.environ.get("LEASEHOLD_TEST_NODE", "node")
+
+
+def require_env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise RuntimeError(
+            f"{name} is not set: run these suites with `npm run test:polyglot` "
+            "(test/polyglot/python-client.test.ts gives them their databases)"
+        )
+    return value
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def jwt(secret: str, account: str, *, expires_in: float = 600, scope: str | None = None) -> str:
+    """An HS256 JWT as the server verifies it (sub names the account)."""
+    now = int(time.time())
+    claims: dict[str, object] = {"sub": account, "iat": now - 60, "exp": int(now + expires_in)}
+    if scope is not None:
+        claims["scope"] = scope
+    head = b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
+    body = b64(json.dumps(claims).encode())
+    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{b64(sig)}"
+
+
+class Server:
+    """A `leasehold` server command as its own process, on port 0."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.process = subprocess.Popen(
+            [NODE, str(CLI), *argv],
+            cwd=ROOT,
+            env={**os.environ, "LEASEHOLD_LOG_LEVEL": "warn", **(env or {})},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        assert self.process.stderr is not None
+        seen = b""
+        deadline = time.monotonic() + 60
+        while True:
+            line = self.process.stderr.readline()
+            if not line:
+                raise RuntimeError(f"{argv[0]} exited before serving: {seen.decode()}")
+            seen += line
+            m = re.search(rb"serving on https?://(\S+)", line)
+            if m:
+                self.address = m.group(1).decode()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{argv[0]} did not start: {seen.decode()}")
+        # Keep draining stderr so the server never blocks on a full pipe.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        for _ in self.process.stderr:
+            pass
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def lease_server(database_url: str, secret: str, *args: str) -> Server:
+    return Server(
+        [
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--min-ttl",
+            "50ms",
+            "--shutdown-grace",
+            "1s",
+            "--database-url",
+            database_url,
+            *args,
+        ],
+        {"LEASEHOLD_JWT_SECRET": secret},
+    )
+
+
+def guarded_server(database_url: str) -> Server:
+    return Server(
+        [
+            "guarded",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--shutdown-grace",
+            "1s",
+            "--database-url",
+            database_url,
+        ]
+    )
+
+
+class TcpProxy:
+    """Forwards connections to a target; can stall them (hold every byte and
+    keep the sockets open), drop them (reset, and refuse new ones), or drop
+    the next answer (reset the connection that carries it, after the server
+    made it)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.mode = "pass"
+        self.accepted = 0
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._closed = False
+        self._drop_answers = 0
+        self.dropped_answers = 0
+        #: Seconds the next chunk from the server is held before it is passed on.
+        self.answer_delay = 0.0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.mode == "drop":
+                _reset(client)
+                continue
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                _reset(client)
+                continue
+            with self._lock:
+                self._pairs.append((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        held: dict[socket.socket, list[bytes]] = {client: [], upstream: []}
+        other = {client: upstream, upstream: client}
+        live = [client, upstream]
+        try:
+            while not self._closed:
+                readable, _, _ = select.select(live, [], [], 0.05)
+                if self.mode == "drop":
+                    break
+                if self.mode == "pass":
+                    for src, chunks in held.items():
+                        while chunks:
+                            other[src].sendall(chunks.pop(0))
+                for src in readable:
+                    data = src.recv(65536)
+                    if not data:
+                        if self.mode == "stall":
+                            live.remove(src)  # a stalled peer notices nothing, not even a close
+                            continue
+                        return
+                    if src is upstream and self._drop_answers > 0:
+                        self._drop_answers -= 1
+                        self.dropped_answers += 1
+                        return  # reset below: the answer never reaches the client
+                    if self.mode == "stall" or (src is upstream and self.answer_delay > 0):
+                        if src is upstream and self.answer_delay > 0 and self.mode != "stall":
+                            delay, self.answer_delay = self.answer_delay, 0.0
+                            time.sleep(delay)  # this answer arrives late
+                            other[src].sendall(data)
+                            continue
+                        held[src].append(data)
+                    else:
+                        other[src].sendall(data)
+        except (OSError, ValueError):
+            pass  # a socket closed under select: the connection is gone
+        finally:
+            _reset(client)
+            _reset(upstream)
+            with self._lock:
+                if (client, upstream) in self._pairs:
+                    self._pairs.remove((client, upstream))
+
+    @property
+    def open(self) -> int:
+        with self._lock:
+            return len(self._pairs)
+
+    def stall(self) -> None:
+        self.mode = "stall"
+
+    def pass_(self) -> None:
+        self.mode = "pass"
+
+    def drop(self) -> None:
+        self.mode = "drop"
+
+    def cut(self) -> None:
+        """Resets every open connection once; new ones pass."""
+        with self._lock:
+            pairs = list(self._pairs)
+        for client, upstream in pairs:
+            _reset(client)
+            _reset(upstream)
+
+    def drop_next_answer(self) -> None:
+        """The next bytes the server sends reset their connection instead."""
+        self._drop_answers = 1
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        self.cut()
+
+
+def _reset(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        sock.close()
+    except OSError:
+        pass
+
+
+def wait_for(what: str, predicate: Callable[[], T | None], timeout: float = 20.0) -> T:
+    """Polls ``predicate`` until it returns something other than None/False."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value is not None and value is not False:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout}s")
+        time.sleep(0.01)
+
+
+def fresh_session(label: str) -> str:
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
+def keepalive_streams_ended(address: str) -> int:
+    """KeepAlive streams the server has finished serving, from its /metrics
+    (leasehold_rpc_duration_seconds counts a stream when it ends)."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    total = 0
+    for line in body.splitlines():
+        m = re.match(r"leasehold_rpc_duration_seconds_count\{([^}]*)\} (\d+)", line)
+        if m and re.search(r'method="[^"]*KeepAlive"', m.group(1)):
+            total += int(m.group(2))
+    return total

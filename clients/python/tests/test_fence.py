@@ -1,0 +1,215 @@
+"""S7 for Python resources: the fencing interceptor (blocking and aio) and
+the fenced-write helper, on the resource's own PostgreSQL (the fence
+function of migrations/fence), against tokens the lease server granted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent import futures
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import grpc.aio
+import psycopg
+import pytest
+import pytest_asyncio
+from test_blocking import TTL, key
+
+from leasehold import (
+    FENCING_TOKEN_HEADER,
+    InvalidArgumentError,
+    LeaseClient,
+    StaleFencingTokenError,
+)
+from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
+from leasehold.errors import from_rpc_error
+from leasehold.fence import (
+    AsyncFencingInterceptor,
+    FencingInterceptor,
+    current_fenced_call,
+    fenced_write,
+)
+from leasehold.types import SessionKey
+from support import Server, require_env
+
+
+@pytest.fixture(scope="module")
+def fence_db() -> str:
+    url = require_env("LEASEHOLD_TEST_FENCE_DATABASE_URL")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """CREATE TABLE IF NOT EXISTS py_fenced_writes (
+                 id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                 account_id text NOT NULL, session_id text NOT NULL,
+                 header_token bigint NOT NULL, value text NOT NULL)"""
+        )
+    return url
+
+
+def rows(url: str, k: SessionKey) -> list[tuple[int, str]]:
+    with psycopg.connect(url) as conn:
+        return [
+            (int(r[0]), str(r[1]))
+            for r in conn.execute(
+                "SELECT header_token, value FROM py_fenced_writes "
+                "WHERE account_id = %s AND session_id = %s ORDER BY id",
+                (k.account_id, k.session_id),
+            )
+        ]
+
+
+def record(conn: Any, request: guarded_pb2.PutRequest) -> None:
+    call = current_fenced_call()
+    conn.execute(
+        "INSERT INTO py_fenced_writes (account_id, session_id, header_token, value) "
+        "VALUES (%s, %s, %s, %s)",
+        (
+            call.claim.key.account_id,
+            call.claim.key.session_id,
+            call.claim.token,
+            request.value.decode(),
+        ),
+    )
+
+
+class Store(guarded_pb2_grpc.GuardedStoreServiceServicer):
+    """Put records what it was given on the interceptor's transaction."""
+
+    def Put(self, request: guarded_pb2.PutRequest, context: Any) -> guarded_pb2.PutResponse:
+        call = current_fenced_call()
+        record(call.connection, request)
+        return guarded_pb2.PutResponse(highest_token=call.highest_token)
+
+
+class AsyncStore(guarded_pb2_grpc.GuardedStoreServiceServicer):
+    async def Put(self, request: guarded_pb2.PutRequest, context: Any) -> guarded_pb2.PutResponse:
+        call = current_fenced_call()
+        await call.connection.execute(
+            "INSERT INTO py_fenced_writes (account_id, session_id, header_token, value) "
+            "VALUES (%s, %s, %s, %s)",
+            (
+                call.claim.key.account_id,
+                call.claim.key.session_id,
+                call.claim.token,
+                request.value.decode(),
+            ),
+        )
+        return guarded_pb2.PutResponse(highest_token=call.highest_token)
+
+
+@pytest.fixture(scope="module")
+def sync_store(fence_db: str) -> Iterator[str]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=[FencingInterceptor(lambda: psycopg.connect(fence_db))],
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(Store(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@asynccontextmanager
+async def connect_async(url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with await psycopg.AsyncConnection.connect(url) as conn:
+        yield conn
+
+
+@pytest_asyncio.fixture
+async def async_store(fence_db: str) -> AsyncIterator[str]:
+    server = grpc.aio.server(
+        interceptors=[AsyncFencingInterceptor(lambda: connect_async(fence_db))]
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(AsyncStore(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+def put(address: str, k: SessionKey, text: str, metadata: Any) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = guarded_pb2_grpc.GuardedStoreServiceStub(channel)
+        request = guarded_pb2.PutRequest(key=k.to_proto(), name="doc", value=text.encode())
+        try:
+            response = stub.Put(request, metadata=metadata, timeout=10)
+            return int(response.highest_token)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+
+def stale_late_write_story(
+    address: str, fence_db: str, admin: LeaseClient, c: LeaseClient, label: str
+) -> None:
+    k = key(label)
+    with c.hold(k, ttl=TTL) as old:
+        t1 = old.fencing_token
+        old_headers = old.fencing_metadata()
+        assert put(address, k, "old 1", old_headers) == t1
+    with c.hold(k, ttl=TTL) as new:
+        t2 = new.fencing_token
+        assert t2 > t1
+        assert put(address, k, "new 1", new.fencing_metadata()) == t2
+        # The old run wakes up and writes with the headers it had.
+        with pytest.raises(StaleFencingTokenError) as refused:
+            put(address, k, "old late", old_headers)
+        assert (refused.value.presented, refused.value.highest) == (t1, t2)
+        assert refused.value.code == grpc.StatusCode.ABORTED
+        assert refused.value.metadata == {"presented_token": str(t1), "highest_token": str(t2)}
+    # The refused write left nothing: check and write are one transaction.
+    assert rows(fence_db, k) == [(t1, "old 1"), (t2, "new 1")]
+    with pytest.raises(InvalidArgumentError) as missing:
+        put(address, k, "no token", ())
+    assert missing.value.field == FENCING_TOKEN_HEADER
+
+
+def test_s7_the_blocking_interceptor_refuses_the_old_runs_late_write(
+    server: Server,
+    fence_db: str,
+    sync_store: str,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Callable[..., LeaseClient],
+) -> None:
+    """S7: a write fenced by its headers alone; the newer run's token
+    raises the fence; the old run's late write is ABORTED
+    STALE_FENCING_TOKEN with the guarded store's details, and not written."""
+    c = clients(server.address, token=token())
+    stale_late_write_story(sync_store, fence_db, admin, c, "pyfence")
+
+
+async def test_s7_the_aio_interceptor_refuses_the_old_runs_late_write(
+    server: Server,
+    fence_db: str,
+    async_store: str,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Callable[..., LeaseClient],
+) -> None:
+    """S7, as above, on a grpc.aio server."""
+    c = clients(server.address, token=token())
+    await asyncio.to_thread(stale_late_write_story, async_store, fence_db, admin, c, "pyafence")
+
+
+def test_s7_fenced_write_commits_with_the_check_or_not_at_all(fence_db: str) -> None:
+    """S7: fenced_write runs the check and the block in one transaction; a
+    stale token raises before the block, and a block that raises rolls the
+    fence back with its writes."""
+    k = key("helper")
+    with psycopg.connect(fence_db) as conn:
+        with fenced_write(conn, k, 5) as call:
+            assert call.highest_token == 5
+            conn.execute(
+                "INSERT INTO py_fenced_writes (account_id, session_id, header_token, value) "
+                "VALUES (%s, %s, %s, %s)",
+                (k.account_id, k.session_id, 5, "five"),
+            )
+        with pytest.raises(RuntimeError), fenced_write(conn, k, 9):
+            raise RuntimeError("the write failed")
+        with pytest.raises(StaleFencingTokenError) as stale, fenced_write(conn, k, 4):
+            raise AssertionError("the block of a stale token must not run")
+        assert (stale.value.presented, stale.value.highest) == (4, 5)
+    assert rows(fence_db, k) == [(5, "five")]
