@@ -203,6 +203,30 @@ describe("L2: the signal aborts before the server-side deadline", () => {
     expect(result.leftMs).toBeGreaterThan(0);
   });
 
+  it("L2: no Release is sent after a loss: a stalled run that lost at its local deadline leaves its lease to expire", async () => {
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const key = freshKey("no-release-after-loss");
+    const result = await c.runExclusive(
+      key,
+      async (ctx) => {
+        proxy.stall();
+        await aborted(ctx.signal);
+        // The route comes back before runExclusive ends: a Release would now
+        // reach the server and end the lease the run no longer vouches for.
+        proxy.pass();
+        return { reason: ctx.signal.reason as unknown, runId: ctx.runId };
+      },
+      { ttlMs: 2_000, safetyMarginMs: 800 },
+    );
+    expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
+    // Asserted from the server: the audit trail has the grant and no release.
+    const events = await db.sql<{ type: string }[]>`
+      SELECT type FROM lease_events
+      WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} AND run_id = ${result.runId}`;
+    expect(events.map((e) => e.type)).toEqual(["acquired"]);
+  });
+
   it("L2: when the server process is killed (SIGKILL)", async () => {
     const other = await spawnServer();
     const c = client({ baseUrl: other.url, protocol: "grpc" });

@@ -202,8 +202,13 @@ export async function runExclusive<T>(
   const handoffs: HandoffRequested[] = [];
   const handoffListeners = new Set<(request: HandoffRequested) => void>();
 
+  // Set once the run can no longer vouch for its lease. From then on nothing
+  // is sent for it, not even a Release (DESIGN.md §6, docs/clients.md): a
+  // lease lost at its local deadline is left to expire on the server.
+  let lost = false;
   const lose = (reason: LeaseLossReason, message: string, cause?: unknown) => {
     if (controller.signal.aborted) return;
+    lost = true;
     controller.abort(new LeaseLostError(message, reason, { cause }));
     stopKeepingAlive();
   };
@@ -305,6 +310,6 @@ export async function runExclusive<T>(
     if (!controller.signal.aborted) {
       controller.abort(new LeaseLostError("the run ended and released its lease", "released"));
     }
-    await release();
+    if (!lost) await release();
   }
 }
