@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -50,7 +51,13 @@ func TestMain(m *testing.M) {
 func freshKey(t *testing.T) leasehold.SessionKey {
 	var b [6]byte
 	_, _ = rand.Read(b[:])
-	return leasehold.SessionKey{AccountID: account, SessionID: t.Name() + "-" + hex.EncodeToString(b[:])}
+	name := strings.Map(func(r rune) rune {
+		if r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' {
+			return r
+		}
+		return '-'
+	}, t.Name())
+	return leasehold.SessionKey{AccountID: account, SessionID: name + "-" + hex.EncodeToString(b[:])}
 }
 
 func token(ttl time.Duration, scopes ...string) string {
