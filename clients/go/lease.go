@@ -96,7 +96,6 @@ type Lease struct {
 	lost     *LeaseLostError
 	released bool
 	timer    *time.Timer
-	ticker   *time.Ticker
 	stop     chan struct{}
 	reg      *registration
 	handoffs chan HandoffRequest
@@ -267,13 +266,6 @@ func (l *Lease) renewLoop(stop <-chan struct{}, reg *registration) {
 			reg.renew()
 		}
 	}
-}
-
-func describeHolder(lease *leasev1.Lease) string {
-	if lease == nil {
-		return "another run"
-	}
-	return fmt.Sprintf("%q (run %s)", lease.GetHolder(), lease.GetRunId())
 }
 
 type grant struct {
