@@ -269,6 +269,12 @@ func (c *Client) streamMetadata(ctx context.Context, desc *grpc.StreamDesc, cc *
 	return streamer(ctx, desc, cc, method, opts...)
 }
 
+// debug reports whether debug records are wanted, so that a renewal builds
+// none when they are not.
+func (c *Client) debug() bool {
+	return c.cfg.logger != nil && c.cfg.logger.Enabled(context.Background(), slog.LevelDebug)
+}
+
 func (c *Client) log(level slog.Level, msg string, args ...any) {
 	if c.cfg.logger != nil {
 		c.cfg.logger.Log(context.Background(), level, msg, args...)

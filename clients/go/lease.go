@@ -13,6 +13,14 @@ import (
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
 )
 
+// Messages of the client's debug log records (WithLogger), for handlers
+// that act on them: a confirmed renewal, and a waited grant that arrived
+// past its local deadline being confirmed by a second Acquire.
+const (
+	MsgRenewed    = "leasehold: lease renewed"
+	MsgConfirming = "leasehold: waited grant arrived past its local deadline; confirming it with the same run id"
+)
+
 // HoldOptions of Client.Hold.
 type HoldOptions struct {
 	// TTL of the lease; default 10s.
@@ -227,7 +235,11 @@ func (l *Lease) renewed(lease *leasev1.Lease, sentAt time.Time) {
 			l.deadline = next
 		}
 	}
+	left := time.Until(l.deadline)
 	l.mu.Unlock()
+	if c := l.client; c.debug() {
+		c.log(slog.LevelDebug, MsgRenewed, "key", l.key.String(), "run_id", l.runID, "token", lease.GetFencingToken(), "remaining", lease.GetRemaining().AsDuration(), "deadline_in", left)
+	}
 }
 
 func (l *Lease) handoff(h *leasev1.HandoffRequested) {
@@ -336,6 +348,7 @@ func (c *Client) Hold(ctx context.Context, key SessionKey, o HoldOptions) (*Leas
 		// A waited grant is late by construction when the wait was long:
 		// confirm it with the same run id (same token, deadline counted
 		// from this request) instead of trusting the old answer.
+		c.log(slog.LevelDebug, MsgConfirming, "key", key.String(), "run_id", runID, "elapsed", g.elapsed)
 		if g, err = attempt(0); err != nil {
 			release()
 			return nil, err

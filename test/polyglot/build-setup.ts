@@ -1,7 +1,7 @@
-// Generates the Python stubs and builds the Go worker before the polyglot
-// tests, so that they always run against stubs made from proto/ as it is
-// now. The Debian toolchains themselves are installed by
-// examples/install-toolchains.sh (`pretest:polyglot`).
+// Generates the Python stubs and builds the Go worker (on the Go client
+// module, clients/go) before the polyglot tests, so that they always run
+// against stubs made from proto/ as it is now. The toolchains themselves are
+// installed or checked by examples/install-toolchains.sh (`pretest:polyglot`).
 
 import { spawn } from "node:child_process";
 import { once } from "node:events";
