@@ -118,10 +118,21 @@ func codeName(camel string) string {
 
 type options struct {
 	server, store, account, session, holder string
-	ttl, margin, wait, writeEvery           time.Duration
+	runID, document                         string
+	ttl, margin, renew, wait, writeEvery    time.Duration
+	releaseTimeout                          time.Duration
 	writes                                  int
 	control                                 bool
 }
+
+// Exit statuses, as the Python worker's and `leasehold run`'s.
+const (
+	exitFinished      = 0
+	exitError         = 1
+	exitUsage         = 2
+	exitLost          = 3
+	exitHeldElsewhere = 75
+)
 
 func parse() (*options, error) {
 	o := &options{}
@@ -131,8 +142,12 @@ func parse() (*options, error) {
 	fs.StringVar(&o.account, "account", "", "account id (required)")
 	fs.StringVar(&o.session, "session", "", "session id (required)")
 	fs.StringVar(&o.holder, "holder", "go-worker", "label others see as the holder")
+	fs.StringVar(&o.runID, "run-id", leasehold.NewRunID(), "this run's UUID (default: a new one)")
+	fs.StringVar(&o.document, "document", "transcript", "name of the document written")
 	ttl := fs.Int("ttl-ms", 10_000, "lease TTL")
 	margin := fs.Int("margin-ms", 0, "safety margin of the local deadline (default a tenth of the TTL)")
+	renew := fs.Int("renew-ms", 0, "renewal interval (default a third of TTL minus margin)")
+	releaseTimeout := fs.Int("release-timeout-ms", 1_000, "deadline of the final Release")
 	wait := fs.Int("wait-ms", 0, "when held elsewhere, wait this long for it")
 	fs.IntVar(&o.writes, "writes", 0, "writes before releasing (0: until stopped)")
 	every := fs.Int("write-every-ms", 200, "pause between writes")
@@ -144,17 +159,25 @@ func parse() (*options, error) {
 		return nil, errors.New("--account and --session are required")
 	}
 	ms := func(n int) time.Duration { return time.Duration(n) * time.Millisecond }
-	o.ttl, o.margin, o.wait, o.writeEvery = ms(*ttl), ms(*margin), ms(*wait), ms(*every)
+	o.ttl, o.margin, o.renew, o.wait, o.writeEvery = ms(*ttl), ms(*margin), ms(*renew), ms(*wait), ms(*every)
+	o.releaseTimeout = ms(*releaseTimeout)
 	return o, nil
 }
 
 func main() {
 	o, err := parse()
 	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			os.Exit(exitFinished)
+		}
 		fmt.Fprintln(os.Stderr, "worker:", err)
-		os.Exit(2)
+		os.Exit(exitUsage)
 	}
-	runID := leasehold.NewRunID()
+	os.Exit(run(o))
+}
+
+func run(o *options) int {
+	runID := o.runID
 	ev := &events{start: time.Now(), holder: o.holder, runID: runID}
 	ctx := context.Background()
 	opts := []leasehold.Option{leasehold.WithLogger(slog.New(ev))}
@@ -164,7 +187,7 @@ func main() {
 	client, err := leasehold.Dial(ctx, []string{o.server}, opts...)
 	if err != nil {
 		ev.emit("error", fields{"message": err.Error()})
-		os.Exit(1)
+		return exitError
 	}
 	defer client.Close()
 	// Calls made with leasehold.WithLease(ctx, lease) carry its fencing headers.
@@ -172,7 +195,7 @@ func main() {
 		grpc.WithChainUnaryInterceptor(leasehold.UnaryFencingInterceptor()))
 	if err != nil {
 		ev.emit("error", fields{"message": err.Error()})
-		os.Exit(1)
+		return exitError
 	}
 	defer conn.Close()
 	w := &worker{o: o, ev: ev, runID: runID, leases: client, store: guardedv1.NewGuardedStoreServiceClient(conn),
@@ -191,17 +214,18 @@ func main() {
 	ev.emit("ready", fields{"server": o.server, "store": o.store})
 	if o.control {
 		if c := <-commands; c != "go" {
-			return
+			return exitFinished
 		}
 	}
-	lease := w.hold(ctx)
+	lease, code := w.hold(ctx)
 	for c := range commands {
 		if c == "late-write" && lease != nil {
 			w.lateWrite(lease)
 		} else if c == "quit" {
-			return
+			break
 		}
 	}
+	return code
 }
 
 type worker struct {
@@ -214,9 +238,13 @@ type worker struct {
 }
 
 func (w *worker) acquire(ctx context.Context, wait time.Duration) (*leasehold.Lease, error) {
-	lease, err := w.leases.Hold(ctx, w.key, leasehold.HoldOptions{TTL: w.o.ttl, SafetyMargin: w.o.margin, Wait: wait, Holder: w.o.holder, RunID: w.runID})
+	lease, err := w.leases.Hold(ctx, w.key, leasehold.HoldOptions{TTL: w.o.ttl, SafetyMargin: w.o.margin, RenewInterval: w.o.renew, Wait: wait, Holder: w.o.holder, RunID: w.runID})
 	var na *leasehold.NotAcquiredError
-	if errors.As(err, &na) {
+	var late *leasehold.LateGrantError
+	if errors.As(err, &late) {
+		// The client released the grant that came too late to vouch for.
+		w.ev.emit("grant_too_late", fields{"token": strconv.FormatInt(late.Lease.GetFencingToken(), 10), "late_ms": late.Elapsed.Milliseconds()})
+	} else if errors.As(err, &na) {
 		w.ev.emit("not_acquired", fields{"wait_ms": wait.Milliseconds(), "current": leaseFields(na.Current)})
 	}
 	if err != nil {
@@ -231,17 +259,21 @@ func (w *worker) acquire(ctx context.Context, wait time.Duration) (*leasehold.Le
 	return lease, nil
 }
 
-// hold acquires (waiting if asked), writes until stopped, and releases.
-func (w *worker) hold(ctx context.Context) *leasehold.Lease {
+// hold acquires (waiting if asked), writes until stopped, and releases;
+// it returns the lease (nil if none) and the exit status.
+func (w *worker) hold(ctx context.Context) (*leasehold.Lease, int) {
 	lease, err := w.acquire(ctx, 0)
 	if errors.Is(err, leasehold.ErrNotAcquired) && w.o.wait > 0 {
 		lease, err = w.acquire(ctx, w.o.wait)
 	}
+	if errors.Is(err, leasehold.ErrNotAcquired) {
+		return nil, exitHeldElsewhere
+	}
 	if err != nil {
-		if !errors.Is(err, leasehold.ErrNotAcquired) {
-			w.ev.emit("error", fields{"message": err.Error()})
-		}
-		return nil
+		f := describe(err)
+		f["message"] = err.Error()
+		w.ev.emit("error", f)
+		return nil, exitError
 	}
 	reason, n := w.work(lease)
 	stop := fields{"reason": reason, "at_ms": w.ev.ms(time.Now()), "writes": n}
@@ -255,7 +287,11 @@ func (w *worker) hold(ctx context.Context) *leasehold.Lease {
 		stop["cause"] = "LOSS_REASON_" + strings.ToUpper(string(le.Reason))
 	}
 	w.ev.emit("stopped", stop)
-	rctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	code := exitFinished
+	if stop["reason"] != "finished" && stop["reason"] != "handoff" {
+		code = exitLost
+	}
+	rctx, cancel := context.WithTimeout(ctx, w.o.releaseTimeout)
 	defer cancel()
 	switch err := lease.Release(rctx); {
 	case errors.Is(err, leasehold.ErrLeaseLost):
@@ -266,7 +302,7 @@ func (w *worker) hold(ctx context.Context) *leasehold.Lease {
 	default:
 		w.ev.emit("released", fields{"released": true, "sent": true})
 	}
-	return lease
+	return lease, code
 }
 
 // work writes every writeEvery under the lease's Context until done.
@@ -302,7 +338,7 @@ func (w *worker) work(lease *leasehold.Lease) (string, int) {
 }
 
 func (w *worker) put(token int64, text string) *guardedv1.PutRequest {
-	return &guardedv1.PutRequest{Key: &leasev1.SessionKey{AccountId: w.key.AccountID, SessionId: w.key.SessionID}, Name: "transcript", Value: []byte(text), FencingToken: token}
+	return &guardedv1.PutRequest{Key: &leasev1.SessionKey{AccountId: w.key.AccountID, SessionId: w.key.SessionID}, Name: w.o.document, Value: []byte(text), FencingToken: token}
 }
 
 // lateWrite sends the write a paused run sends when it wakes up, token and
