@@ -17,7 +17,7 @@ const { db, anotherDatabase } = useTestDatabase();
 
 it("the Go client's stories (go test -race ./... in clients/go) pass against real servers and PostgreSQL", async () => {
   const [store, fence] = await Promise.all([anotherDatabase(), anotherDatabase()]);
-  const child = spawn("go", ["test", "-race", "-count=1", ...goTestFlags(), "./..."], {
+  const child = spawn("go", ["test", "-count=1", ...goTestFlags(), "./..."], {
     cwd: path.join(repoRoot, "clients/go"),
     env: {
       ...process.env,
@@ -40,7 +40,12 @@ it("the Go client's stories (go test -race ./... in clients/go) pass against rea
   expect(code, `go test failed:\n${output}`).toBe(0);
 }, 900_000);
 
-/** `-v` and `-run` from LEASEHOLD_GO_TEST_FLAGS (e.g. "-v -run TestRace"), for working on one test. */
+/**
+ * `go test`'s flags: `-race`, or LEASEHOLD_GO_TEST_FLAGS instead (e.g.
+ * "-race -v -run TestRace" to work on one test, or the benchmarks' flags in
+ * clients/go/measure_test.go, which run without the race detector).
+ */
 function goTestFlags(): string[] {
-  return (process.env.LEASEHOLD_GO_TEST_FLAGS ?? "").split(/\s+/).filter((f) => f !== "");
+  const flags = process.env.LEASEHOLD_GO_TEST_FLAGS ?? "-race";
+  return flags.split(/\s+/).filter((f) => f !== "");
 }
