@@ -312,7 +312,9 @@ func (ln *lane) open() {
 		// Only a malformed address fails here, and Dial checked them all.
 		s.cancel()
 		ln.stream = s
-		ln.fail(s.gen, status.Error(codes.InvalidArgument, err.Error())).run()
+		// ch.mu is held: the leases hear of it from another goroutine.
+		cb := ln.fail(s.gen, status.Error(codes.InvalidArgument, err.Error()))
+		go cb.run()
 		return
 	}
 	s.conn = conn
