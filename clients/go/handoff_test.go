@@ -28,6 +28,14 @@ func TestHandoffDelivered(t *testing.T) {
 	for lease.Lease() == granted && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
+	listed, _, err := requester.List(context.Background(), key.AccountID, 1000, "")
+	found := false
+	for _, l := range listed {
+		found = found || l.GetRunId() == lease.RunID()
+	}
+	if err != nil || !found {
+		t.Fatalf("List does not show the held lease: %v", err)
+	}
 	delivered, current, err := requester.RequestHandoff(context.Background(), key, "browser", "continue here")
 	if err != nil || !delivered || current.GetRunId() != lease.RunID() {
 		t.Fatalf("RequestHandoff: delivered %v, current %v, err %v", delivered, current, err)

@@ -39,7 +39,14 @@ func TestTraceparentAndTokenHeaders(t *testing.T) {
 	go func() { _ = s.Serve(l) }()
 	defer s.Stop()
 	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-	c := dial(t, []string{l.Addr().String()},
+	// The caller's own interceptor, passed through WithDialOptions, sees
+	// the call with the client's headers already set.
+	var seenByCaller metadata.MD
+	callers := grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		seenByCaller, _ = metadata.FromOutgoingContext(ctx)
+		return invoker(ctx, method, req, reply, cc, opts...)
+	})
+	c := dial(t, []string{l.Addr().String()}, leasehold.WithDialOptions(callers),
 		leasehold.WithTokenFunc(func(context.Context) (string, error) { return "fresh", nil }),
 		leasehold.WithTraceparent(func(ctx context.Context) string {
 			v, _ := ctx.Value(traceKey{}).(string)
@@ -54,5 +61,8 @@ func TestTraceparentAndTokenHeaders(t *testing.T) {
 	}
 	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer fresh" {
 		t.Fatalf("authorization %v", got)
+	}
+	if got := seenByCaller.Get("traceparent"); len(got) != 1 || got[0] != tp {
+		t.Fatalf("the caller's interceptor saw %v", seenByCaller)
 	}
 }
