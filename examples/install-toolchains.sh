@@ -1,30 +1,29 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the Go example builds with, when any is
-# missing (as .ci/run does for Chromium), from Debian's apt repositories.
-# The Python side needs none: the Python worker runs on the client library
-# in clients/python, whose venv clients/python/scripts/setup.sh makes from
-# PyPI (test/polyglot/build-setup.ts runs it).
+# Installs the Debian packages the polyglot tests build with, when any is
+# missing (as .ci/run does for Chromium), and checks the Go toolchain: the
+# Go client (clients/go) and examples/go are Go modules built with the Go
+# this machine has (1.26 or later; Debian's golang-go is older), their
+# dependencies from the Go module proxy. The Python side needs no Debian
+# package: the Python worker runs on the client library in clients/python,
+# whose venv clients/python/scripts/setup.sh makes from PyPI
+# (test/polyglot/build-setup.ts runs it).
 #
 #   protobuf-compiler             protoc, and the well-known types in /usr/include
-#   golang-go                     the Go toolchain
-#   protoc-gen-go, protoc-gen-go-grpc  Go code generators
-#   golang-google-grpc-dev        grpc-go's sources under /usr/share/gocode
-#   golang-google-protobuf-dev    google.golang.org/protobuf's sources
-#   golang-github-golang-protobuf-1-5-dev
-#       named explicitly: golang-google-grpc-dev accepts it or the older 1-3
-#       package, and apt picks 1-3 by itself, which predates
-#       google.golang.org/protobuf and cannot build what protoc-gen-go 1.28
-#       generates.
 set -euo pipefail
+
+# Go: the module's go.mod asks for 1.26; an older go would try to fetch a
+# newer toolchain, which these machines cannot.
+if ! command -v go >/dev/null && [ -x /usr/local/go/bin/go ]; then
+  export PATH="$PATH:/usr/local/go/bin"
+fi
+go_version="$(go env GOVERSION 2>/dev/null || true)"
+if [[ ! "$go_version" =~ ^go1\.(2[6-9]|[3-9][0-9]) ]]; then
+  echo "Go 1.26 or later is needed for clients/go and examples/go, found: ${go_version:-no go on PATH}" >&2
+  exit 1
+fi
 
 packages=(
   protobuf-compiler
-  golang-go
-  protoc-gen-go
-  protoc-gen-go-grpc
-  golang-google-grpc-dev
-  golang-google-protobuf-dev
-  golang-github-golang-protobuf-1-5-dev
 )
 
 missing=()

@@ -1,9 +1,9 @@
 // Makes the Python client's venv (clients/python/.venv, from its lock; kept
 // when the lock has not changed: the Python worker and the pytest suites run
-// in it) and builds the Go worker before the polyglot tests, so that it
-// always runs against stubs made from proto/ as it is now. The Debian
-// toolchains themselves are installed by examples/install-toolchains.sh
-// (`pretest:polyglot`).
+// in it) and builds the Go worker (on the Go client module, clients/go)
+// before the polyglot tests, so that they always run against stubs made from
+// proto/ as it is now. The toolchains themselves are installed or checked by
+// examples/install-toolchains.sh (`pretest:polyglot`).
 
 import { spawn } from "node:child_process";
 import { once } from "node:events";

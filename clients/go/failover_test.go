@@ -1,0 +1,200 @@
+package leasehold_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	leasehold "leasehold.dev/go"
+	leasev1 "leasehold.dev/go/gen/leasehold/v1"
+	"leasehold.dev/go/internal/testenv"
+)
+
+// The client's own retry after a dropped answer: the Acquire reached the
+// server and was granted, its answer was swallowed and the connection cut;
+// the client asks the next instance with the same run id and gets the same
+// lease, same token (an idempotent retry, one grant in History).
+func TestRetryAfterDroppedAnswerKeepsTheToken(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr, shared.Addr})
+	direct := dial(t, []string{shared.Addr})
+	// A first call through the proxy opens its connection (and makes it
+	// the preferred instance) before the answers start to go missing.
+	if _, err := c.Get(context.Background(), key); err != nil {
+		t.Fatal(err)
+	}
+	p.DropAnswers(true)
+	runID := leasehold.NewRunID()
+	var lease *leasehold.Lease
+	var err error
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		o := holdOptions
+		o.RunID = runID
+		lease, err = c.Hold(context.Background(), key, o)
+	}()
+	var granted *leasev1.Lease
+	testenv.WaitFor(t, 10*time.Second, "the grant on the server", func() bool {
+		granted, _ = direct.Get(context.Background(), key)
+		return granted.GetRunId() == runID
+	})
+	if p.Dropped() == 0 {
+		t.Fatal("the proxy swallowed no answer")
+	}
+	p.Cut()
+	<-done
+	if err != nil {
+		t.Fatalf("Hold after the dropped answer: %v", err)
+	}
+	if lease.FencingToken() != granted.GetFencingToken() || lease.RunID() != runID {
+		t.Fatalf("retry got token %d run %s, the dropped grant was token %d run %s", lease.FencingToken(), lease.RunID(), granted.GetFencingToken(), runID)
+	}
+	if n := countEvents(history(t, direct, key), leasev1.EventType_EVENT_TYPE_ACQUIRED, runID); n != 1 {
+		t.Fatalf("History shows %d grants of the run, want 1", n)
+	}
+	if err := lease.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// An instance stopped mid-hold (SIGTERM: its streams end UNAVAILABLE): the
+// KeepAlive stream moves to the other instance and the lease is kept past
+// the deadline the stopped instance last confirmed.
+func TestInstanceStoppedMidHold(t *testing.T) {
+	key := freshKey(t)
+	a, b := testenv.StartServer(t), testenv.StartServer(t)
+	c := dial(t, []string{a.Addr, b.Addr})
+	lease, err := c.Hold(context.Background(), key, holdOptions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	granted := lease.Lease()
+	testenv.WaitFor(t, 10*time.Second, "a renewal through the first instance", func() bool { return lease.Lease() != granted })
+	stoppedAt := time.Now()
+	a.Stop()
+	testenv.WaitFor(t, 3*ttl, "a TTL after the stop", func() bool { return time.Since(stoppedAt) > ttl })
+	if err := lease.Err(); err != nil {
+		t.Fatalf("lease lost with an instance stopped: %v", err)
+	}
+	if renewed := b.Metric(t, "leasehold_lease_renewals_total", nil); renewed == 0 {
+		t.Fatal("the other instance renewed nothing")
+	}
+	if err := lease.Release(context.Background()); err != nil {
+		t.Fatalf("release through the other instance: %v", err)
+	}
+}
+
+func keepAliveStreams(t *testing.T, s *testenv.Server, code string) float64 {
+	labels := map[string]string{"method": "leasehold.v1.LeaseService/KeepAlive"}
+	if code != "" {
+		labels["code"] = code
+	}
+	return s.Metric(t, "leasehold_rpc_duration_seconds_count", labels)
+}
+
+// holdMany holds n leases of fresh keys on c, 32 acquires at a time.
+func holdMany(t *testing.T, c *leasehold.Client, n int, o leasehold.HoldOptions) []*leasehold.Lease {
+	t.Helper()
+	leases := make([]*leasehold.Lease, n)
+	errs := make([]error, n)
+	sem := make(chan struct{}, 32)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			leases[i], errs[i] = c.Hold(context.Background(), freshKey(t), o)
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	return leases
+}
+
+// renewedAll waits until every lease has had a renewal confirmed.
+func renewedAll(t *testing.T, leases []*leasehold.Lease, within time.Duration) {
+	t.Helper()
+	granted := make([]*leasev1.Lease, len(leases))
+	for i, l := range leases {
+		granted[i] = l.Lease()
+	}
+	testenv.WaitFor(t, within, "a renewal of every lease", func() bool {
+		for i, l := range leases {
+			if l.Err() != nil {
+				t.Fatalf("lease %d lost: %v", i, l.Err())
+			}
+			if l.Lease() == granted[i] {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// 1,000 leases share one KeepAlive stream: the server counts one stream
+// (its KeepAlive calls, counted when they end, after Close).
+func TestThousandLeasesOnOneStream(t *testing.T) {
+	s := testenv.StartServer(t)
+	c, err := leasehold.Dial(context.Background(), []string{s.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leases := holdMany(t, c, 1000, leasehold.HoldOptions{TTL: 20 * time.Second})
+	renewedAll(t, leases, 30*time.Second)
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the stream's end on the server", func() bool { return keepAliveStreams(t, s, "") >= 1 })
+	if n := keepAliveStreams(t, s, ""); n != 1 {
+		t.Fatalf("the server saw %v KeepAlive streams for 1,000 leases, want 1", n)
+	}
+	if released := s.Metric(t, "leasehold_lease_releases_total", nil); released != 1000 {
+		t.Fatalf("Close released %v leases, want 1,000", released)
+	}
+}
+
+// A server bounding streams to 2 leases refuses the client's one stream of
+// 5 (LIMIT_EXCEEDED, max 2); the client lowers its bound and moves the
+// leases beyond it to more streams: all five are kept past their first
+// deadline, on three streams besides the refused one.
+func TestSecondStreamPastTheServersBound(t *testing.T) {
+	s := testenv.StartServer(t, "--max-leases-per-stream", "2")
+	c, err := leasehold.Dial(context.Background(), []string{s.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	heldAt := time.Now()
+	leases := holdMany(t, c, 5, holdOptions)
+	renewedAll(t, leases, 10*time.Second)
+	testenv.WaitFor(t, 3*ttl, "past the first deadline", func() bool { return time.Since(heldAt) >= ttl })
+	renewedAll(t, leases, 2*ttl)
+	refused := keepAliveStreams(t, s, "resource_exhausted")
+	if refused < 1 {
+		t.Fatalf("the server refused no stream for its bound")
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "every stream's end", func() bool { return keepAliveStreams(t, s, "") >= refused+3 })
+	// With the bound known up front, no stream is refused.
+	c2 := dial(t, []string{s.Addr}, leasehold.WithMaxLeasesPerStream(2))
+	before := keepAliveStreams(t, s, "")
+	leases = holdMany(t, c2, 5, holdOptions)
+	renewedAll(t, leases, 10*time.Second)
+	if err := c2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "three more streams' end", func() bool { return keepAliveStreams(t, s, "") >= before+3 })
+	if n := keepAliveStreams(t, s, "") - before; n != 3 {
+		t.Fatalf("%v streams for 5 leases at 2 per stream, want 3", n)
+	}
+	if keepAliveStreams(t, s, "resource_exhausted") != refused {
+		t.Fatal("a stream was refused although the client knew the bound")
+	}
+}

@@ -1,0 +1,255 @@
+// Package fence guards a Go resource with Leasehold fencing tokens (DESIGN
+// S7, §5): the check runs the leasehold_fence SQL function of
+// migrations/fence/0001_fence.sql in the resource's own PostgreSQL, inside
+// the transaction of the write it guards, so a stale run's late write is
+// refused atomically with the check.
+//
+// It uses database/sql: bring a PostgreSQL driver (pgx's stdlib, lib/pq)
+// and apply migrations/fence/0001_fence.sql to the database.
+package fence
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"regexp"
+	"strconv"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	leasehold "leasehold.dev/go"
+)
+
+// StaleTokenSQLState is the SQLSTATE leasehold_fence raises for a stale
+// token; its DETAIL holds the highest token seen.
+const StaleTokenSQLState = "LHF01"
+
+// Claim is the session and token a call writes with.
+type Claim struct {
+	Key   leasehold.SessionKey
+	Token int64
+}
+
+// Check runs the fence in tx: accepts claim.Token if it is at least the
+// highest token seen for the session, records it, and returns the new
+// highest. A stale token is a *leasehold.StaleFencingTokenError, and tx can
+// no longer commit. Call it before the guarded write, in the same tx.
+func Check(ctx context.Context, tx *sql.Tx, claim Claim) (int64, error) {
+	if claim.Token <= 0 {
+		return 0, status.Errorf(codes.InvalidArgument, "fencing_token must be a positive fencing token, got %d", claim.Token)
+	}
+	var highest int64
+	err := tx.QueryRowContext(ctx, `SELECT leasehold_fence($1, $2, $3)`,
+		claim.Key.AccountID, claim.Key.SessionID, claim.Token).Scan(&highest)
+	if err != nil {
+		if h, ok := staleHighest(err); ok {
+			return 0, staleError(claim.Token, h)
+		}
+		return 0, err
+	}
+	return highest, nil
+}
+
+// sqlStateError is what PostgreSQL drivers' errors share (pgconn.PgError
+// and lib/pq's Error both have SQLState; DETAIL differs, so it is read
+// from the error's fields where the driver has them).
+type sqlStateError interface{ SQLState() string }
+
+var detailPattern = regexp.MustCompile(`highest token seen is (\d+)`)
+
+func staleHighest(err error) (int64, bool) {
+	var se sqlStateError
+	if !errors.As(err, &se) || se.SQLState() != StaleTokenSQLState {
+		return 0, false
+	}
+	// The message names the highest token as DETAIL does, whatever the driver.
+	m := detailPattern.FindStringSubmatch(err.Error())
+	if m == nil {
+		return 0, true
+	}
+	h, _ := strconv.ParseInt(m[1], 10, 64)
+	return h, true
+}
+
+// staleError is the refusal the guarded store sends: ABORTED with ErrorInfo
+// STALE_FENCING_TOKEN, presented_token and highest_token.
+func staleError(presented, highest int64) error {
+	st := status.New(codes.Aborted, fmt.Sprintf("fencing token %d is stale: the highest token seen for this session is %d", presented, highest))
+	st, _ = st.WithDetails(&errdetails.ErrorInfo{
+		Reason: leasehold.ReasonStaleFencingToken,
+		Domain: leasehold.ErrorDomain,
+		Metadata: map[string]string{
+			"presented_token": strconv.FormatInt(presented, 10),
+			"highest_token":   strconv.FormatInt(highest, 10),
+		},
+	})
+	return st.Err()
+}
+
+// Write runs write in one transaction of db after the fence check of
+// claim: both commit, or neither. It returns the highest token seen.
+func Write(ctx context.Context, db *sql.DB, claim Claim, write func(tx *sql.Tx) error) (int64, error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback() }()
+	highest, err := Check(ctx, tx, claim)
+	if err != nil {
+		return 0, err
+	}
+	if err := write(tx); err != nil {
+		return 0, err
+	}
+	return highest, tx.Commit()
+}
+
+type callKey struct{}
+
+// Call is what a fenced handler finds with CallFrom: the claim, the highest
+// token seen once it passed, and the transaction holding the session's
+// fence row lock. Write on Tx: it commits when the handler returns without
+// error and rolls back otherwise.
+type Call struct {
+	Claim   Claim
+	Highest int64
+	Tx      *sql.Tx
+}
+
+// CallFrom returns the fenced call of a handler's context, or nil.
+func CallFrom(ctx context.Context) *Call {
+	c, _ := ctx.Value(callKey{}).(*Call)
+	return c
+}
+
+// LiveCheck asks the lease server whether a token is the session's valid
+// lease's (live mode, DESIGN §5), before the transaction opens.
+type LiveCheck func(ctx context.Context, key leasehold.SessionKey, token int64) error
+
+// Live is a LiveCheck over a lease client's CheckFence: a token below the
+// highest granted is stale (ABORTED), one that is the newest grant but no
+// longer valid is FAILED_PRECONDITION LEASE_NOT_HELD, as the guarded store answers.
+func Live(client *leasehold.Client) LiveCheck {
+	return func(ctx context.Context, key leasehold.SessionKey, token int64) error {
+		current, highest, err := client.CheckFence(ctx, key, token)
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "the lease server could not confirm the fencing token: %v", err)
+		}
+		if current {
+			return nil
+		}
+		if highest > token {
+			return staleError(token, highest)
+		}
+		cause := "not_found"
+		if highest == token {
+			cause = "expired"
+		}
+		st := status.New(codes.FailedPrecondition, "the fencing token's lease is not held ("+cause+")")
+		st, _ = st.WithDetails(&errdetails.ErrorInfo{Reason: leasehold.ReasonLeaseNotHeld, Domain: leasehold.ErrorDomain, Metadata: map[string]string{"cause": cause}})
+		return st.Err()
+	}
+}
+
+// Options of UnaryServerInterceptor.
+type Options struct {
+	// Fenced says which methods need a token (full method names); default all.
+	Fenced func(fullMethod string) bool
+	// Live, when set, also checks that the token is the valid lease's.
+	Live LiveCheck
+}
+
+var tokenPattern = regexp.MustCompile(`^\d{1,19}$`)
+
+// ReadClaim reads and checks the three fencing headers of an incoming
+// call; a missing or malformed one is INVALID_ARGUMENT naming the header.
+func ReadClaim(ctx context.Context) (Claim, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	get := func(name string) (string, error) {
+		v := md.Get(name)
+		if len(v) == 0 || v[0] == "" {
+			return "", invalid(name, "is required")
+		}
+		return v[0], nil
+	}
+	text, err := get(leasehold.FencingTokenHeader)
+	if err != nil {
+		return Claim{}, err
+	}
+	token, perr := strconv.ParseInt(text, 10, 64)
+	if !tokenPattern.MatchString(text) || perr != nil {
+		return Claim{}, invalid(leasehold.FencingTokenHeader, fmt.Sprintf("must be a decimal int64 fencing token, got %q", text))
+	}
+	if token <= 0 {
+		return Claim{}, invalid(leasehold.FencingTokenHeader, fmt.Sprintf("must be a positive fencing token, got %d", token))
+	}
+	account, err := get(leasehold.AccountIDHeader)
+	if err != nil {
+		return Claim{}, err
+	}
+	session, err := get(leasehold.SessionIDHeader)
+	if err != nil {
+		return Claim{}, err
+	}
+	return Claim{Key: leasehold.SessionKey{AccountID: account, SessionID: session}, Token: token}, nil
+}
+
+func invalid(field, rule string) error {
+	st := status.New(codes.InvalidArgument, field+" "+rule)
+	st, _ = st.WithDetails(&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: field, Description: rule}}})
+	return st.Err()
+}
+
+// UnaryServerInterceptor fences a Go gRPC service as the TypeScript
+// interceptor of src/guarded does: it reads the fencing headers, runs the
+// fence check in a transaction of db, and hands that transaction to the
+// handler (CallFrom); the handler's writes commit with the check (S7), or
+// not at all. A stale token is ABORTED, ErrorInfo STALE_FENCING_TOKEN with
+// presented_token and highest_token, before the handler runs.
+func UnaryServerInterceptor(db *sql.DB, o Options) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		if o.Fenced != nil && !o.Fenced(info.FullMethod) {
+			return handler(ctx, req)
+		}
+		claim, err := ReadClaim(ctx)
+		if err != nil {
+			return nil, err
+		}
+		// Before the transaction: no row lock is held across a network call.
+		if o.Live != nil {
+			if err := o.Live(ctx, claim.Key, claim.Token); err != nil {
+				return nil, err
+			}
+		}
+		resp, err := fencedCall(ctx, db, claim, req, handler)
+		if err != nil {
+			if _, ok := status.FromError(err); ok {
+				return nil, err
+			}
+			return nil, status.Errorf(codes.Unavailable, "the fence database could not decide: %v", err)
+		}
+		return resp, nil
+	}
+}
+
+func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler grpc.UnaryHandler) (any, error) {
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = tx.Rollback() }()
+	highest, err := Check(ctx, tx, claim)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := handler(context.WithValue(ctx, callKey{}, &Call{Claim: claim, Highest: highest, Tx: tx}), req)
+	if err != nil {
+		return nil, err
+	}
+	return resp, tx.Commit()
+}
