@@ -1,81 +1,13 @@
-// Pure parts of the change path: the notification wire format (payloads stay
-// under PostgreSQL's 8000-byte limit and read back exactly) and the watch
-// order guard (changes arriving late, twice or out of order never show a
-// watcher an older grant after a newer one — S6 orders grants).
+// The watch order guard, a pure part of the change path: changes arriving
+// late, twice or out of order never show a watcher an older grant after a
+// newer one (S6 orders grants). The notification wire format is tested in
+// streams/notify-codec.test.ts.
 
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import type { ChangeType, LeaseChange } from "../src/server/lease/lease-change.js";
-import { decodeMessage, encodeChanges } from "../src/server/streams/notifier.js";
 import { OrderGuard } from "../src/server/streams/watch-hub.js";
-
-function change(type: ChangeType, token: bigint, extra: Partial<LeaseChange> = {}): LeaseChange {
-  return {
-    type,
-    accountId: "acct",
-    sessionId: "s",
-    runId: `00000000-0000-4000-8000-${token.toString().padStart(12, "0")}`,
-    fencingToken: token,
-    holder: "desktop",
-    atUs: 1_700_000_000_000_000n + token,
-    lease: undefined,
-    reason: "",
-    requesterHolder: "",
-    eventId: token,
-    ...extra,
-  };
-}
-
-describe("notification payloads", () => {
-  it("pack many changes per payload, each under 8000 bytes, and read back exactly", () => {
-    const changes: LeaseChange[] = [];
-    for (let i = 1n; i <= 500n; i++) {
-      changes.push(
-        change(i % 2n === 0n ? "acquired" : "handoff_requested", i, {
-          // Multi-byte text: the limit is in bytes, not characters.
-          reason: "континуировать на этом устройстве ✓".repeat(3),
-          requesterHolder: "браузер",
-          lease:
-            i % 2n === 0n
-              ? {
-                  accountId: "acct",
-                  sessionId: "s",
-                  runId: "r",
-                  fencingToken: i,
-                  holder: "desktop",
-                  ttlMs: 15_000n,
-                  acquiredAtUs: 1n,
-                  expiresAtUs: 15_000_001n,
-                  remainingUs: 14_999_000n,
-                }
-              : undefined,
-        }),
-      );
-    }
-    const payloads = encodeChanges("instance-a", changes);
-    expect(payloads.length).toBeGreaterThan(1);
-    expect(payloads.length).toBeLessThan(changes.length / 10);
-    const back: LeaseChange[] = [];
-    for (const p of payloads) {
-      expect(Buffer.byteLength(p)).toBeLessThan(8000);
-      const m = decodeMessage(p);
-      expect(m?.kind).toBe("changes");
-      if (m?.kind === "changes") {
-        expect(m.source).toBe("instance-a");
-        back.push(...m.changes);
-      }
-    }
-    expect(back).toEqual(
-      changes.map((c) => (c.lease ? { ...c, lease: { ...c.lease, runId: c.runId } } : c)),
-    );
-  });
-
-  it("ignores payloads it cannot read instead of failing", () => {
-    expect(decodeMessage("not json")).toBeUndefined();
-    expect(decodeMessage(JSON.stringify({ v: 2, s: "x", c: [] }))).toBeUndefined();
-    expect(decodeMessage(JSON.stringify({ v: 1, s: "x", c: [["nonsense"]] }))).toBeUndefined();
-  });
-});
+import { leaseChange as change } from "./support/lease-changes.js";
 
 describe("watch order guard", () => {
   it("S6: whatever order and duplication changes arrive in, a watcher never sees an older grant after a newer one", () => {

@@ -11,7 +11,8 @@
 import { keyString, type LeaseChange } from "../lease/lease-change.js";
 import type { Scope } from "../lease/types.js";
 import type { Logger } from "../observability/logger.js";
-import type { Notifier, NotifierMessage } from "./notifier.js";
+import type { Notifier } from "./notifier.js";
+import type { NotifierMessage } from "./notify-codec.js";
 
 export type ChangeListener = (change: LeaseChange) => void;
 
