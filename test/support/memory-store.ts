@@ -278,11 +278,17 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       });
     },
 
-    async release(key, runId) {
+    async release(key, runId, grant) {
       await rowLock(key);
       const now = clock.nowUs();
       const row = rows.get(keyString(key));
       if (!row || row.runId !== runId || !valid(row, now)) return undefined;
+      if (
+        grant &&
+        (row.fencingToken !== grant.fencingToken || row.expiresAtUs !== grant.expiresAtUs)
+      ) {
+        return undefined;
+      }
       return end(row, "released", now, null);
     },
 

@@ -255,8 +255,15 @@ export function createLeaseStore(
         return results;
       }),
 
-    async release(key, runId): Promise<EndedLease | undefined> {
-      const item: EndItem = { ...key, runId, ended: "released", reason: undefined };
+    async release(key, runId, grant): Promise<EndedLease | undefined> {
+      const item: EndItem = {
+        accountId: key.accountId,
+        sessionId: key.sessionId,
+        runId,
+        ended: "released",
+        reason: undefined,
+        grant,
+      };
       return endResult(await releaseBatch.submit(item), item);
     },
 

@@ -51,6 +51,12 @@ export interface EndedLease extends LeaseRecord {
   eventId: bigint;
 }
 
+/** One grant as it was answered: its token and deadline. */
+export interface GrantVersion {
+  fencingToken: bigint;
+  expiresAtUs: bigint;
+}
+
 export interface RenewItem extends SessionKey {
   runId: string;
   /** A new TTL; the lease keeps its TTL when undefined. */
@@ -134,8 +140,13 @@ export interface LeaseStore {
    * skipped and answered `busy` instead of holding up the whole batch (S8).
    */
   renewMany(items: readonly RenewItem[], options: { wait: boolean }): Promise<RenewManyResult[]>;
-  /** Ends runId's valid lease, keeping a tombstone (S5). Undefined when not held. */
-  release(key: SessionKey, runId: string): Promise<EndedLease | undefined>;
+  /**
+   * Ends runId's valid lease, keeping a tombstone (S5). Undefined when not
+   * held. With `grant`, only while the lease is still that grant with that
+   * deadline: a clean-up release of an answer nobody took must not end the
+   * lease once the same run renewed or re-acquired it elsewhere.
+   */
+  release(key: SessionKey, runId: string, grant?: GrantVersion): Promise<EndedLease | undefined>;
   /** Ends the valid lease of any run, audited with the reason. */
   revoke(key: SessionKey, reason: string): Promise<EndedLease | undefined>;
   /** Records a handoff request for the valid lease, which it leaves untouched (S3). */

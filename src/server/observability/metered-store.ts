@@ -48,9 +48,9 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
         }
         return results;
       }),
-    release: (key, runId) =>
+    release: (key, runId, grant) =>
       inFlight(async () => {
-        const ended = await store.release(key, runId);
+        const ended = await store.release(key, runId, grant);
         if (ended) metrics.releases.inc();
         return ended;
       }),
