@@ -210,6 +210,25 @@ describe.each(subjects)("LeaseStore contract: $name", ({ make }) => {
     });
   });
 
+  it("S4: Renew by a run that never held the session says never_held; by one that held it before the holder, taken_over", async () => {
+    const key = freshKey("contract");
+    const a = granted(await acquire(key, randomUUID(), 100));
+    expect(await store.renew(key, randomUUID(), undefined)).toEqual({
+      held: false,
+      cause: "never_held",
+    });
+    await s.pass(a.lease.expiresAtUs);
+    granted(await acquire(key));
+    expect(await store.renew(key, a.lease.runId, undefined)).toEqual({
+      held: false,
+      cause: "taken_over",
+    });
+    expect(await store.renew(key, randomUUID(), undefined)).toEqual({
+      held: false,
+      cause: "never_held",
+    });
+  });
+
   it("S5: a release of one grant as answered (token and deadline) ends nothing once the same run re-acquired it, alone or in a batch", async () => {
     const leases = [];
     for (let i = 0; i < 3; i++) {

@@ -3,7 +3,7 @@
 // against. No I/O here: the PostgreSQL implementation is db/lease-store.ts,
 // the decorators (publishing, quota, metrics) wrap the interface.
 
-import type { LossCause } from "../../protocol/errors.js";
+import type { LossCause, NotHeldCause } from "../../protocol/errors.js";
 
 export interface SessionKey {
   accountId: string;
@@ -107,7 +107,10 @@ export interface HandoffResult {
   atUs: bigint;
 }
 
-export type RenewResult = { held: true; lease: LeaseRecord } | { held: false; cause: LossCause };
+export type RenewResult =
+  | { held: true; lease: LeaseRecord }
+  /** Not held; unary Renew tells `never_held` from `taken_over`. */
+  | { held: false; cause: NotHeldCause };
 
 export interface AcquireInput extends SessionKey {
   runId: string;

@@ -36,7 +36,8 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
       inFlight(async () => {
         const result = await store.renew(key, runId, ttlMs);
         if (result.held) metrics.renewals.inc();
-        else metrics.lost(result.cause);
+        // A run that never held the session lost nothing.
+        else if (result.cause !== "never_held") metrics.lost(result.cause);
         return result;
       }),
     renewMany: (items, options) =>
