@@ -175,6 +175,8 @@ export function createLeaseStore(
     keyOf,
     maxBatch,
     maxInFlight,
+    // Gets of one key waiting together share one reading of it.
+    shareByKey: true,
   });
 
   const stillLocked = () =>
