@@ -84,6 +84,34 @@ describe("Connect client over gRPC (h2c)", () => {
     }
   });
 
+  it("S4: Renew says what happened: never held by that run, released, revoked, taken over (message and ErrorInfo cause)", async () => {
+    const key = freshKey();
+    const a = await client.acquire({ key, ttl: seconds(30) });
+    const holder = a.lease?.runId ?? "";
+    const answers: [string, string][] = [];
+    const renewFails = async (runId: string) => {
+      const ce = ConnectError.from(await client.renew({ key, runId }).catch((e) => e));
+      expect(ce.code).toBe(Code.FailedPrecondition);
+      const [info] = ce.findDetails(ErrorInfoSchema);
+      expect(info?.reason).toBe("LEASE_NOT_HELD");
+      answers.push([info?.metadata.cause ?? "", ce.rawMessage]);
+    };
+    await renewFails(randomUUID());
+    await client.release({ key, runId: holder });
+    await renewFails(holder);
+    const b = await client.acquire({ key, ttl: seconds(30) });
+    await server.streaming.store.revoke(key, "test");
+    await renewFails(b.lease?.runId ?? "");
+    await client.acquire({ key, ttl: seconds(30) });
+    await renewFails(holder);
+    expect(answers).toEqual([
+      ["never_held", "lease not held: never held by this run"],
+      ["released", "lease not held: released"],
+      ["revoked", "lease not held: revoked"],
+      ["taken_over", "lease not held: taken over"],
+    ]);
+  });
+
   it("S6: a client-chosen run_id makes acquire idempotent: the retry gets the same token", async () => {
     const key = freshKey();
     const runId = randomUUID();

@@ -172,6 +172,22 @@ describe("group-committed acquire and release", () => {
   });
 });
 
+describe("Get of a hot key", () => {
+  it("S9: Gets of one key waiting for the same statement share its one reading", async () => {
+    const store = createLeaseStore(db.connect(2));
+    const key = freshKey("hot");
+    const r = await store.acquire({ ...key, runId: randomUUID(), ttlMs: 30_000, holder: "h" });
+    if (!r.acquired) throw new Error("granted");
+    const before = store.stats.get.statements;
+    // The first goes out at once; the rest arrive while it is in flight.
+    const first = store.get(key);
+    const queued = Array.from({ length: 20 }, () => store.get(key));
+    const answers = await Promise.all([first, ...queued]);
+    expect(store.stats.get.statements - before).toBe(2);
+    for (const a of answers) expect(a?.fencingToken).toBe(r.lease.fencingToken);
+  });
+});
+
 describe("S8 in a batch", () => {
   const holdRowLock = (key: SessionKey) => lockLeaseRow(db, key, { lockTimeoutMs: 10_000 });
 

@@ -210,6 +210,52 @@ describe.each(subjects)("LeaseStore contract: $name", ({ make }) => {
     });
   });
 
+  it("S4: Renew by a run that never held the session says never_held; by one that held it before the holder, taken_over", async () => {
+    const key = freshKey("contract");
+    const a = granted(await acquire(key, randomUUID(), 100));
+    expect(await store.renew(key, randomUUID(), undefined)).toEqual({
+      held: false,
+      cause: "never_held",
+    });
+    await s.pass(a.lease.expiresAtUs);
+    granted(await acquire(key));
+    expect(await store.renew(key, a.lease.runId, undefined)).toEqual({
+      held: false,
+      cause: "taken_over",
+    });
+    expect(await store.renew(key, randomUUID(), undefined)).toEqual({
+      held: false,
+      cause: "never_held",
+    });
+  });
+
+  it("S5: a release of one grant as answered (token and deadline) ends nothing once the same run re-acquired it, alone or in a batch", async () => {
+    const leases = [];
+    for (let i = 0; i < 3; i++) {
+      const key = freshKey("contract");
+      const first = granted(await acquire(key));
+      await s.pass(first.lease.acquiredAtUs);
+      const again = granted(await acquire(key, first.lease.runId));
+      expect(again.lease.expiresAtUs).toBeGreaterThan(first.lease.expiresAtUs);
+      leases.push({ key, first: first.lease, again: again.lease });
+    }
+    const asAnswered = (l: { fencingToken: bigint; expiresAtUs: bigint }) => ({
+      fencingToken: l.fencingToken,
+      expiresAtUs: l.expiresAtUs,
+    });
+    // Concurrent releases: one statement alone, the others group-committed.
+    const stale = await Promise.all(
+      leases.map((l) => store.release(l.key, l.first.runId, asAnswered(l.first))),
+    );
+    expect(stale).toEqual([undefined, undefined, undefined]);
+    for (const l of leases) expect((await store.get(l.key))?.runId).toBe(l.first.runId);
+    const current = await Promise.all(
+      leases.map((l) => store.release(l.key, l.first.runId, asAnswered(l.again))),
+    );
+    expect(current.map((e) => e?.runId)).toEqual(leases.map((l) => l.first.runId));
+    for (const l of leases) expect(await store.get(l.key)).toBeUndefined();
+  });
+
   it("S5: release is owner-checked and idempotent; revoke ends any run's valid lease, nothing on a free key", async () => {
     const key = freshKey("contract");
     const a = granted(await acquire(key));

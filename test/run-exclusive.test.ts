@@ -3,6 +3,7 @@
 // signal aborts before the server-side deadline (read from the database's
 // own expires_at and clock), and a grant that arrives too late is not used.
 
+import { randomUUID } from "node:crypto";
 import { once } from "node:events";
 import { Code, createClient } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
@@ -133,6 +134,25 @@ describe("runExclusive keeps the lease alive", () => {
     }
     expect(events.filter((e) => e.type === "keepalive-open")).toHaveLength(1);
     for (const key of keys) expect((await storedLease(key))?.ended).toBe("released");
+  });
+
+  it("L2: a run id given in upper case is the same run: renewed past its TTL, and ctx.runId is as the server prints it", async () => {
+    const c = client();
+    const key = freshKey("upper");
+    const runId = randomUUID().toUpperCase();
+    const seen = await c.runExclusive(
+      key,
+      async (ctx) => {
+        await db.sql`
+          SELECT pg_sleep_until(acquired_at + ttl + interval '50 milliseconds')
+          FROM leases WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+        return { aborted: ctx.signal.aborted, runId: ctx.runId, now: await storedLease(key) };
+      },
+      { ttlMs: 600, runId },
+    );
+    expect(seen.aborted).toBe(false);
+    expect(seen.runId).toBe(runId.toLowerCase());
+    expect(seen.now).toMatchObject({ runId: runId.toLowerCase(), valid: true });
   });
 
   it("L2: more leases than a server lets one stream carry are renewed over more streams", async () => {

@@ -9,14 +9,20 @@ import type { Lease } from "../gen/leasehold/v1/lease_pb.js";
 import {
   type AuthFailure,
   asAuthFailure,
-  asLossCause,
+  asNotHeldCause,
   ErrorMetadata,
   ErrorReason,
   errorDomain,
   type LossCause,
+  type NotHeldCause,
 } from "../protocol/errors.js";
 
-export { type AuthFailure, errorDomain, type LossCause } from "../protocol/errors.js";
+export {
+  type AuthFailure,
+  errorDomain,
+  type LossCause,
+  type NotHeldCause,
+} from "../protocol/errors.js";
 
 /**
  * Why `runExclusive` aborted its work's signal: a cause the server reported,
@@ -69,16 +75,17 @@ export class InvalidArgumentError extends LeaseholdError {
  * Renew (or a KeepAlive renewal) for a run that does not hold a valid lease,
  * or Acquire by a run whose own lease on that session ended: a run never
  * holds a session again after its lease was released, revoked or let expire
- * (FAILED_PRECONDITION, reason LEASE_NOT_HELD). `lossCause` says why.
+ * (FAILED_PRECONDITION, reason LEASE_NOT_HELD). `lossCause` says why:
+ * `never_held` (from Renew) when the run never held the session.
  */
 export class LeaseNotHeldError extends LeaseholdError {
   override readonly name = "LeaseNotHeldError";
   /** Why the run does not hold the lease; undefined when the server did not say. */
-  readonly lossCause: LossCause | undefined;
+  readonly lossCause: NotHeldCause | undefined;
 
   constructor(
     message: string,
-    lossCause: LossCause | undefined,
+    lossCause: NotHeldCause | undefined,
     options: { cause?: unknown } = {},
   ) {
     super(message, Code.FailedPrecondition, {
@@ -244,7 +251,7 @@ export function toLeaseholdError(error: unknown): LeaseholdError {
   const message = ce.rawMessage || ce.message;
   const options = { cause: error, reason, metadata };
   if (reason === ErrorReason.leaseNotHeld || (ce.code === Code.FailedPrecondition && !reason)) {
-    return new LeaseNotHeldError(message, asLossCause(metadata[ErrorMetadata.cause]), {
+    return new LeaseNotHeldError(message, asNotHeldCause(metadata[ErrorMetadata.cause]), {
       cause: error,
     });
   }

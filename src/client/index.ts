@@ -31,6 +31,7 @@ export {
   LeaseNotHeldError,
   type LossCause,
   NotAcquiredError,
+  type NotHeldCause,
   PermissionDeniedError,
   ResourceExhaustedError,
   StaleFencingTokenError,

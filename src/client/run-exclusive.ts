@@ -41,7 +41,10 @@ export interface RunExclusiveOptions {
   waitMs?: number;
   /** A label of this holder shown to others ("desktop", "browser"). */
   holder?: string;
-  /** The run's id (a UUID); default a new random one. Reuse it only to retry the same run. */
+  /**
+   * The run's id (a UUID, in either case; the run uses it lower-cased, as the
+   * server does); default a new random one. Reuse it only to retry the same run.
+   */
   runId?: string;
   /** Subtracted from every local deadline, in ms; default TTL/10. */
   safetyMarginMs?: number;
@@ -124,7 +127,9 @@ export async function runExclusive<T>(
     renewIntervalMs: options.renewIntervalMs,
   });
   const waitMs = options.waitMs ?? 0;
-  const runId = options.runId ?? randomUUID();
+  // The server keeps a run id as PostgreSQL prints a uuid, lower case, and
+  // answers with it: an upper-case id would match none of its answers.
+  const runId = options.runId?.toLowerCase() ?? randomUUID();
   const sessionKey = { accountId: key.accountId, sessionId: key.sessionId };
   const { now } = deps;
   options.signal?.throwIfAborted();

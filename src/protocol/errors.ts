@@ -67,6 +67,20 @@ export function asLossCause(text: string | undefined): LossCause | undefined {
 }
 
 /**
+ * The `cause` of LEASE_NOT_HELD: a LossCause, or, from unary Renew only,
+ * `never_held`: the session's lease is another run's and this run never
+ * held it (where `taken_over` says this run held it before the other).
+ * KeepAlive's loss reasons stay the LossCause values.
+ */
+export const notHeldCauses = [...lossCauses, "never_held"] as const;
+export type NotHeldCause = (typeof notHeldCauses)[number];
+
+/** Narrows a LEASE_NOT_HELD `cause` read off the wire; undefined for a value this release does not know. */
+export function asNotHeldCause(text: string | undefined): NotHeldCause | undefined {
+  return notHeldCauses.find((c) => c === text);
+}
+
+/**
  * Why credentials were refused: the `cause` of UNAUTHENTICATED. No token, not
  * a JWT, expired (time to fetch a new one), a signature the server's keys do
  * not verify, an algorithm it does not accept, a failed `iss`/`aud`/`nbf`

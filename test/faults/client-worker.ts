@@ -366,9 +366,11 @@ async function rawRun(sessionId: string) {
   }
   emit(grantRecord(key, lease, "acquire"));
   // Granted after a failover: the instance left behind may have granted
-  // this run just then and released that grant on its behalf (the client's
-  // retry is granted anew, with a new token). After the grant's record, so
-  // the history reads in the order things happened.
+  // this run just then and releases that grant on its behalf, unless this
+  // retry was answered the same grant first (a later deadline; the release
+  // then matches nothing); a retry after that release is refused (S4).
+  // After the grant's record, so the history reads in the order things
+  // happened.
   const failedOver = abandonedWait();
   if (failedOver) emit({ type: "release", client: config.client, key, runId });
   let expiresAt = us(lease.expiresAt);

@@ -29,6 +29,8 @@ let waiters: Waiters;
 let attempts: string[];
 /** How many of the next acquire statements fail as a database that cannot decide. */
 let failing: number;
+/** Runs before a release the waiters send reaches the store. */
+let beforeRelease: (() => Promise<void>) | undefined;
 
 async function start() {
   const store: LeaseStore = {
@@ -40,6 +42,10 @@ async function start() {
         throw new DatabaseUnavailableError("the database is restarting");
       }
       return mem.store.acquire(input);
+    },
+    release: async (key, runId, grant) => {
+      await beforeRelease?.();
+      return mem.store.release(key, runId, grant);
     },
   };
   tracker = createExpiryTracker({ store, feed: mem.feed, logger: mem.logger });
@@ -78,6 +84,7 @@ beforeEach(async () => {
   mem = memoryStreaming();
   attempts = [];
   failing = 0;
+  beforeRelease = undefined;
   await start();
 });
 afterEach(() => {
@@ -193,6 +200,38 @@ describe("waiting acquire", () => {
     const trail = mem.raw.events.filter((e) => e.runId === gone.runId).map((e) => e.type);
     expect(trail).toEqual(["acquired", "released"]);
     expect(await mem.store.get(holder)).toBeUndefined();
+  });
+
+  it("L2, S5: the clean-up release of a grant nobody waited for leaves the lease once the same run re-acquired it elsewhere", async () => {
+    const holder = await mem.grant({ ttlMs: 5_000 });
+    const controller = new AbortController();
+    const moved = input(holder, "moved");
+    const waiter = wait(moved, 120_000, controller.signal);
+    await settle();
+    // The waiter's attempt at the deadline waits on a row lock; the caller's
+    // connection drops meanwhile, and its client resends the Acquire, same
+    // run_id, to another instance.
+    const unlock = mem.raw.lockRow(holder);
+    await vi.advanceTimersByTimeAsync(5_010);
+    controller.abort(new Error("the connection dropped"));
+    await settle();
+    expect(waiter.error).toBeDefined();
+    // Between this instance's grant and its clean-up release, the other
+    // instance answers the resent Acquire: the same grant, a later deadline,
+    // which the client now uses.
+    let resent: AcquireResult | undefined;
+    beforeRelease = async () => {
+      beforeRelease = undefined;
+      vi.advanceTimersByTime(5);
+      resent = await mem.store.acquire(moved);
+    };
+    unlock();
+    await settle();
+    expect(resent).toMatchObject({ acquired: true, retried: true });
+    // The clean-up release matched nothing: the lease the client holds stands.
+    expect((await mem.store.get(holder))?.runId).toBe(moved.runId);
+    const trail = mem.raw.events.filter((e) => e.runId === moved.runId).map((e) => e.type);
+    expect(trail).toEqual(["acquired"]);
   });
 
   it("S5: when the wait runs out while an attempt is deciding, that attempt's grant is the answer; nothing is granted and then released", async () => {

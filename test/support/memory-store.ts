@@ -255,7 +255,19 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       const now = clock.nowUs();
       const row = rows.get(keyString(key));
       if (!row || row.runId !== runId || !valid(row, now)) {
-        return { held: false, cause: lossCause(key, runId) };
+        const cause = lossCause(key, runId);
+        const grantedBefore = events.some(
+          (e) =>
+            e.type === "acquired" &&
+            e.runId === runId &&
+            e.accountId === key.accountId &&
+            e.sessionId === key.sessionId,
+        );
+        // As in SQL: unary Renew tells a run that never held the session.
+        return {
+          held: false,
+          cause: cause === "taken_over" && !grantedBefore ? "never_held" : cause,
+        };
       }
       renewRow(row, ttlMs, now);
       return { held: true, lease: record(row, now) };
@@ -278,11 +290,17 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       });
     },
 
-    async release(key, runId) {
+    async release(key, runId, grant) {
       await rowLock(key);
       const now = clock.nowUs();
       const row = rows.get(keyString(key));
       if (!row || row.runId !== runId || !valid(row, now)) return undefined;
+      if (
+        grant &&
+        (row.fencingToken !== grant.fencingToken || row.expiresAtUs !== grant.expiresAtUs)
+      ) {
+        return undefined;
+      }
       return end(row, "released", now, null);
     },
 

@@ -17,7 +17,7 @@
 // S8: rows are locked in key order with SKIP LOCKED unless `wait`: a row
 //     another transaction holds is answered `busy` and tried alone.
 
-import type { EndedLease } from "../lease/types.js";
+import type { EndedLease, GrantVersion } from "../lease/types.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 import type { Sql } from "./pool.js";
 
@@ -29,6 +29,8 @@ export interface EndItem {
   ended: "released" | "revoked";
   /** Recorded in lease_events (a revoke's reason). */
   reason: string | undefined;
+  /** Ends the lease only while it is this grant with this deadline (unchanged since). */
+  grant?: GrantVersion;
 }
 
 export type EndOutcome =
@@ -58,17 +60,22 @@ export async function endMany(
         ${items.map((i) => i.sessionId)}::text[],
         ${items.map((i) => i.runId ?? null)}::uuid[],
         ${items.map((i) => i.ended)}::text[],
-        ${items.map((i) => i.reason ?? null)}::text[]
-      ) AS w(idx, account_id, session_id, run_id, ended, reason)
+        ${items.map((i) => i.reason ?? null)}::text[],
+        -- As text: postgres.js does not send an array of JavaScript bigints as an array.
+        ${items.map((i) => i.grant?.fencingToken.toString() ?? null)}::bigint[],
+        ${items.map((i) => i.grant?.expiresAtUs.toString() ?? null)}::bigint[]
+      ) AS w(idx, account_id, session_id, run_id, ended, reason, grant_token, grant_expires_us)
     ),
     locked AS MATERIALIZED (
-      SELECT w.idx, w.ended, w.reason, held.ctid AS row_id
+      SELECT w.idx, w.ended, w.reason, held.ctid AS row_id, w.grant_token, w.grant_expires_us
       FROM (SELECT * FROM wanted ORDER BY account_id, session_id) w
       CROSS JOIN LATERAL (
         SELECT l.ctid FROM leases l
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
           AND (w.run_id IS NULL OR l.run_id = w.run_id) AND l.ended IS NULL
           AND l.expires_at > (SELECT observed_at FROM lease_clock)
+          AND (w.grant_token IS NULL OR (l.fencing_token = w.grant_token
+               AND (extract(epoch FROM l.expires_at) * 1000000)::bigint = w.grant_expires_us))
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
       ) held
     ),
@@ -80,6 +87,8 @@ export async function endMany(
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
         AND held.ctid = k.row_id AND held.ended IS NULL
         AND held.expires_at > lease_clock.observed_at
+        AND (k.grant_token IS NULL OR (held.fencing_token = k.grant_token
+             AND (extract(epoch FROM held.expires_at) * 1000000)::bigint = k.grant_expires_us))
       RETURNING k.idx, k.reason, held.*
     ),
     audit AS (
@@ -100,6 +109,8 @@ export async function endMany(
              WHERE p.account_id = w.account_id AND p.session_id = w.session_id
                AND (w.run_id IS NULL OR p.run_id = w.run_id) AND p.ended IS NULL
                AND p.expires_at > lease_clock.observed_at
+               AND (w.grant_token IS NULL OR (p.fencing_token = w.grant_token
+                    AND (extract(epoch FROM p.expires_at) * 1000000)::bigint = w.grant_expires_us))
            )) AS busy
     FROM wanted w
     CROSS JOIN lease_clock
@@ -125,6 +136,8 @@ export async function endOne(
   item: EndItem,
   options: { wait: boolean },
 ): Promise<EndOutcome> {
+  const grantToken = item.grant?.fencingToken ?? null;
+  const grantExpiresUs = item.grant?.expiresAtUs ?? null;
   let rows: (EndedLease & Record<string, unknown>)[];
   try {
     rows = await sql<(EndedLease & Record<string, unknown>)[]>`
@@ -134,6 +147,8 @@ export async function endOne(
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR l.run_id = ${item.runId ?? null}::uuid)
           AND l.ended IS NULL AND l.expires_at > c.observed_at
+          AND (${grantToken}::bigint IS NULL OR (l.fencing_token = ${grantToken}::bigint
+               AND (extract(epoch FROM l.expires_at) * 1000000)::bigint = ${grantExpiresUs}::bigint))
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
       -- By key, not by the locked ctid: when the lock was taken after a
@@ -148,6 +163,8 @@ export async function endOne(
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR held.run_id = ${item.runId ?? null}::uuid)
           AND held.ended IS NULL AND held.expires_at > lease_clock.observed_at
+          AND (${grantToken}::bigint IS NULL OR (held.fencing_token = ${grantToken}::bigint
+               AND (extract(epoch FROM held.expires_at) * 1000000)::bigint = ${grantExpiresUs}::bigint))
         RETURNING held.*
       ),
       audit AS (

@@ -9,6 +9,13 @@
 // touch a row twice in one statement, and two calls for one key must be
 // decided one after the other anyway. A second call for a key already in the
 // forming batch waits for the next one, keeping its place in the queue.
+//
+// Reads (`shareByKey`) are different: calls of one key waiting for the same
+// statement all arrived before it was sent, so its one reading of the key is
+// a correct answer for each of them, and they share it. A call that arrives
+// after a statement was sent waits for the next one, as every call does, so
+// it never gets an answer read before it arrived. Without this, N Gets of a
+// hot key took N statements one after the other, the queue rescanned for each.
 
 export interface GroupCommitOptions<I, R> {
   /** Runs one statement for `items` (distinct keys); resolves with a result per item, in order. */
@@ -19,6 +26,8 @@ export interface GroupCommitOptions<I, R> {
   maxBatch: number;
   /** Statements of this kind in flight at once. */
   maxInFlight: number;
+  /** Calls of one key waiting for the same statement share its answer (reads only). */
+  shareByKey?: boolean;
 }
 
 export interface GroupCommitStats {
@@ -28,6 +37,8 @@ export interface GroupCommitStats {
   items: number;
   /** Items waiting for a statement now. */
   queued: number;
+  /** Calls answered with another call's row of the same statement (shareByKey). */
+  shared: number;
 }
 
 export interface GroupCommit<I, R> {
@@ -40,15 +51,39 @@ interface Queued<I, R> {
   key: string;
   resolve(result: R): void;
   reject(error: unknown): void;
+  /** Calls of the same key that share this one's answer (shareByKey). */
+  sharing?: Queued<I, R>[];
 }
 
 export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): GroupCommit<I, R> {
   const { run, keyOf, maxBatch, maxInFlight } = options;
   let queue: Queued<I, R>[] = [];
   let inFlight = 0;
-  const stats: GroupCommitStats = { statements: 0, items: 0, queued: 0 };
+  const stats: GroupCommitStats = { statements: 0, items: 0, queued: 0, shared: 0 };
+
+  /** The queue's distinct keys, up to maxBatch; a repeated key rides on its first call. */
+  function takeShared(): Queued<I, R>[] {
+    const batch: Queued<I, R>[] = [];
+    const rest: Queued<I, R>[] = [];
+    const first = new Map<string, Queued<I, R>>();
+    for (const q of queue) {
+      const leader = first.get(q.key);
+      if (leader) {
+        if (leader.sharing) leader.sharing.push(q);
+        else leader.sharing = [q];
+      } else if (batch.length < maxBatch) {
+        first.set(q.key, q);
+        batch.push(q);
+      } else {
+        rest.push(q);
+      }
+    }
+    queue = rest;
+    return batch;
+  }
 
   function take(): Queued<I, R>[] {
+    if (options.shareByKey) return takeShared();
     // The common case: the whole queue fits and has no repeated key.
     if (queue.length <= maxBatch) {
       const keys = new Set<string>();
@@ -87,15 +122,26 @@ export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): Grou
           for (let i = 0; i < batch.length; i++) {
             // run() answers every item; a missing answer is a bug, reported to its caller.
             const q = batch[i] as Queued<I, R>;
-            if (i < results.length) q.resolve(results[i] as R);
-            else
-              q.reject(new Error("group commit: the statement returned fewer results than items"));
+            if (i < results.length) {
+              q.resolve(results[i] as R);
+              for (const s of q.sharing ?? []) s.resolve(results[i] as R);
+              stats.shared += q.sharing?.length ?? 0;
+            } else {
+              const error = new Error(
+                "group commit: the statement returned fewer results than items",
+              );
+              q.reject(error);
+              for (const s of q.sharing ?? []) s.reject(error);
+            }
           }
           flush();
         },
         (error: unknown) => {
           inFlight -= 1;
-          for (const q of batch) q.reject(error);
+          for (const q of batch) {
+            q.reject(error);
+            for (const s of q.sharing ?? []) s.reject(error);
+          }
           flush();
         },
       );

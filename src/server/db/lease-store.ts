@@ -175,6 +175,8 @@ export function createLeaseStore(
     keyOf,
     maxBatch,
     maxInFlight,
+    // Gets of one key waiting together share one reading of it.
+    shareByKey: true,
   });
 
   const stillLocked = () =>
@@ -238,9 +240,19 @@ export function createLeaseStore(
         if (attempt >= maxAttempts) throw stillLocked();
         result = await run(() => renewOne(sql, item, { wait: true }));
       }
-      return result.outcome === "renewed"
-        ? { held: true, lease: result.lease }
-        : { held: false, cause: result.cause };
+      if (result.outcome === "renewed") return { held: true, lease: result.lease };
+      if (result.cause !== "taken_over") return { held: false, cause: result.cause };
+      // Another run's lease: say whether this run ever held the session
+      // (the audit trail keeps its grant) or never did.
+      const [held] = await run(
+        () => sql<{ found: boolean }[]>`
+          SELECT EXISTS (
+            SELECT 1 FROM lease_events
+            WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}
+              AND type = 'acquired' AND run_id = ${runId}::uuid
+          ) AS found`,
+      );
+      return { held: false, cause: held?.found ? "taken_over" : "never_held" };
     },
 
     // Waiting (the batcher's retry of a locked row): row by row, by key, so
@@ -255,8 +267,15 @@ export function createLeaseStore(
         return results;
       }),
 
-    async release(key, runId): Promise<EndedLease | undefined> {
-      const item: EndItem = { ...key, runId, ended: "released", reason: undefined };
+    async release(key, runId, grant): Promise<EndedLease | undefined> {
+      const item: EndItem = {
+        accountId: key.accountId,
+        sessionId: key.sessionId,
+        runId,
+        ended: "released",
+        reason: undefined,
+        grant,
+      };
       return endResult(await releaseBatch.submit(item), item);
     },
 

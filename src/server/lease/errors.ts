@@ -1,7 +1,7 @@
 // Domain errors of the lease service. They carry no transport types: the
 // one table that turns them into wire codes is rpc/error-codes.ts.
 
-import type { AuthFailure, LimitName, LossCause } from "../../protocol/errors.js";
+import type { AuthFailure, LimitName, NotHeldCause } from "../../protocol/errors.js";
 
 /** A request field broke a rule. The message names the field and the rule. */
 export class InvalidArgumentError extends Error {
@@ -22,8 +22,8 @@ export class InvalidArgumentError extends Error {
 export class LeaseNotHeldError extends Error {
   override readonly name = "LeaseNotHeldError";
   constructor(
-    readonly reason: LossCause,
-    message = `lease not held: ${reason.replace("_", " ")}`,
+    readonly reason: NotHeldCause,
+    message = `lease not held: ${reason === "never_held" ? "never held by this run" : reason.replace("_", " ")}`,
   ) {
     super(message);
   }

@@ -3,7 +3,7 @@
 // against. No I/O here: the PostgreSQL implementation is db/lease-store.ts,
 // the decorators (publishing, quota, metrics) wrap the interface.
 
-import type { LossCause } from "../../protocol/errors.js";
+import type { LossCause, NotHeldCause } from "../../protocol/errors.js";
 
 export interface SessionKey {
   accountId: string;
@@ -49,6 +49,12 @@ export type AcquireResult =
 /** A lease ended by release or revoke, with its row in lease_events. */
 export interface EndedLease extends LeaseRecord {
   eventId: bigint;
+}
+
+/** One grant as it was answered: its token and deadline. */
+export interface GrantVersion {
+  fencingToken: bigint;
+  expiresAtUs: bigint;
 }
 
 export interface RenewItem extends SessionKey {
@@ -101,7 +107,10 @@ export interface HandoffResult {
   atUs: bigint;
 }
 
-export type RenewResult = { held: true; lease: LeaseRecord } | { held: false; cause: LossCause };
+export type RenewResult =
+  | { held: true; lease: LeaseRecord }
+  /** Not held; unary Renew tells `never_held` from `taken_over`. */
+  | { held: false; cause: NotHeldCause };
 
 export interface AcquireInput extends SessionKey {
   runId: string;
@@ -134,8 +143,13 @@ export interface LeaseStore {
    * skipped and answered `busy` instead of holding up the whole batch (S8).
    */
   renewMany(items: readonly RenewItem[], options: { wait: boolean }): Promise<RenewManyResult[]>;
-  /** Ends runId's valid lease, keeping a tombstone (S5). Undefined when not held. */
-  release(key: SessionKey, runId: string): Promise<EndedLease | undefined>;
+  /**
+   * Ends runId's valid lease, keeping a tombstone (S5). Undefined when not
+   * held. With `grant`, only while the lease is still that grant with that
+   * deadline: a clean-up release of an answer nobody took must not end the
+   * lease once the same run renewed or re-acquired it elsewhere.
+   */
+  release(key: SessionKey, runId: string, grant?: GrantVersion): Promise<EndedLease | undefined>;
   /** Ends the valid lease of any run, audited with the reason. */
   revoke(key: SessionKey, reason: string): Promise<EndedLease | undefined>;
   /** Records a handoff request for the valid lease, which it leaves untouched (S3). */

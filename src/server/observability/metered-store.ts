@@ -36,7 +36,8 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
       inFlight(async () => {
         const result = await store.renew(key, runId, ttlMs);
         if (result.held) metrics.renewals.inc();
-        else metrics.lost(result.cause);
+        // A run that never held the session lost nothing.
+        else if (result.cause !== "never_held") metrics.lost(result.cause);
         return result;
       }),
     renewMany: (items, options) =>
@@ -48,9 +49,9 @@ export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStor
         }
         return results;
       }),
-    release: (key, runId) =>
+    release: (key, runId, grant) =>
       inFlight(async () => {
-        const ended = await store.release(key, runId);
+        const ended = await store.release(key, runId, grant);
         if (ended) metrics.releases.inc();
         return ended;
       }),

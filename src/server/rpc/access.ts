@@ -123,7 +123,16 @@ export function createAccess(options: AccessOptions): Access {
               : `not allowed to ${action} this session`,
           );
         }
-        decided?.set(sessionId, performance.now() + streamDecisionMs);
+        if (decided) {
+          // Newest last; at most as many as the leases a stream may carry,
+          // the oldest forgotten first (asked again if it comes back).
+          decided.delete(sessionId);
+          decided.set(sessionId, performance.now() + streamDecisionMs);
+          if (decided.size > limits.maxLeasesPerStream) {
+            const oldest = decided.keys().next().value;
+            if (oldest !== undefined) decided.delete(oldest);
+          }
+        }
         return principal;
       });
     },

@@ -45,8 +45,8 @@ export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore 
       }
       return results;
     },
-    async release(key, runId) {
-      const ended = await store.release(key, runId);
+    async release(key, runId, grant) {
+      const ended = await store.release(key, runId, grant);
       if (ended) feed.emit(changeFromLease("released", ended, { eventId: ended.eventId }));
       return ended;
     },

@@ -68,7 +68,14 @@ export function createWaiters(options: WaitersOptions): Waiters {
   async function releaseUnwanted(result: AcquireResult & { acquired: true }) {
     if (result.retried) return; // the caller's own earlier grant: theirs to release
     try {
-      await store.release(result.lease, result.lease.runId);
+      // Only this grant as answered: the caller may have retried with the
+      // same run_id on another instance (failover) and been answered this
+      // lease as its own, with a later deadline; that lease is theirs.
+      const { lease } = result;
+      await store.release(lease, lease.runId, {
+        fencingToken: lease.fencingToken,
+        expiresAtUs: lease.expiresAtUs,
+      });
     } catch (error) {
       logger.warn({ err: error }, "could not release a grant nobody waited for; it will expire");
     }
