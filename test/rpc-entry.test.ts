@@ -251,6 +251,15 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
         /^no RPC at "\/nothing": RPC paths are \/<package>.<Service>\/<Method>/,
       );
 
+      // A Connect GET names its protocol in the query.
+      const get = await h1(
+        server.url,
+        `/leasehold.v1.LeaseService/Nope?connect=v1&encoding=json&message=${encodeURIComponent("{}")}`,
+        { method: "GET" },
+      );
+      expect(get.status).toBe(501);
+      expect(JSON.parse(get.body.toString())).toMatchObject({ code: "unimplemented" });
+
       const page = await h1(server.url, "/no-such-page.html", { method: "GET" });
       expect(page.status).toBe(404);
       expect(page.headers["content-type"]).toBe("text/plain; charset=utf-8");
