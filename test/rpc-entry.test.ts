@@ -21,6 +21,7 @@ import {
   createGrpcTransport,
   createGrpcWebTransport,
 } from "@connectrpc/connect-node";
+import * as grpc from "@grpc/grpc-js";
 import { beforeAll, describe, expect, it } from "vitest";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { AcquireRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
@@ -267,7 +268,7 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
     },
   );
 
-  it("raw gRPC over HTTP/2: an unknown method is a trailers-only UNIMPLEMENTED with HTTP 200", async () => {
+  it("raw gRPC over HTTP/2: an unknown method is UNIMPLEMENTED in the trailers, with HTTP 200", async () => {
     for (const server of [native, connectPath]) {
       const a = await h2(
         server.url,
@@ -280,6 +281,26 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
         code: Code.Unimplemented,
         message: 'unknown method: leasehold.v1.LeaseService has no method "Nope"',
       });
+    }
+  });
+  it("an independent gRPC client (@grpc/grpc-js) sees UNIMPLEMENTED, not UNKNOWN from HTTP 405", async () => {
+    for (const server of [native, connectPath, guarded]) {
+      const client = new grpc.Client(new URL(server.url).host, grpc.credentials.createInsecure());
+      try {
+        const error = await new Promise<grpc.ServiceError>((resolve, reject) => {
+          client.makeUnaryRequest(
+            "/leasehold.v1.LeaseService/Nope",
+            (b: Buffer) => b,
+            (b: Buffer) => b,
+            Buffer.alloc(0),
+            (e: grpc.ServiceError | null) => (e ? resolve(e) : reject(new Error("answered"))),
+          );
+        });
+        expect(error.code).toBe(grpc.status.UNIMPLEMENTED);
+        expect(error.details).toMatch(/^unknown (method|service)/);
+      } finally {
+        client.close();
+      }
     }
   });
 });

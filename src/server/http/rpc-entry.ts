@@ -212,7 +212,17 @@ function answerError(
 ): void {
   const type = requestType.split(";", 1)[0]?.trim().toLowerCase() ?? "";
   switch (protocol) {
-    case "grpc":
+    case "grpc": {
+      // No message, then the status in trailers: what gRPC clients read
+      // (@grpc/grpc-js takes a status from headers only when they end the
+      // stream, which Node's compatibility response does not do).
+      const status = new Headers();
+      setTrailerStatus(status, error);
+      res.writeHead(200, { "content-type": type });
+      res.addTrailers(Object.fromEntries(status));
+      res.end();
+      return;
+    }
     case "grpc-web": {
       // Trailers-only: the status in the response headers, no body.
       const header = new Headers({ "content-type": type });
