@@ -7,30 +7,44 @@
 
 import http from "node:http";
 import http2 from "node:http2";
-import type { DescMethod, DescMethodStreaming, DescMethodUnary } from "@bufbuild/protobuf";
-import { Code, type Transport } from "@connectrpc/connect";
+import { gzipSync } from "node:zlib";
+import {
+  create,
+  type DescMethod,
+  type DescMethodStreaming,
+  type DescMethodUnary,
+} from "@bufbuild/protobuf";
+import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
+import { Code, createClient, type Transport } from "@connectrpc/connect";
 import {
   createConnectTransport,
   createGrpcTransport,
   createGrpcWebTransport,
 } from "@connectrpc/connect-node";
+import * as grpc from "@grpc/grpc-js";
 import { beforeAll, describe, expect, it } from "vitest";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
-import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { AcquireRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { guardedSettings, parseGuardedConfig } from "../src/guarded/config.js";
+import { parseServerConfig, serverSettings } from "../src/server/config/server-config.js";
+import { settingsHelp } from "../src/server/config/settings.js";
 import type { RunningServer } from "../src/server/server.js";
 import { failure } from "./support/calls.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
+import { connectClient } from "./support/server.js";
 
 const { startServer, startGuardedServer } = useTestDatabase();
 let native: RunningServer;
 let connectPath: RunningServer;
 let guarded: RunningServer;
+let accepting: RunningServer;
 
 beforeAll(async () => {
   native = await startServer(["--grpc-path", "native"]);
   connectPath = await startServer(["--grpc-path", "connect"]);
   guarded = await startGuardedServer(["--lease-url", native.url]);
+  accepting = await startServer(["--json-unknown-fields", "accept"]);
 });
 
 // Names for it.each, which runs before beforeAll has started the servers.
@@ -238,6 +252,15 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
         /^no RPC at "\/nothing": RPC paths are \/<package>.<Service>\/<Method>/,
       );
 
+      // A Connect GET names its protocol in the query.
+      const get = await h1(
+        server.url,
+        `/leasehold.v1.LeaseService/Nope?connect=v1&encoding=json&message=${encodeURIComponent("{}")}`,
+        { method: "GET" },
+      );
+      expect(get.status).toBe(501);
+      expect(JSON.parse(get.body.toString())).toMatchObject({ code: "unimplemented" });
+
       const page = await h1(server.url, "/no-such-page.html", { method: "GET" });
       expect(page.status).toBe(404);
       expect(page.headers["content-type"]).toBe("text/plain; charset=utf-8");
@@ -245,7 +268,7 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
     },
   );
 
-  it("raw gRPC over HTTP/2: an unknown method is a trailers-only UNIMPLEMENTED with HTTP 200", async () => {
+  it("raw gRPC over HTTP/2: an unknown method is UNIMPLEMENTED in the trailers, with HTTP 200", async () => {
     for (const server of [native, connectPath]) {
       const a = await h2(
         server.url,
@@ -258,6 +281,26 @@ describe("a method or service the server does not have (issue 30, item 3)", () =
         code: Code.Unimplemented,
         message: 'unknown method: leasehold.v1.LeaseService has no method "Nope"',
       });
+    }
+  });
+  it("an independent gRPC client (@grpc/grpc-js) sees UNIMPLEMENTED, not UNKNOWN from HTTP 405", async () => {
+    for (const server of [native, connectPath, guarded]) {
+      const client = new grpc.Client(new URL(server.url).host, grpc.credentials.createInsecure());
+      try {
+        const error = await new Promise<grpc.ServiceError>((resolve, reject) => {
+          client.makeUnaryRequest(
+            "/leasehold.v1.LeaseService/Nope",
+            (b: Buffer) => b,
+            (b: Buffer) => b,
+            Buffer.alloc(0),
+            (e: grpc.ServiceError | null) => (e ? resolve(e) : reject(new Error("answered"))),
+          );
+        });
+        expect(error.code).toBe(grpc.status.UNIMPLEMENTED);
+        expect(error.details).toMatch(/^unknown (method|service)/);
+      } finally {
+        client.close();
+      }
     }
   });
 });
@@ -317,5 +360,218 @@ describe("an RPC path asked the wrong way says what it takes (issue 30, item 4)"
     });
     expect(a.status).toBe(505);
     expect(a.body.toString()).toContain("KeepAlive streams both ways and needs HTTP/2");
+  });
+});
+
+// ---- JSON fields the API does not have ------------------------------------------
+
+/** The error of an answer in any protocol: Connect unary JSON, Connect end-stream, gRPC or gRPC-Web status. */
+function errorOf(a: Answer): { code: string; message: string } {
+  const type = String(a.headers["content-type"] ?? "");
+  if (type.startsWith("application/json")) {
+    return JSON.parse(a.body.toString()) as { code: string; message: string };
+  }
+  if (type.startsWith("application/connect+")) {
+    let offset = 0;
+    while (offset + 5 <= a.body.length) {
+      const length = a.body.readUInt32BE(offset + 1);
+      if (a.body[offset] === 0x02) {
+        const end = JSON.parse(a.body.subarray(offset + 5, offset + 5 + length).toString());
+        return end.error ?? { code: "ok", message: "" };
+      }
+      offset += 5 + length;
+    }
+    return { code: "no end-stream message", message: "" };
+  }
+  const { code, message } = grpcStatus(a);
+  return { code: Code[code] ?? String(code), message };
+}
+
+const json = (value: unknown) => Buffer.from(JSON.stringify(value));
+const held = async (server: RunningServer, key: { accountId: string; sessionId: string }) =>
+  (await connectClient(server.url).get({ key })).held;
+
+describe("JSON fields the API does not have are refused (issue 30, item 5)", () => {
+  it.each(["lease server, --grpc-path native", "lease server, --grpc-path connect"] as const)(
+    "%s: an Acquire with a misspelt field is INVALID_ARGUMENT naming every unknown field, in every JSON protocol, and acquires nothing",
+    async (name) => {
+      const server = serverNamed(name);
+      const path = "/leasehold.v1.LeaseService/Acquire";
+      const named = (message: string) => {
+        expect(message).toMatch(/^request message: unknown fields? /);
+        expect(message).toContain("--json-unknown-fields accept");
+      };
+
+      // Connect unary over HTTP/1.1, as the README's curl sends it.
+      const key = freshKey();
+      const curl = await h1(server.url, path, {
+        headers: { "content-type": "application/json" },
+        body: json({ key, ttl: "30s", holdr: "typo" }),
+      });
+      expect(curl.status).toBe(400);
+      expect(errorOf(curl).code).toBe("invalid_argument");
+      expect(errorOf(curl).message).toBe(
+        'request message: unknown field "holdr": JSON requests may only use the fields of the API ' +
+          "(check the spelling; a server started with --json-unknown-fields accept ignores fields it does not know, for a rolling upgrade)",
+      );
+      // S3: nothing was granted.
+      expect(await held(server, key)).toBe(false);
+
+      // Nested and several: each is named, by its path.
+      const nested = await h1(server.url, path, {
+        headers: { "content-type": "application/json" },
+        body: json({ key: { accountId: "acct", sesionId: "s" }, ttl: "30s", holdr: "x" }),
+      });
+      expect(errorOf(nested).message).toMatch(
+        /^request message: unknown fields "key.sesionId", "holdr": /,
+      );
+
+      // gRPC, gRPC-Web and Connect streaming with their JSON codecs.
+      const typo = json({ key, ttl: "30s", holdr: "typo" });
+      const answers: [string, Answer][] = [
+        [
+          "gRPC+json",
+          await h2(
+            server.url,
+            path,
+            { "content-type": "application/grpc+json", te: "trailers" },
+            envelope(typo),
+          ),
+        ],
+        [
+          "gRPC-Web+json over HTTP/1.1",
+          await h1(server.url, path, {
+            headers: { "content-type": "application/grpc-web+json" },
+            body: envelope(typo),
+          }),
+        ],
+        [
+          "gRPC-Web+json over HTTP/2",
+          await h2(
+            server.url,
+            path,
+            { "content-type": "application/grpc-web+json" },
+            envelope(typo),
+          ),
+        ],
+        [
+          "Connect over HTTP/2",
+          await h2(server.url, path, { "content-type": "application/json" }, typo),
+        ],
+        [
+          "Connect streaming Watch",
+          await h1(server.url, "/leasehold.v1.LeaseService/Watch", {
+            headers: { "content-type": "application/connect+json" },
+            body: envelope(json({ key, includeRenewal: true })),
+          }),
+        ],
+        [
+          "Connect streaming KeepAlive",
+          await h2(
+            server.url,
+            "/leasehold.v1.LeaseService/KeepAlive",
+            { "content-type": "application/connect+json" },
+            envelope(json({ key, runId: "0b7a4e5c-1b0f-4d4e-9a56-0c1d2e3f4a5b", tll: "10s" })),
+          ),
+        ],
+      ];
+      for (const [protocol, answer] of answers) {
+        const error = errorOf(answer);
+        expect([protocol, error.code]).toEqual([
+          protocol,
+          protocol.startsWith("Connect") ? "invalid_argument" : "InvalidArgument",
+        ]);
+        named(error.message);
+      }
+      expect(errorOf(answers[4]?.[1] as Answer).message).toContain('"includeRenewal"');
+      expect(errorOf(answers[5]?.[1] as Answer).message).toContain('"tll"');
+      expect(await held(server, key)).toBe(false);
+    },
+  );
+
+  it("the guarded store refuses them too: a Put with a misspelt field stores nothing", async () => {
+    const key = freshKey();
+    const put = await h1(guarded.url, "/leasehold.guarded.v1.GuardedStoreService/Put", {
+      headers: { "content-type": "application/json" },
+      body: json({ key, name: "doc", value: "aGk=", fencingToken: "1", fencingTokn: "2" }),
+    });
+    expect(put.status).toBe(400);
+    expect(errorOf(put)).toMatchObject({ code: "invalid_argument" });
+    expect(errorOf(put).message).toMatch(/^request message: unknown field "fencingTokn": /);
+    const list = await h1(guarded.url, "/leasehold.guarded.v1.GuardedStoreService/List", {
+      headers: { "content-type": "application/json" },
+      body: json({ key }),
+    });
+    expect(list.status).toBe(200);
+    expect(JSON.parse(list.body.toString()).documents ?? []).toEqual([]);
+  });
+
+  it("a compressed JSON body is judged once inflated: still INVALID_ARGUMENT naming the field", async () => {
+    const key = freshKey();
+    const a = await h1(native.url, "/leasehold.v1.LeaseService/Acquire", {
+      headers: { "content-type": "application/json", "content-encoding": "gzip" },
+      body: gzipSync(json({ key, ttl: "30s", holdr: "typo" })),
+    });
+    expect(a.status).toBe(400);
+    expect(errorOf(a).code).toBe("invalid_argument");
+    expect(errorOf(a).message).toContain('"holdr"');
+    expect(await held(native, key)).toBe(false);
+  });
+
+  it("binary protobuf stays lenient: an unknown field is skipped over gRPC (both paths) and Connect", async () => {
+    const withUnknown = () => {
+      const message = create(AcquireRequestSchema, {
+        key: freshKey(),
+        ttl: { seconds: 30n },
+        holder: "desktop",
+      });
+      message.$unknown = [
+        {
+          no: 99,
+          wireType: WireType.LengthDelimited,
+          data: new BinaryWriter().string("new").finish(),
+        },
+      ];
+      return message;
+    };
+    for (const server of [native, connectPath]) {
+      for (const transport of [
+        createGrpcTransport({ baseUrl: server.url }),
+        createConnectTransport({ baseUrl: server.url, httpVersion: "1.1" }),
+      ]) {
+        const answer = await createClient(LeaseService, transport).acquire(withUnknown());
+        expect(answer.acquired).toBe(true);
+        expect(answer.lease?.holder).toBe("desktop");
+      }
+    }
+  });
+
+  it("with --json-unknown-fields accept they are ignored (a rolling upgrade): the Acquire is granted", async () => {
+    const key = freshKey();
+    const a = await h1(accepting.url, "/leasehold.v1.LeaseService/Acquire", {
+      headers: { "content-type": "application/json" },
+      body: json({ key, ttl: "30s", holder: "desktop", addedLater: { x: 1 } }),
+    });
+    expect(a.status).toBe(200);
+    const answer = JSON.parse(a.body.toString());
+    expect(answer.acquired).toBe(true);
+    expect(answer.lease.holder).toBe("desktop");
+  });
+
+  it("the flag takes refuse or accept, on both servers, and --help lists it", () => {
+    for (const parse of [parseServerConfig, parseGuardedConfig]) {
+      expect(parse([], {}).jsonUnknownFields).toBe("refuse");
+      expect(parse([], { LEASEHOLD_JSON_UNKNOWN_FIELDS: "accept" }).jsonUnknownFields).toBe(
+        "accept",
+      );
+      expect(() => parse(["--json-unknown-fields", "ignore"], {})).toThrow(
+        '--json-unknown-fields (LEASEHOLD_JSON_UNKNOWN_FIELDS) must be refuse or accept, got "ignore"',
+      );
+    }
+    for (const settings of [serverSettings, guardedSettings]) {
+      expect(settingsHelp(settings)).toMatch(
+        /--json-unknown-fields +LEASEHOLD_JSON_UNKNOWN_FIELDS +refuse \(default/,
+      );
+    }
   });
 });

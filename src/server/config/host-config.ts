@@ -43,6 +43,12 @@ export interface HostConfig {
   idleTimeoutMs: number;
   /** Certificate and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
   tls: TlsConfig | undefined;
+  /**
+   * JSON request fields the API does not have: refused with INVALID_ARGUMENT
+   * (a typo is not silently ignored), or accepted and ignored while clients
+   * newer than the server roll out. Binary protobuf always skips them.
+   */
+  jsonUnknownFields: "refuse" | "accept";
 }
 
 export interface TlsConfig {
@@ -95,6 +101,10 @@ export function hostSettings(defaults: HostDefaults) {
       env: "LEASEHOLD_IDLE_TIMEOUT",
       help: "an HTTP/2 connection without open streams, or an idle HTTP/1.1 one, is closed after this (default 5m)",
     },
+    "json-unknown-fields": {
+      env: "LEASEHOLD_JSON_UNKNOWN_FIELDS",
+      help: "refuse (default: INVALID_ARGUMENT naming them) or accept (ignore, e.g. during a rolling upgrade) JSON request fields the API does not have",
+    },
     ...tlsSettings,
   } as const satisfies Record<string, Setting>;
 }
@@ -138,6 +148,7 @@ export function parseHostConfig(
     handshakeTimeoutMs,
     idleTimeoutMs,
     tls: parseTls(read),
+    jsonUnknownFields: parseJsonUnknownFields(read.get("json-unknown-fields")),
   };
 }
 
@@ -178,6 +189,16 @@ export function parseDatabaseUrl(text: string | undefined): string | undefined {
     throw new ConfigError(`${name} names no host: ${shown}`);
   }
   return text;
+}
+
+function parseJsonUnknownFields(text: string | undefined): "refuse" | "accept" {
+  const value = text ?? "refuse";
+  if (value !== "refuse" && value !== "accept") {
+    throw new ConfigError(
+      `--json-unknown-fields (LEASEHOLD_JSON_UNKNOWN_FIELDS) must be refuse or accept, got ${JSON.stringify(value)}`,
+    );
+  }
+  return value;
 }
 
 export function parseListen(text: string): [string, number] {

@@ -52,6 +52,12 @@ export const entryTexts = {
   needsHttp2: (method: DescMethod) =>
     `${rpcName(method)} streams both ways and needs HTTP/2 (h2c, or h2 over TLS); this request came over HTTP/1.1.\n`,
 
+  /** INVALID_ARGUMENT: a JSON request message with fields the API does not have. */
+  unknownJsonFields: (fields: readonly string[]) =>
+    `request message: unknown ${fields.length === 1 ? "field" : "fields"} ${fields.map((f) => JSON.stringify(f)).join(", ")}: ` +
+    "JSON requests may only use the fields of the API (check the spelling; a server started with " +
+    "--json-unknown-fields accept ignores fields it does not know, for a rolling upgrade)",
+
   /** The plain answer to a path that is neither an RPC nor a page (a server without a web page). */
   notFound: "not found\n",
 } as const;

@@ -106,12 +106,16 @@ export async function startHost(
     services = await options.build(sql, shutdown.signal, databaseUrl);
     // connect-es's own bound when none is given.
     const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
-    const entry = createRpcEntry({ readMaxBytes });
+    const acceptUnknownJsonFields = config.jsonUnknownFields === "accept";
+    const entry = createRpcEntry({ readMaxBytes, acceptUnknownJsonFields });
     const handler = connectNodeAdapter({
       routes: entry.routes(services.routes),
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
       readMaxBytes,
+      // The backstop of rpc-entry.ts's check, for what it does not see (a
+      // compressed body, a Connect GET's query): protobuf-es refuses the field.
+      jsonOptions: { ignoreUnknownFields: acceptUnknownJsonFields },
       fallback: entry.fallback(services.fallback),
     });
     listener = await listen({

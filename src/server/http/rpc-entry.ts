@@ -2,7 +2,8 @@
 //
 // - every routed handler gets its request body one whole message per chunk
 //   (whole-messages.ts: connect-es's envelope decoder is quadratic in the
-//   chunks of a message);
+//   chunks of a message), and JSON request messages are checked for fields
+//   the API does not have (json-fields.ts) unless the server accepts them;
 // - an RPC path asked with a content type or HTTP method it does not take
 //   gets connect-es's 415, 405 or 505 with a body saying what it takes
 //   (connect-es sends them empty, so `curl -s` printed nothing);
@@ -25,7 +26,8 @@ import { codeToHttpStatus, endStreamFlag, errorToJson } from "@connectrpc/connec
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
 import type { ConnectNodeAdapterOptions } from "@connectrpc/connect-node";
 import { entryTexts } from "./entry-texts.js";
-import { wholeBody, wholeEnvelopes } from "./whole-messages.js";
+import { unknownJsonFields } from "./json-fields.js";
+import { type MessageCheck, wholeBody, wholeEnvelopes } from "./whole-messages.js";
 
 export type Fallback = NonNullable<ConnectNodeAdapterOptions["fallback"]>;
 type NodeRequest = Parameters<Fallback>[0];
@@ -34,6 +36,8 @@ type NodeResponse = Parameters<Fallback>[1];
 export interface RpcEntryOptions {
   /** Largest request message in bytes (the adapter's readMaxBytes). */
   readMaxBytes: number;
+  /** Ignore JSON fields the API does not have (a rolling upgrade), instead of INVALID_ARGUMENT. */
+  acceptUnknownJsonFields: boolean;
 }
 
 export interface RpcEntry {
@@ -69,10 +73,11 @@ export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
 
 const enveloped = /^application\/(grpc|grpc-web|connect\+)/i;
 const connectUnary = /^application\/(json|proto)(;|$)/i;
+const jsonType = /^application\/[^;]*\bjson(;|$)/i;
 
 function wrapHandler(handler: UniversalHandler, options: RpcEntryOptions): UniversalHandler {
   const wrapped = async (req: UniversalServerRequest): Promise<UniversalServerResponse> => {
-    const res = await handler(withWholeMessages(req, options));
+    const res = await handler(withWholeMessages(req, handler, options));
     return res.body === undefined ? explain(handler, req, res) : res;
   };
   return Object.assign(wrapped, handler);
@@ -80,15 +85,47 @@ function wrapHandler(handler: UniversalHandler, options: RpcEntryOptions): Unive
 
 function withWholeMessages(
   req: UniversalServerRequest,
+  handler: UniversalHandler,
   options: RpcEntryOptions,
 ): UniversalServerRequest {
   const body = req.body;
   if (req.method !== "POST" || body === null || typeof body !== "object") return req;
   if (!(Symbol.asyncIterator in body)) return req;
   const type = req.header.get("content-type") ?? "";
-  if (enveloped.test(type)) return { ...req, body: wholeEnvelopes(body, options.readMaxBytes) };
-  if (connectUnary.test(type)) return { ...req, body: wholeBody(body, options.readMaxBytes) };
+  const check = options.acceptUnknownJsonFields ? undefined : jsonCheck(handler, type);
+  if (enveloped.test(type)) {
+    // Flag 1: compressed; its JSON is judged by protobuf-es once inflated.
+    const checkPlain: MessageCheck | undefined =
+      check &&
+      ((payload, flags) => {
+        if ((flags & 1) === 0) check(payload, flags);
+      });
+    return { ...req, body: wholeEnvelopes(body, options.readMaxBytes, checkPlain) };
+  }
+  if (connectUnary.test(type)) {
+    const encoding = req.header.get("content-encoding");
+    const plain = encoding === null || encoding === "identity";
+    return { ...req, body: wholeBody(body, options.readMaxBytes, plain ? check : undefined) };
+  }
   return req;
+}
+
+/** Refuses a JSON request message with fields its type does not have, naming every one. */
+function jsonCheck(handler: UniversalHandler, type: string): MessageCheck | undefined {
+  if (!jsonType.test(type)) return undefined;
+  const desc = handler.method.input;
+  return (payload) => {
+    let json: unknown;
+    try {
+      json = JSON.parse(Buffer.from(payload).toString("utf8"));
+    } catch {
+      return; // not JSON: protobuf-es says so when it parses it
+    }
+    const unknown = unknownJsonFields(desc, json);
+    if (unknown.length > 0) {
+      throw new ConnectError(entryTexts.unknownJsonFields(unknown), Code.InvalidArgument);
+    }
+  };
 }
 
 /** connect-es answers 415, 405 and 505 without a body; this one says what the path takes. */
@@ -175,7 +212,17 @@ function answerError(
 ): void {
   const type = requestType.split(";", 1)[0]?.trim().toLowerCase() ?? "";
   switch (protocol) {
-    case "grpc":
+    case "grpc": {
+      // No message, then the status in trailers: what gRPC clients read
+      // (@grpc/grpc-js takes a status from headers only when they end the
+      // stream, which Node's compatibility response does not do).
+      const status = new Headers();
+      setTrailerStatus(status, error);
+      res.writeHead(200, { "content-type": type });
+      res.addTrailers(Object.fromEntries(status));
+      res.end();
+      return;
+    }
     case "grpc-web": {
       // Trailers-only: the status in the response headers, no body.
       const header = new Headers({ "content-type": type });
