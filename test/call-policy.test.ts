@@ -14,6 +14,11 @@
 //   the server grants no more flow-control window to it; a pending check
 //   stops the server from reading further.
 //
+// - The protocol matrix: the same calls over every protocol give the same
+//   answers, codes, details and metrics.
+// - A step added to the policy (LeaseServerExtensions.policySteps) runs on
+//   every path, unary and streaming, and can refuse a call on each.
+//
 // The session authorizer is the ACL table, so a test can hold an
 // authorization check pending for as long as it likes: a transaction that
 // holds an exclusive lock on session_acl blocks the check's SELECT.
@@ -29,6 +34,8 @@ import {
 import { beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { GetRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { PermissionDeniedError } from "../src/server/lease/errors.js";
+import type { PolicyCallInfo, PolicyStep } from "../src/server/rpc/call-policy.js";
 import type { LeaseServer } from "../src/server/server.js";
 import { seconds } from "./support/calls.js";
 import { openTransaction } from "./support/db.js";
@@ -51,25 +58,62 @@ const servers = {} as Record<"native" | "connect", LeaseServer>;
 const account = "alice";
 const maxWatchers = 4;
 
+// The step every server runs: it records the calls whose request id starts
+// with "step-" (their protocol, method, each hook and the end's code), and
+// refuses those whose request id starts with "step-refuse-".
+const stepSaw: {
+  requestId: string;
+  protocol: string;
+  method: string;
+  hook: string;
+  code?: string;
+}[] = [];
+const recordingStep: PolicyStep = {
+  admit(call) {
+    if (!call.requestId.startsWith("step-")) return;
+    stepSaw.push({ ...seen(call), hook: "admit" });
+    if (call.requestId.startsWith("step-refuse-")) {
+      throw new PermissionDeniedError("refused by the test's policy step");
+    }
+  },
+  message(call) {
+    if (call.requestId.startsWith("step-")) stepSaw.push({ ...seen(call), hook: "message" });
+  },
+  end(call, code) {
+    if (!call.requestId.startsWith("step-")) return;
+    stepSaw.push({ ...seen(call), hook: "end", code: code === undefined ? "ok" : Code[code] });
+  },
+};
+const seen = (call: PolicyCallInfo) => ({
+  requestId: call.requestId,
+  protocol: call.protocol,
+  method: call.method,
+});
+
 beforeAll(async () => {
   keys = await createTestKeys();
   await db.sql`INSERT INTO session_acl (account_id, subject, session_id, actions)
                VALUES (${account}, '*', '*', '{*}'), ('leaky', '*', '*', '{*}')`;
   for (const mode of ["native", "connect"] as const) {
-    servers[mode] = await startServer([
-      ...keys.args,
-      "--grpc-path",
-      mode,
-      "--session-authorizer",
-      "acl-table",
-      // A check held pending by a test waits for the lock, not for a timeout.
-      "--lock-timeout",
-      "30s",
-      "--statement-timeout",
-      "30s",
-      "--max-watchers-per-account",
-      String(maxWatchers),
-    ]);
+    servers[mode] = await startServer(
+      [
+        ...keys.args,
+        "--grpc-path",
+        mode,
+        "--session-authorizer",
+        "acl-table",
+        // A check held pending by a test waits for the lock, not for a timeout.
+        "--lock-timeout",
+        "30s",
+        "--statement-timeout",
+        "30s",
+        "--max-watchers-per-account",
+        String(maxWatchers),
+      ],
+      {},
+      undefined,
+      { policySteps: [recordingStep] },
+    );
   }
 });
 
@@ -217,6 +261,190 @@ for (const mode of ["native", "connect"] as const) {
         body: JSON.stringify({ key: { accountId: account, sessionId: "t" } }),
       });
       expect(connect.status).toBe(200);
+    });
+
+    it("the protocol matrix: the same calls over gRPC, Connect and gRPC-Web give the same answers, codes, details and metrics", async () => {
+      const token = await keys.token(account);
+      const sessionOf = (p: Protocol) => `matrix-${mode}-${p}`;
+      type Seen = { ok?: unknown; code?: string; message?: string; details?: unknown };
+      const answer = async (run: () => Promise<unknown>): Promise<Seen> => {
+        try {
+          return { ok: await run() };
+        } catch (e) {
+          const ce = ConnectError.from(e);
+          return {
+            code: Code[ce.code],
+            message: ce.rawMessage,
+            details: ce
+              .findDetails(ErrorInfoSchema)
+              .map((d) => ({ reason: d.reason, metadata: d.metadata })),
+          };
+        }
+      };
+      const before = await scrape(url());
+      const results: Record<string, Record<string, Seen>> = {};
+      for (const protocol of ["grpc", "connect", "grpc-web"] as const) {
+        // Connect's unary calls over HTTP/1.1, as curl and browsers send them.
+        const client =
+          protocol === "connect"
+            ? createClient(
+                LeaseService,
+                createConnectTransport({ baseUrl: url(), httpVersion: "1.1" }),
+              )
+            : clientOf(url(), protocol);
+        const key = { accountId: account, sessionId: sessionOf(protocol) };
+        const runId = randomUUID();
+        const r: Record<string, Seen> = {};
+        r.acquire = await answer(async () => {
+          const a = await client.acquire(
+            { key, runId, ttl: seconds(60), holder: "matrix" },
+            bearer(token),
+          );
+          return {
+            acquired: a.acquired,
+            runId: a.lease?.runId,
+            holder: a.lease?.holder,
+            ownSession: a.lease?.key?.sessionId === sessionOf(protocol),
+          };
+        });
+        r.get = await answer(async () => {
+          const g = await client.get({ key }, bearer(token));
+          return { held: g.held, runId: g.lease?.runId };
+        });
+        r.renewNotHeld = await answer(() =>
+          client.renew({ key, runId: randomUUID() }, bearer(token)),
+        );
+        r.otherAccount = await answer(() =>
+          client.get({ key: { accountId: "mallory", sessionId: "x" } }, bearer(token)),
+        );
+        r.badKey = await answer(() =>
+          client.get({ key: { accountId: account, sessionId: "" } }, bearer(token)),
+        );
+        r.noToken = await answer(() => client.get({ key }));
+        r.watch = await answer(async () => {
+          const controller = new AbortController();
+          for await (const m of client.watch(
+            { key },
+            { ...bearer(token), signal: controller.signal },
+          )) {
+            controller.abort();
+            return {
+              kind: m.kind.case,
+              runIds: m.kind.case === "snapshot" ? m.kind.value.leases.map((l) => l.runId) : [],
+            };
+          }
+          return undefined;
+        });
+        r.release = await answer(
+          async () => (await client.release({ key, runId }, bearer(token))).released,
+        );
+        // The run ids differ per protocol: compare whether each call saw its own.
+        for (const k of ["acquire", "get"]) {
+          const ok = r[k]?.ok as { runId?: string } | undefined;
+          if (ok?.runId !== undefined) ok.runId = ok.runId === runId ? "own" : ok.runId;
+        }
+        const w = r.watch?.ok as { runIds: string[] } | undefined;
+        if (w) w.runIds = w.runIds.map((id) => (id === runId ? "own" : id));
+        results[protocol] = r;
+      }
+      expect(results.grpc?.acquire?.ok).toEqual({
+        acquired: true,
+        runId: "own",
+        holder: "matrix",
+        ownSession: true,
+      });
+      expect(results.grpc?.renewNotHeld?.code).toBe("FailedPrecondition");
+      expect(results.grpc?.otherAccount?.code).toBe("PermissionDenied");
+      expect(results.grpc?.badKey?.code).toBe("InvalidArgument");
+      expect(results.grpc?.noToken?.code).toBe("Unauthenticated");
+      expect(results.grpc?.watch?.ok).toEqual({ kind: "snapshot", runIds: ["own"] });
+      expect(results.connect).toEqual(results.grpc);
+      expect(results["grpc-web"]).toEqual(results.grpc);
+      // Each outcome was counted once per protocol, under the same method and code.
+      const after = await scrape(url());
+      for (const [method, code] of [
+        ["Acquire", "ok"],
+        ["Get", "ok"],
+        ["Renew", "failed_precondition"],
+        ["Get", "permission_denied"],
+        ["Get", "invalid_argument"],
+        ["Get", "unauthenticated"],
+        ["Release", "ok"],
+      ] as const) {
+        const series = `leasehold_rpc_duration_seconds_count{method="leasehold.v1.LeaseService/${method}",code="${code}"}`;
+        expect(count(after, series) - count(before, series), series).toBe(3);
+      }
+      await waitFor(
+        async () => {
+          const series = `leasehold_rpc_duration_seconds_count{method="leasehold.v1.LeaseService/Watch",code="canceled"}`;
+          return count(await scrape(url()), series) - count(before, series) === 3;
+        },
+        { what: "the three Watch streams to be counted as cancelled" },
+      );
+    });
+
+    it("a step added to the policy runs on every path, unary and streaming, and its refusal is answered on each", async () => {
+      const token = await keys.token(account);
+      const grpcName = mode === "native" ? "grpc-native" : "grpc";
+      const key = { accountId: account, sessionId: `step-${mode}` };
+      const cases: { protocol: Protocol; name: string; method: string }[] = [
+        { protocol: "grpc", name: grpcName, method: "Get" },
+        { protocol: "connect", name: "connect", method: "Get" },
+        { protocol: "grpc-web", name: "grpc-web", method: "Get" },
+        { protocol: "grpc", name: grpcName, method: "Watch" },
+        { protocol: "connect", name: "connect", method: "Watch" },
+        { protocol: "grpc-web", name: "grpc-web", method: "Watch" },
+        { protocol: "grpc", name: grpcName, method: "KeepAlive" },
+        { protocol: "connect", name: "connect", method: "KeepAlive" },
+      ];
+      const call = async (c: (typeof cases)[number], requestId: string) => {
+        const client = clientOf(url(), c.protocol);
+        const options = { headers: { ...bearer(token).headers, "x-request-id": requestId } };
+        const controller = new AbortController();
+        return outcome(async () => {
+          if (c.method === "Get") return client.get({ key }, options);
+          if (c.method === "Watch") {
+            for await (const _ of client.watch(
+              { key },
+              { ...options, signal: controller.signal },
+            )) {
+              controller.abort();
+              return;
+            }
+            return;
+          }
+          async function* requests() {
+            yield { key, runId: randomUUID() };
+          }
+          for await (const _ of client.keepAlive(requests(), options)) {
+            // the stream ends after the lost answer (no such lease)
+          }
+        });
+      };
+      for (const c of cases) {
+        const seenId = `step-seen-${randomUUID()}`;
+        expect(await call(c, seenId), `${c.protocol} ${c.method}`).toBeUndefined();
+        await waitFor(() => stepSaw.some((s) => s.requestId === seenId && s.hook === "end"), {
+          what: `the end of ${c.protocol} ${c.method} to reach the step`,
+        });
+        const hooks = stepSaw.filter((s) => s.requestId === seenId);
+        expect(hooks.map((h) => [h.protocol, h.method, h.hook])).toEqual([
+          [c.name, c.method, "admit"],
+          [c.name, c.method, "message"],
+          [c.name, c.method, "end"],
+        ]);
+        const refusedId = `step-refuse-${randomUUID()}`;
+        const refused = await call(c, refusedId);
+        expect(refused?.code, `${c.protocol} ${c.method}`).toBe(Code.PermissionDenied);
+        expect(refused?.rawMessage).toBe("refused by the test's policy step");
+        expect(refused?.metadata.get("x-request-id")).toBe(refusedId);
+        expect(
+          stepSaw.filter((s) => s.requestId === refusedId).map((h) => [h.hook, h.code]),
+        ).toEqual([
+          ["admit", undefined],
+          ["end", "PermissionDenied"],
+        ]);
+      }
     });
 
     it("a Watch that ends while its authorization is pending registers no watcher and keeps no account slot (gRPC, Connect, gRPC-Web)", async () => {
@@ -393,3 +621,13 @@ describe("native gRPC path: a refused stream stops reading", () => {
     }
   });
 });
+
+async function scrape(url: string): Promise<string> {
+  const res = await fetch(`${url}/metrics`);
+  return res.text();
+}
+
+function count(text: string, series: string): number {
+  const line = text.split("\n").find((l) => l.startsWith(`${series} `));
+  return line === undefined ? 0 : Number(line.slice(series.length + 1));
+}
