@@ -1,9 +1,9 @@
-// The interceptors around streaming calls, on stand-in KeepAlive and Watch
-// handlers (the real ones live in their own modules and have their own
-// tests): every KeepAlive message is checked as it arrives, Watch is checked
-// before its handler runs, and Watch streams per account are bounded. The
-// error interceptor is outermost, as in the server, since the others throw
-// domain errors.
+// The call policy's Connect adapter (policy-interceptor.ts) around streaming
+// calls, on stand-in KeepAlive and Watch handlers (the real ones live in
+// their own modules and have their own tests): every KeepAlive message is
+// checked as it arrives, Watch is checked before its handler runs, and Watch
+// streams per account are bounded. test/call-policy.test.ts runs the same
+// rules over real sockets on every path.
 
 import { randomBytes, randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
@@ -25,10 +25,12 @@ import { createAuthenticator } from "../src/server/auth/authn.js";
 import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
 import type { AuthConfig } from "../src/server/config/ops-config.js";
 import { defaultLimits } from "../src/server/lease/limits.js";
+import { createLogger } from "../src/server/observability/logger.js";
+import { createMetrics } from "../src/server/observability/metrics.js";
 import { createAccess } from "../src/server/rpc/access.js";
-import { authInterceptor } from "../src/server/rpc/auth-interceptor.js";
-import { errorCodeInterceptor } from "../src/server/rpc/error-codes.js";
-import { watchLimitInterceptor } from "../src/server/rpc/watch-limit.js";
+import { createCallObserver } from "../src/server/rpc/call-observer.js";
+import { createCallPolicy } from "../src/server/rpc/call-policy.js";
+import { policyInterceptor } from "../src/server/rpc/policy-interceptor.js";
 import { createAccountSlots } from "../src/server/streams/stream-limits.js";
 import { signToken } from "./support/tokens.js";
 
@@ -42,6 +44,8 @@ const auth: AuthConfig = {
   fenceScope: "leasehold:fence",
   sessionAuthorizer: "own-account",
 };
+
+const logger = createLogger({ level: "silent" });
 
 function setup(maxWatchers = 10) {
   const seen: { keepAlive: string[]; watch: string[] } = { keepAlive: [], watch: [] };
@@ -64,18 +68,24 @@ function setup(maxWatchers = 10) {
   const transport = createRouterTransport(({ service }) => service(LeaseService, impl), {
     router: {
       interceptors: [
-        errorCodeInterceptor(),
-        authInterceptor(
-          createAccess({
-            protectedServices: new Set([LeaseService.typeName]),
-            authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),
-            authorizer: ownAccountAuthorizer,
-            adminScope: auth.adminScope,
-            fenceScope: auth.fenceScope,
-            limits: defaultLimits,
+        policyInterceptor(
+          createCallPolicy({
+            observer: createCallObserver({
+              logger,
+              metrics: createMetrics({ poolSize: 1, countHeld: async () => 0, logger }),
+              accessLogSample: 0,
+            }),
+            access: createAccess({
+              protectedServices: new Set([LeaseService.typeName]),
+              authenticator: createAuthenticator(auth, { kind: "hs256", secret }, 128),
+              authorizer: ownAccountAuthorizer,
+              adminScope: auth.adminScope,
+              fenceScope: auth.fenceScope,
+              limits: defaultLimits,
+            }),
+            watchSlots: slots,
           }),
         ),
-        watchLimitInterceptor(LeaseService.typeName, slots),
       ],
     },
   });

@@ -5,7 +5,10 @@
 // renewal left unanswered (a stalled connection) — it reconnects over a fresh
 // connection to the next configured instance, after a backoff with full
 // jitter, and re-sends a renewal for every lease (same run_id: renewals are
-// idempotent).
+// idempotent). A stream the server ended because its token expired is
+// reopened the same way when the client has a token function (the reopened
+// stream carries a fresh token); with a fixed token its leases are lost,
+// and the loss says why.
 //
 // The channel never decides that a lease is still held: it reports each
 // answer with the monotonic time its request was pushed, and the lease's
@@ -33,6 +36,7 @@ import {
   type LeaseholdError,
   type LossCause,
   toLeaseholdError,
+  UnauthenticatedError,
   UnavailableError,
 } from "./errors.js";
 import { RequestQueue } from "./request-queue.js";
@@ -448,7 +452,9 @@ class KeepAliveLane {
     for (const entry of this.entries.values()) settle(entry);
     stream.queue.end();
     stream.endpoint.close();
-    if (definitiveCodes.has(error.code)) {
+    const final = this.finalError(error);
+    if (final) {
+      error = final;
       const failed = [...this.entries.values()];
       this.forgetAll();
       for (const entry of failed) entry.target.onFailed(error);
@@ -486,6 +492,24 @@ class KeepAliveLane {
     // one reconnects, so that it is not refused again.
     const limit = leasesPerStreamLimit(error);
     if (limit !== undefined) this.onStreamLimit(this, limit);
+  }
+
+  /**
+   * The error that ends every lease of the lane, or undefined when the
+   * stream is worth reopening. The server ends a stream when its token
+   * expires: with a token function the reopened stream carries a fresh
+   * token, and the leases go on; a fixed token cannot be renewed, so they
+   * are lost, with a reason that says why.
+   */
+  private finalError(error: LeaseholdError): LeaseholdError | undefined {
+    if (!definitiveCodes.has(error.code)) return undefined;
+    if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") return error;
+    if (typeof this.options.transport.token === "function") return undefined;
+    return new UnauthenticatedError(
+      "the token expired, and a fixed token cannot be renewed: pass a token function (token: () => …) to keep leases past a token's expiry",
+      error.code,
+      { cause: error, reason: error.reason, metadata: { ...error.metadata } },
+    );
   }
 
   private shutdown(): void {

@@ -36,17 +36,15 @@ import {
   serveMetrics,
 } from "./observability/metrics.js";
 import { createAccess } from "./rpc/access.js";
-import { authInterceptor } from "./rpc/auth-interceptor.js";
 import { createCallObserver } from "./rpc/call-observer.js";
-import { errorCodeInterceptor } from "./rpc/error-codes.js";
+import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "./rpc/call-policy.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { nativeStreams } from "./rpc/native-streams.js";
 import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
+import { policyInterceptor } from "./rpc/policy-interceptor.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
-import { rpcObserver } from "./rpc/rpc-observer.js";
-import { watchLimitInterceptor } from "./rpc/watch-limit.js";
 import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
 import { createExpiryTracker, type ExpiryTracker } from "./streams/expiry-tracker.js";
 import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
@@ -78,9 +76,16 @@ export interface LeaseServer extends RunningServer {
   readonly streaming: Streaming;
 }
 
+/** What a server is built with beyond its configuration (tests and embedders). */
+export interface LeaseServerExtensions {
+  /** Steps added to the call policy, run on every path after the built-in ones. */
+  policySteps?: readonly PolicyStep[];
+}
+
 export async function startServer(
   config: ServerConfig,
   logger: Logger = createLogger(),
+  extensions: LeaseServerExtensions = {},
 ): Promise<LeaseServer> {
   // Also here, not only in parseServerConfig: callers may build a config.
   checkExposure(config.listenHost, config.ops.auth);
@@ -89,7 +94,14 @@ export async function startServer(
     applicationName: "leasehold",
     migrationSets: leaseServerSets,
     build: async (sql, shutdownSignal, databaseUrl) => {
-      const built = await buildLeaseServer(config, logger, sql, databaseUrl, shutdownSignal);
+      const built = await buildLeaseServer(
+        config,
+        logger,
+        sql,
+        databaseUrl,
+        shutdownSignal,
+        extensions,
+      );
       streaming = built.streaming;
       return built.services;
     },
@@ -104,6 +116,7 @@ async function buildLeaseServer(
   sql: Sql,
   databaseUrl: string,
   shutdownSignal: AbortSignal,
+  extensions: LeaseServerExtensions,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
   const counts = createLeaseCounts(sql);
@@ -220,10 +233,9 @@ async function buildLeaseServer(
       "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
     );
   }
-  // Outermost first: the observer logs and times every call with the code
-  // the error interceptor gave it; authentication and authorization run
-  // before any handler; the watcher quota after them, on the caller's account.
-  // Open Watch streams per account on this instance, whichever path serves them.
+  // The one call policy (rpc/call-policy.ts), run by every path: the Connect
+  // adapter's one interceptor and the native gRPC path. Open Watch streams
+  // per account on this instance are counted there, whichever path serves them.
   const watchSlots = createAccountSlots(
     limits.maxWatchersPerAccount,
     "Watch streams",
@@ -241,12 +253,13 @@ async function buildLeaseServer(
     fenceScope: auth.fenceScope,
     limits,
   });
-  const interceptors = [
-    rpcObserver(observer),
-    errorCodeInterceptor(),
-    authInterceptor(access),
-    watchLimitInterceptor(LeaseService.typeName, watchSlots),
-  ];
+  const policy = createCallPolicy({
+    observer,
+    access,
+    watchSlots,
+    steps: extensions.policySteps,
+  });
+  const interceptors = [policyInterceptor(policy)];
 
   // One implementation of LeaseService: the Connect adapter serves it to
   // every protocol, and the native path serves it to gRPC clients (its unary
@@ -298,17 +311,20 @@ async function buildLeaseServer(
                 {
                   desc: LeaseService,
                   impl,
-                  streams: nativeStreams({ keepAlive, watch, watchSlots, limits }),
+                  streams: nativeStreams({ keepAlive, watch, limits }),
                 },
               ],
-              observer,
-              access,
+              policy,
               maxMessageBytes: limits.maxMessageBytes,
               shutdownSignal,
             })
           : undefined,
       http: (next) => (req, res) => {
-        if (!serveMetrics(metrics, req, res)) next(req, res);
+        if (serveMetrics(metrics, req, res)) return;
+        // Before connect-node reads them: it would arm a timer Node fires at
+        // once for a timeout beyond 2^31−1 ms.
+        clampTimeoutHeaders(req.headers);
+        next(req, res);
       },
       readMaxBytes: limits.maxMessageBytes,
       maxStreamsPerConnection: limits.maxStreamsPerConnection,

@@ -20,7 +20,7 @@ import {
 import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
 import type { ServerConfig } from "../../src/server/config/server-config.js";
 import type { Logger } from "../../src/server/observability/logger.js";
-import type { LeaseServer, RunningServer } from "../../src/server/server.js";
+import type { LeaseServer, LeaseServerExtensions, RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./db.js";
 import {
   connectClient,
@@ -73,6 +73,7 @@ export interface TestDatabaseFixture {
     args?: string[],
     overrides?: Partial<ServerConfig>,
     logger?: Logger,
+    extensions?: LeaseServerExtensions,
   ): Promise<LeaseServer>;
   /** `leasehold serve` as its own process on the file's database, stopped at teardown. */
   spawnServer(args?: string[], env?: NodeJS.ProcessEnv): Promise<ServerProcess>;
@@ -125,8 +126,8 @@ export function useTestDatabase(): TestDatabaseFixture {
       defer(() => other.close());
       return other;
     },
-    async startServer(args = [], overrides = {}, logger = undefined) {
-      const server = await startTestServer(db.handle.url, args, overrides, logger);
+    async startServer(args = [], overrides = {}, logger = undefined, extensions = {}) {
+      const server = await startTestServer(db.handle.url, args, overrides, logger, extensions);
       defer(() => server.close());
       return server;
     },

@@ -180,3 +180,83 @@ export async function startTricklingProxy(target: string): Promise<TricklingProx
     },
   };
 }
+
+export const WINDOW_UPDATE = 8;
+
+/** An HTTP/2 connection driven frame by frame, with everything the server sent kept in order. */
+export interface RawH2Connection {
+  readonly frames: InboundFrame[];
+  send(frame: Buffer): void;
+  /** Resolves with the first frame (from index `from`) that `match` accepts. */
+  next(match: (frame: InboundFrame) => boolean, from?: number): Promise<InboundFrame>;
+  /**
+   * A PING round trip: once its ACK is back, the server has handled every
+   * frame sent before it and written what it wrote in answer to them.
+   */
+  barrier(): Promise<void>;
+  /** The stream's flow-control window the server grants (its SETTINGS), in bytes. */
+  readonly initialWindow: number;
+  close(): void;
+}
+
+/** Opens a cleartext HTTP/2 connection: preface, SETTINGS exchanged. */
+export async function openRawH2(port: number): Promise<RawH2Connection> {
+  const { connect } = await import("node:net");
+  const socket = connect(port, "127.0.0.1");
+  socket.on("error", () => {});
+  const frames: InboundFrame[] = [];
+  const waiters = new Set<() => void>();
+  let initialWindow = 65_535;
+  let closed = false;
+  socket.on("close", () => {
+    closed = true;
+    for (const w of waiters) w();
+  });
+  readFrames(socket, (f) => {
+    if (f.type === FRAME.SETTINGS && (f.flags & FLAG.ACK) === 0) {
+      for (let i = 0; i + 6 <= f.payload.length; i += 6) {
+        if (f.payload.readUInt16BE(i) === 4) initialWindow = f.payload.readUInt32BE(i + 2);
+      }
+      socket.write(h2Frame(FRAME.SETTINGS, FLAG.ACK, 0));
+    }
+    frames.push(f);
+    for (const w of waiters) w();
+  });
+  await new Promise<void>((resolve) => socket.once("connect", () => resolve()));
+  socket.write(Buffer.concat([preface, h2Frame(FRAME.SETTINGS, 0, 0)]));
+  let pings = 0;
+  const next = (match: (frame: InboundFrame) => boolean, from = 0) =>
+    new Promise<InboundFrame>((resolve, reject) => {
+      const check = () => {
+        const found = frames.slice(from).find(match);
+        if (found) {
+          waiters.delete(check);
+          resolve(found);
+        } else if (closed) {
+          waiters.delete(check);
+          reject(new Error("the connection closed first"));
+        }
+      };
+      waiters.add(check);
+      check();
+    });
+  const connection: RawH2Connection = {
+    frames,
+    send: (frame) => socket.write(frame),
+    next,
+    barrier: async () => {
+      const data = Buffer.alloc(8);
+      data.writeUInt32BE(++pings, 4);
+      socket.write(h2Frame(FRAME.PING, 0, 0, data));
+      await next(
+        (f) => f.type === FRAME.PING && (f.flags & FLAG.ACK) !== 0 && f.payload.equals(data),
+      );
+    },
+    get initialWindow() {
+      return initialWindow;
+    },
+    close: () => socket.destroy(),
+  };
+  await next((f) => f.type === FRAME.SETTINGS && (f.flags & FLAG.ACK) === 0);
+  return connection;
+}

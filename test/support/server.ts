@@ -11,7 +11,12 @@ import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
 import { startGuardedServer } from "../../src/guarded/server.js";
 import { parseServerConfig, type ServerConfig } from "../../src/server/config/server-config.js";
 import { createLogger, type Logger } from "../../src/server/observability/logger.js";
-import { type LeaseServer, type RunningServer, startServer } from "../../src/server/server.js";
+import {
+  type LeaseServer,
+  type LeaseServerExtensions,
+  type RunningServer,
+  startServer,
+} from "../../src/server/server.js";
 import { type ServerProcess, spawnLeasehold } from "./server-process.js";
 
 export { cliPath, repoRoot, type ServerProcess } from "./server-process.js";
@@ -31,9 +36,10 @@ export async function startTestServer(
   args: string[] = [],
   overrides: Partial<ServerConfig> = {},
   logger: Logger = createLogger({ level: "silent" }),
+  extensions: LeaseServerExtensions = {},
 ): Promise<LeaseServer> {
   const config = parseServerConfig([...testServerArgs, "--database-url", databaseUrl, ...args], {});
-  return startServer({ ...config, ...overrides }, logger);
+  return startServer({ ...config, ...overrides }, logger, extensions);
 }
 
 export type LeaseClient = Client<typeof LeaseService>;

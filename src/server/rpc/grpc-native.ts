@@ -2,9 +2,9 @@
 // Node's HTTP/2 streams, on the same port and the same HTTP/2 connections as
 // the Connect adapter (listener.ts offers each stream here first). Unary
 // methods run the one service implementation; KeepAlive and Watch run the
-// same hubs as the Connect path (native-streams.ts). Both paths share the
-// access control (access.ts), the call observer (call-observer.ts) and the
-// error table (error-codes.ts). What the native path leaves out is the
+// same hubs as the Connect path (native-streams.ts). Both paths run the one
+// call policy (call-policy.ts): observation, authentication and the token's
+// expiry, access control, the Watch quota, error mapping and the request id. What the native path leaves out is the
 // per-call machinery a general-purpose handler needs and these methods do
 // not (async-iterable bodies, web Headers, an AbortController per call, a
 // promise per streamed message): docs/design.md has the measurements.
@@ -15,7 +15,7 @@
 // protocol, JSON, compressed requests, other services) goes on to the
 // Connect adapter.
 
-import type http2 from "node:http2";
+import http2 from "node:http2";
 import type { DescMethod, DescService, Message } from "@bufbuild/protobuf";
 import {
   Code,
@@ -26,10 +26,8 @@ import {
 } from "@connectrpc/connect";
 import { parseTimeout } from "@connectrpc/connect/protocol-grpc";
 import { requestIdHeader } from "../../protocol/headers.js";
-import type { Principal } from "../auth/authn.js";
-import type { Access } from "./access.js";
-import type { CallObserver, ObservedCall } from "./call-observer.js";
-import { toConnectError } from "./error-codes.js";
+import { type CallPolicy, clampGrpcTimeout, maxTimeoutMs, type PolicyCall } from "./call-policy.js";
+import { policyText } from "./error-texts.js";
 import {
   encodeFrame,
   errorTrailers,
@@ -54,8 +52,7 @@ export interface NativeService {
 
 export interface NativeGrpcOptions {
   services: NativeService[];
-  observer: CallObserver;
-  access: Access;
+  policy: CallPolicy;
   /** Largest request message, in bytes; larger is RESOURCE_EXHAUSTED, as the Connect adapter answers. */
   maxMessageBytes: number;
   /** Aborts the signals of calls still running (a waiting Acquire) and ends streams with UNAVAILABLE. */
@@ -68,8 +65,6 @@ interface Route {
   unary?: UnaryFn;
   stream?: NativeStreamHandler;
 }
-
-const maxTimeoutMs = 2 ** 31 - 1;
 
 /** Returns the stream handler of the native path (see listener.ts). */
 export function createNativeGrpc(
@@ -127,7 +122,7 @@ function serveUnary(call: NativeCall, fn: UnaryFn): void {
     if (message === undefined || extra || reader?.incomplete) {
       call.end(
         new ConnectError(
-          `request message: a unary call takes exactly one message, got ${message === undefined ? "none" : "more than one"}`,
+          message === undefined ? policyText.oneMessageGotNone : policyText.oneMessageGotMore,
           Code.InvalidArgument,
         ),
       );
@@ -146,18 +141,18 @@ function serveUnary(call: NativeCall, fn: UnaryFn): void {
 }
 
 /**
- * One call on the native path: its stream, deadline, cancellation, access
- * check and observation, and the answer: headers, message frames (as few
+ * One call on the native path: its stream, deadline and cancellation, the
+ * call policy's steps, and the answer: headers, message frames (as few
  * writes as the caller gives it), then the status in trailers, or a
- * trailers-only status when nothing was sent.
+ * trailers-only status when nothing was sent. A call that ends with an error
+ * while its client still sends reads nothing more: its stream is reset once
+ * the trailers are out.
  */
 export class NativeCall {
   readonly service: DescService;
   readonly method: DescMethod;
   readonly context: NativeContext;
-  readonly observed: ObservedCall;
-  /** The caller, once authorize() has run; undefined in development mode. */
-  caller: Principal | undefined;
+  readonly policy: PolicyCall;
   private headersSent = false;
   private finished = false;
   private deadline: NodeJS.Timeout | undefined;
@@ -167,18 +162,19 @@ export class NativeCall {
   constructor(
     route: Route,
     readonly stream: http2.ServerHttp2Stream,
-    private readonly headers: http2.IncomingHttpHeaders,
+    headers: http2.IncomingHttpHeaders,
     private readonly options: NativeGrpcOptions,
   ) {
     this.service = route.service;
     this.method = route.method;
-    this.observed = options.observer.begin(
-      this.service.typeName,
-      this.method.name,
-      header(headers, requestIdHeader),
-    );
+    this.policy = options.policy.begin({
+      service: this.service,
+      method: this.method,
+      protocol: "grpc-native",
+      header: (name) => header(headers, name),
+    });
     this.context = new NativeContext(this.service, this.method, headers, options.shutdownSignal);
-    const timeout = parseTimeout(header(headers, "grpc-timeout"), maxTimeoutMs);
+    const timeout = parseTimeout(clampGrpcTimeout(header(headers, "grpc-timeout")), maxTimeoutMs);
     if (timeout.error) {
       this.end(timeout.error);
       return;
@@ -186,7 +182,7 @@ export class NativeCall {
     if (timeout.timeoutMs !== undefined) {
       this.context.deadlineMs = timeout.timeoutMs;
       this.deadline = setTimeout(() => {
-        const error = new ConnectError("the operation timed out", Code.DeadlineExceeded);
+        const error = new ConnectError(policyText.timedOut, Code.DeadlineExceeded);
         this.cancel(error);
         this.end(error);
       }, timeout.timeoutMs);
@@ -197,9 +193,10 @@ export class NativeCall {
     // The client went away (RST_STREAM, a closed connection) before the end.
     stream.once("close", () => {
       if (this.finished) return;
-      this.cancel(new ConnectError("the call was cancelled", Code.Canceled));
+      const reason = new ConnectError(policyText.cancelled, Code.Canceled);
+      this.cancel(reason);
       this.finish();
-      this.observed.end(Code.Canceled);
+      this.policy.end(reason);
     });
   }
 
@@ -223,8 +220,16 @@ export class NativeCall {
     });
   }
 
-  /** Called once when the call ends early: deadline, client gone, or shutdown (UNAVAILABLE). */
+  /**
+   * Called once when the call ends early: deadline, client gone, shutdown
+   * (UNAVAILABLE), or its token's expiry. Added after the call ended, it
+   * runs at once: whatever it cleans up must not outlive the call.
+   */
   onCancel(listener: (reason: ConnectError) => void): void {
+    if (this.finished) {
+      listener(new ConnectError(policyText.cancelled, Code.Canceled));
+      return;
+    }
     this.cancelListeners.push(listener);
     if (!this.onShutdown) {
       const signal = this.options.shutdownSignal;
@@ -238,46 +243,34 @@ export class NativeCall {
     }
   }
 
-  /** Authenticates the caller; again when its token's expiry has passed. */
+  /**
+   * Admits the call (the policy's authentication and admission steps). A
+   * stream is then ended by its token's expiry.
+   */
   async authenticate(): Promise<void> {
-    const access = this.options.access;
-    if (!access.protects(this.service.typeName)) return;
-    if (this.authenticated && !this.callerExpired()) return;
-    this.caller = await access.caller(this.method.name, header(this.headers, "authorization"));
-    this.authenticated = true;
-    this.observed.principal = this.caller;
+    await this.policy.admit();
+    this.policy.onExpired((error) => {
+      this.cancel(error);
+      this.end(error);
+    });
   }
 
   /**
-   * Checks a request message against access control (after authenticate).
-   * Synchronous when nothing needs the session authorizer (a KeepAlive
-   * stream's later renewals), so a stream adds no promise per message.
+   * Checks a request message (the policy's message steps, after
+   * authenticate). Synchronous when nothing needs the session authorizer
+   * (a KeepAlive stream's later renewals), so a stream adds no promise per message.
    */
-  check(message: object, decided?: Map<string, number>): void | Promise<void> {
-    const access = this.options.access;
-    if (!access.protects(this.service.typeName)) return;
-    const principal = access.check(
-      this.method.name,
-      this.method.input,
-      message,
-      this.caller,
-      decided,
-    );
-    if (principal instanceof Promise) {
-      return principal.then((p) => {
-        this.observed.principal = p;
-      });
-    }
-    this.observed.principal = principal;
+  check(message: object): void | Promise<void> {
+    return this.policy.message(message);
   }
 
-  private authenticated = false;
+  /** Stops reading the request: a pending check holds back the client by flow control. */
+  pauseReading(): void {
+    this.stream.pause();
+  }
 
-  // A stream outlives its token: once the token's expiry passes, the next
-  // message authenticates the caller again (and fails with "expired").
-  private callerExpired(): boolean {
-    const until = this.caller?.validUntilMs;
-    return until !== undefined && Date.now() >= until;
+  resumeReading(): void {
+    if (!this.finished) this.stream.resume();
   }
 
   /** Sends the response headers, if not yet sent. */
@@ -287,11 +280,14 @@ export class NativeCall {
     const out: http2.OutgoingHttpHeaders = {
       ":status": 200,
       "content-type": grpcContentType,
-      [requestIdHeader]: this.observed.requestId,
+      [requestIdHeader]: this.policy.requestId,
     };
     this.context.responseHeaderInto(out);
     this.stream.respond(out, { waitForTrailers: true });
-    this.stream.once("wantTrailers", () => this.stream.sendTrailers(this.trailers));
+    this.stream.once("wantTrailers", () => {
+      this.stream.sendTrailers(this.trailers);
+      if (this.resetAfterTrailers) this.resetOnMoreData();
+    });
   }
 
   /**
@@ -332,25 +328,46 @@ export class NativeCall {
         }
       } finally {
         this.finish();
-        this.observed.end();
+        this.policy.end();
       }
       return;
     }
     this.finish();
-    const ce = toConnectError(error);
-    ce.metadata.set(requestIdHeader, this.observed.requestId);
-    this.observed.end(ce.code, ce);
+    const ce = this.policy.end(error) ?? new ConnectError(policyText.cancelled, Code.Canceled);
     if (this.stream.destroyed || this.stream.closed) return;
+    // A refused call reads nothing more of what its client still sends.
+    const stillSending = !this.stream.readableEnded;
+    if (stillSending) {
+      this.stream.removeAllListeners("data");
+      this.stream.pause();
+    }
     if (!this.headersSent) {
       // Trailers-only: the status in the one HEADERS frame that ends the stream.
       this.stream.respond(
         { ":status": 200, "content-type": grpcContentType, ...errorTrailers(ce) },
         { endStream: true },
       );
+      if (stillSending) this.resetOnMoreData();
       return;
     }
     this.trailers = errorTrailers(ce);
+    this.resetAfterTrailers = stillSending;
     this.stream.end();
+  }
+
+  private resetAfterTrailers = false;
+
+  // After the status, a client that goes on sending gets RST_STREAM(NO_ERROR),
+  // as a gRPC server ends a call whose client has not finished sending: the
+  // stream gets no more flow-control window, and nothing it sent is parsed.
+  // Not at once: connect-node's client reports a reset that arrives before
+  // it has read the trailers as a premature close (UNKNOWN) instead of the
+  // status, so a client that stops sending when it sees the status is left
+  // to end the stream itself.
+  private resetOnMoreData(): void {
+    this.stream.once("readable", () => {
+      if (!this.stream.closed) this.stream.close(http2.constants.NGHTTP2_NO_ERROR);
+    });
   }
 
   private finish(): void {

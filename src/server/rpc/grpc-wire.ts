@@ -6,7 +6,7 @@ import type http2 from "node:http2";
 import { create, type DescMessage, fromBinary, type Message, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
-import { flaggedCompressedMessage } from "./parse-errors.js";
+import { policyText } from "./error-texts.js";
 
 export const grpcContentType = "application/grpc+proto";
 
@@ -68,7 +68,7 @@ export class FrameReader<T extends Message> {
         );
       }
       if ((buffer[0] ?? 0) & 1) {
-        throw new ConnectError(flaggedCompressedMessage, Code.InvalidArgument);
+        throw new ConnectError(policyText.flaggedCompressed, Code.InvalidArgument);
       }
       if (buffer.length < 5 + length) break;
       messages.push(this.decode(buffer.subarray(5, 5 + length)));

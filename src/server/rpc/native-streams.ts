@@ -26,8 +26,8 @@ import { readKeepAliveRequest } from "../../protocol/wire-reader.js";
 import type { LeaseChange } from "../lease/lease-change.js";
 import type { Limits } from "../lease/limits.js";
 import type { KeepAliveHub } from "../streams/keepalive.js";
-import type { AccountSlots } from "../streams/stream-limits.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
+import { policyText } from "./error-texts.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
 import { encodeKeepAliveAnswers } from "./keepalive-wire.js";
@@ -36,8 +36,6 @@ import { keepAliveRequest, watchMessage, watchScope } from "./stream-service.js"
 export interface NativeStreamsOptions {
   keepAlive: KeepAliveHub;
   watch: WatchHub;
-  /** The watcher quota per account, shared with the Connect path. */
-  watchSlots: AccountSlots;
   limits: Limits;
 }
 
@@ -72,7 +70,6 @@ export function nativeStreams(options: NativeStreamsOptions): {
 function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   const session = options.keepAlive.open();
   const reader = call.reader<KeepAliveRequest>(readKeepAliveRequest);
-  const decided = new Map<string, number>();
   let blocked = false;
 
   const fail = (error: unknown) => session.fail(error);
@@ -104,7 +101,9 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
 
   // Requests are handled in order. While one waits on an asynchronous check
   // (the caller's authentication at first, then the session authorizer for a
-  // session not yet decided), the ones behind it wait here.
+  // session not yet decided), the ones behind it wait here, and the stream
+  // is not read: flow control holds the client back (what is queued is at
+  // most one window).
   let waiting: KeepAliveRequest[] | undefined = [];
   let ending = false;
   const submit = (message: KeepAliveRequest) => {
@@ -118,16 +117,20 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
     const queued = waiting ?? [];
     waiting = undefined;
     for (const message of queued) handle(message);
-    if (ending && waiting === undefined) end();
+    if (waiting === undefined) {
+      call.resumeReading();
+      if (ending) end();
+    }
   };
   const handle = (message: KeepAliveRequest) => {
     if (waiting) {
       waiting.push(message);
       return;
     }
+    if (call.ended) return;
     let checked: void | Promise<void>;
     try {
-      checked = call.check(message, decided);
+      checked = call.check(message);
     } catch (error) {
       fail(error);
       return;
@@ -137,19 +140,16 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
       return;
     }
     waiting = [];
+    call.pauseReading();
     checked.then(() => {
+      if (call.ended) return;
       submit(message);
       release();
     }, fail);
   };
   const end = () => {
     if (reader.incomplete) {
-      fail(
-        new ConnectError(
-          "request message: the stream ended inside a message",
-          Code.InvalidArgument,
-        ),
-      );
+      fail(new ConnectError(policyText.endedInsideMessage, Code.InvalidArgument));
     } else {
       session.endRequests();
     }
@@ -168,6 +168,7 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
     },
   );
   call.onData((chunk) => {
+    if (call.ended) return;
     let messages: KeepAliveRequest[];
     try {
       messages = reader.push(chunk);
@@ -177,6 +178,8 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
     }
     for (const message of messages) handle(message);
   });
+  // Nothing is read until the caller is known.
+  call.pauseReading();
   call.onEnd(() => {
     ending = true;
     if (waiting === undefined) end();
@@ -207,24 +210,22 @@ function serveWatch(
     void (async () => {
       if (request === undefined || extra || reader.incomplete) {
         throw new ConnectError(
-          "request message: Watch takes exactly one request message",
+          request === undefined ? policyText.oneMessageGotNone : policyText.oneMessageGotMore,
           Code.InvalidArgument,
         );
       }
       await call.authenticate();
+      // The policy takes the account's Watch slot here, and gives it back when the call ends.
       await call.check(request);
+      // Ended while the checks were awaited (a deadline, a reset, a shutdown):
+      // nothing is registered for it.
+      if (call.ended) return;
       const scope = watchScope(request, options.limits);
-      const account = call.observed.principal?.account ?? scope.accountId;
-      const leave = options.watchSlots.enter(account);
       const watcher = options.watch.open(scope, { includeRenewals: request.includeRenewals });
-      let closed = false;
-      const close = () => {
-        if (closed) return;
-        closed = true;
-        watcher.close();
-        leave();
-      };
+      const close = () => watcher.close();
+      // A shutdown or a deadline ends the call through its cancel hooks.
       call.onCancel(close);
+      call.policy.onEnd(close);
       call.stream.once("close", close);
 
       let busy = false;

@@ -22,6 +22,7 @@ import type {
   UniversalServerRequest,
   UniversalServerResponse,
 } from "@connectrpc/connect/protocol";
+import { policyText } from "./error-texts.js";
 
 // A body that does not parse, and one whose compression is broken (connect-node
 // says INTERNAL for a truncated gzip or brotli stream, INVALID_ARGUMENT only
@@ -32,9 +33,6 @@ const markers = ["parse binary:", "decompression failed"];
 // says INTERNAL, as the gRPC implementations do; the native gRPC path says
 // INVALID_ARGUMENT in the same words as here.
 const compressedWithoutEncoding = "received compressed envelope, but do not know how to decompress";
-/** What both paths answer for a message flagged compressed in a call that names no compression. */
-export const flaggedCompressedMessage =
-  "request message: flagged compressed, but the request names no compression";
 
 /** The INVALID_ARGUMENT message for an error connect-es gave a bad request body, or undefined. */
 function invalidArgumentMessage(code: number, message: string): string | undefined {
@@ -42,14 +40,14 @@ function invalidArgumentMessage(code: number, message: string): string | undefin
     return `request message: ${message}`;
   }
   if (code === Code.Internal && message === compressedWithoutEncoding) {
-    return flaggedCompressedMessage;
+    return policyText.flaggedCompressed;
   }
   if (code === Code.Unimplemented) {
     if (message.startsWith("protocol error: missing input message for ")) {
-      return "request message: this call takes exactly one message, got none";
+      return policyText.oneMessageGotNone;
     }
     if (message.startsWith("protocol error: received extra input message for ")) {
-      return "request message: this call takes exactly one message, got more than one";
+      return policyText.oneMessageGotMore;
     }
   }
   return undefined;
