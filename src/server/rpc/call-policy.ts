@@ -18,8 +18,8 @@
 //
 // The adapters only move bytes and messages. A step added to `steps` runs on
 // every path by construction (test/call-policy.test.ts checks that), and so
-// does every rule above. Every error text a path answers on its own (one
-// message per call, a deadline, a cancel) is here too.
+// does every rule above. The texts a path answers on its own (one message
+// per call, a deadline, a cancel, an expired token) are in error-texts.ts.
 
 import type { DescMessage, DescMethod, DescService } from "@bufbuild/protobuf";
 import type { Code, ConnectError } from "@connectrpc/connect";
@@ -97,8 +97,7 @@ export interface CallPolicyOptions {
 }
 
 export interface CallPolicy {
-  /** Whether calls of this service go through the policy (else they are served as they are). */
-  governs(serviceName: string): boolean;
+  /** Starts the policy of one call (of any service: only protected ones are authenticated). */
   begin(init: {
     service: DescService;
     method: DescMethod;
@@ -111,7 +110,6 @@ export function createCallPolicy(options: CallPolicyOptions): CallPolicy {
   const { observer, access, watchSlots } = options;
   const steps = options.steps ?? [];
   return {
-    governs: (serviceName) => access.protects(serviceName),
     begin: (init) => {
       const observed = observer.begin(
         init.service.typeName,
