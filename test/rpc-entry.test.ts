@@ -575,3 +575,22 @@ describe("JSON fields the API does not have are refused (issue 30, item 5)", () 
     }
   });
 });
+
+describe("the guarded store bounds its request messages where they enter", () => {
+  it("a message declared at 4 GiB is RESOURCE_EXHAUSTED from its 5-byte header, over gRPC and gRPC-Web", async () => {
+    const header = Buffer.from([0, 0xff, 0xff, 0xff, 0xf0]);
+    for (const type of ["application/grpc", "application/grpc-web+proto"]) {
+      const a = await h2(
+        guarded.url,
+        "/leasehold.guarded.v1.GuardedStoreService/Put",
+        { "content-type": type, te: "trailers" },
+        header,
+      );
+      const { code, message } = grpcStatus(a);
+      expect([type, code]).toEqual([type, Code.ResourceExhausted]);
+      expect(message).toMatch(
+        /^message size 4294967280 is larger than configured readMaxBytes \d+/,
+      );
+    }
+  });
+});
