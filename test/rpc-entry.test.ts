@@ -559,7 +559,13 @@ describe("JSON fields the API does not have are refused (issue 30, item 5)", () 
   });
 
   it("the flag takes refuse or accept, on both servers, and --help lists it", () => {
-    for (const parse of [parseServerConfig, parseGuardedConfig]) {
+    // The guarded store may require a lease server URL; any will do here.
+    const parsers = [
+      (argv: string[], env: NodeJS.ProcessEnv) => parseServerConfig(argv, env),
+      (argv: string[], env: NodeJS.ProcessEnv) =>
+        parseGuardedConfig(["--lease-url", "http://127.0.0.1:7070", ...argv], env),
+    ];
+    for (const parse of parsers) {
       expect(parse([], {}).jsonUnknownFields).toBe("refuse");
       expect(parse([], { LEASEHOLD_JSON_UNKNOWN_FIELDS: "accept" }).jsonUnknownFields).toBe(
         "accept",
