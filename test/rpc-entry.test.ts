@@ -559,7 +559,13 @@ describe("JSON fields the API does not have are refused (issue 30, item 5)", () 
   });
 
   it("the flag takes refuse or accept, on both servers, and --help lists it", () => {
-    for (const parse of [parseServerConfig, parseGuardedConfig]) {
+    // The guarded store may require a lease server URL; any will do here.
+    const parsers = [
+      (argv: string[], env: NodeJS.ProcessEnv) => parseServerConfig(argv, env),
+      (argv: string[], env: NodeJS.ProcessEnv) =>
+        parseGuardedConfig(["--lease-url", "http://127.0.0.1:7070", ...argv], env),
+    ];
+    for (const parse of parsers) {
       expect(parse([], {}).jsonUnknownFields).toBe("refuse");
       expect(parse([], { LEASEHOLD_JSON_UNKNOWN_FIELDS: "accept" }).jsonUnknownFields).toBe(
         "accept",
@@ -571,6 +577,25 @@ describe("JSON fields the API does not have are refused (issue 30, item 5)", () 
     for (const settings of [serverSettings, guardedSettings]) {
       expect(settingsHelp(settings)).toMatch(
         /--json-unknown-fields +LEASEHOLD_JSON_UNKNOWN_FIELDS +refuse \(default/,
+      );
+    }
+  });
+});
+
+describe("the guarded store bounds its request messages where they enter", () => {
+  it("a message declared at 4 GiB is RESOURCE_EXHAUSTED from its 5-byte header, over gRPC and gRPC-Web", async () => {
+    const header = Buffer.from([0, 0xff, 0xff, 0xff, 0xf0]);
+    for (const type of ["application/grpc", "application/grpc-web+proto"]) {
+      const a = await h2(
+        guarded.url,
+        "/leasehold.guarded.v1.GuardedStoreService/Put",
+        { "content-type": type, te: "trailers" },
+        header,
+      );
+      const { code, message } = grpcStatus(a);
+      expect([type, code]).toEqual([type, Code.ResourceExhausted]);
+      expect(message).toMatch(
+        /^message size 4294967280 is larger than configured readMaxBytes \d+/,
       );
     }
   });

@@ -43,6 +43,16 @@ function leaseToken(source: GuardedConfig["leaseToken"]): (() => string) | undef
   };
 }
 
+/**
+ * The largest request message: a Put of the largest value, base64 in JSON
+ * (4/3 of it), with room for the key, name and token. Without a bound
+ * connect-es takes messages of up to 4 GiB, and a 5-byte header claiming one
+ * made it allocate that much before any authentication.
+ */
+function requestBound(limits: GuardedLimits): number {
+  return Math.ceil((limits.maxValueBytes * 4) / 3) + 64 * 1024;
+}
+
 export async function startGuardedServer(
   config: GuardedConfig,
   logger: Logger = createLogger({ name: "leasehold-guarded" }),
@@ -81,6 +91,7 @@ export async function startGuardedServer(
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
         interceptors: [errorCodeInterceptor(), callerAuthInterceptor(authenticator)],
+        readMaxBytes: requestBound(limits),
         close: async () => session.abort(),
       };
     },

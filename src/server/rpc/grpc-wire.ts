@@ -42,7 +42,13 @@ export function errorTrailers(error: ConnectError): http2.OutgoingHttpHeaders {
  * one that is not protobuf is INVALID_ARGUMENT.
  */
 export class FrameReader<T extends Message> {
-  private pending: Buffer | undefined;
+  // The chunks of the frame being read, with their total. A frame trickled
+  // in tiny chunks (1-byte HTTP/2 DATA frames) is concatenated once, when
+  // it is whole: concatenating on every chunk copied O(n²) bytes.
+  private chunks: Buffer[] = [];
+  private buffered = 0;
+  /** The length of the frame being read (header included), once its header is in. */
+  private frameBytes: number | undefined;
 
   /**
    * `fast` reads the usual shape of a message without protobuf-es and
@@ -56,31 +62,49 @@ export class FrameReader<T extends Message> {
 
   /** The messages completed by `chunk`, in order. Throws on a bad frame. */
   push(chunk: Buffer): T[] {
-    let buffer = this.pending ? Buffer.concat([this.pending, chunk]) : chunk;
-    this.pending = undefined;
-    const messages: T[] = [];
-    while (buffer.length >= 5) {
-      const length = buffer.readUInt32BE(1);
-      if (length > this.maxMessageBytes) {
-        throw new ConnectError(
-          `message size ${length} is larger than configured readMaxBytes ${this.maxMessageBytes}`,
-          Code.ResourceExhausted,
-        );
-      }
-      if ((buffer[0] ?? 0) & 1) {
-        throw new ConnectError(policyText.flaggedCompressed, Code.InvalidArgument);
-      }
-      if (buffer.length < 5 + length) break;
-      messages.push(this.decode(buffer.subarray(5, 5 + length)));
-      buffer = buffer.subarray(5 + length);
+    if (chunk.length > 0) {
+      this.chunks.push(chunk);
+      this.buffered += chunk.length;
     }
-    if (buffer.length > 0) this.pending = buffer;
+    const messages: T[] = [];
+    while (this.buffered >= 5) {
+      if (this.frameBytes === undefined) {
+        const head = this.joined();
+        const length = head.readUInt32BE(1);
+        if (length > this.maxMessageBytes) {
+          throw new ConnectError(
+            `message size ${length} is larger than configured readMaxBytes ${this.maxMessageBytes}`,
+            Code.ResourceExhausted,
+          );
+        }
+        if ((head[0] ?? 0) & 1) {
+          throw new ConnectError(policyText.flaggedCompressed, Code.InvalidArgument);
+        }
+        this.frameBytes = 5 + length;
+      }
+      if (this.buffered < this.frameBytes) break;
+      const buffer = this.joined();
+      messages.push(this.decode(buffer.subarray(5, this.frameBytes)));
+      const rest = buffer.subarray(this.frameBytes);
+      this.chunks = rest.length > 0 ? [rest] : [];
+      this.buffered = rest.length;
+      this.frameBytes = undefined;
+    }
     return messages;
   }
 
   /** True when the body ended inside a frame. */
   get incomplete(): boolean {
-    return this.pending !== undefined;
+    return this.buffered > 0;
+  }
+
+  /** The buffered chunks as one (copied only when there are several). */
+  private joined(): Buffer {
+    const [first] = this.chunks;
+    if (this.chunks.length === 1 && first !== undefined) return first;
+    const all = Buffer.concat(this.chunks, this.buffered);
+    this.chunks = [all];
+    return all;
   }
 
   private decode(bytes: Buffer): T {
