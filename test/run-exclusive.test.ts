@@ -98,9 +98,11 @@ async function abortedWhen(
 }
 
 /**
- * Runs `keys` with runExclusive (TTL 600 ms), each waiting on the database
- * clock past its first grant's deadline (renewals keep acquired_at); what
- * each run saw then, and its stored row before and after.
+ * Runs `keys` with runExclusive (TTL 1.5 s: its 500 ms renew interval leaves
+ * room for a stalled event loop on a loaded machine, the server running in
+ * this process), each waiting on the database clock past its first grant's
+ * deadline (renewals keep acquired_at); what each run saw then, and its
+ * stored row before and after.
  */
 function holdPastFirstDeadline(c: LeaseClient, keys: SessionKey[]) {
   return Promise.all(
@@ -115,7 +117,7 @@ function holdPastFirstDeadline(c: LeaseClient, keys: SessionKey[]) {
           const now = await storedLease(key);
           return { aborted: ctx.signal.aborted, first, now, token: ctx.fencingToken };
         },
-        { ttlMs: 600 },
+        { ttlMs: 1_500 },
       ),
     ),
   );
