@@ -8,7 +8,8 @@ import { defineConfig } from "vitest/config";
 // tests have their own configs (vitest.e2e.config.ts, vitest.polyglot.config.ts):
 // they need Debian's Chromium, and Debian's protoc, grpcio and Go. So has the
 // hostile volume suite (vitest.hostile.config.ts, npm run test:hostile): it
-// takes minutes and measures its servers' memory.
+// takes minutes and measures its servers' memory. And so has the HA suite
+// (vitest.ha.config.ts, npm run test:ha): Patroni, etcd and HAProxy from Debian.
 export default defineConfig({
   test: {
     projects: [
@@ -20,6 +21,7 @@ export default defineConfig({
             "test/faults/**",
             "test/e2e/**",
             "test/polyglot/**",
+            "test/ha/**",
             "test/hostile-volume.test.ts",
             "node_modules/**",
           ],
