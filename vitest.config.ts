@@ -9,7 +9,8 @@ import { defineConfig } from "vitest/config";
 // they need Debian's Chromium, and Debian's protoc, grpcio and Go; and so has
 // the tools suite (vitest.tools.config.ts), for Debian's promtool. So has the
 // hostile volume suite (vitest.hostile.config.ts, npm run test:hostile): it
-// takes minutes and measures its servers' memory.
+// takes minutes and measures its servers' memory. And so has the HA suite
+// (vitest.ha.config.ts, npm run test:ha): Patroni, etcd and HAProxy from Debian.
 export default defineConfig({
   test: {
     projects: [
@@ -22,6 +23,7 @@ export default defineConfig({
             "test/e2e/**",
             "test/polyglot/**",
             "test/tools/**",
+            "test/ha/**",
             "test/hostile-volume.test.ts",
             "node_modules/**",
           ],
