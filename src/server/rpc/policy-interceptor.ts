@@ -7,7 +7,7 @@
 import { Code, ConnectError, type Interceptor, type StreamRequest } from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
 import { requestIdHeader } from "../../protocol/headers.js";
-import type { CallPolicy } from "./call-policy.js";
+import type { CallPolicy, PolicyCall } from "./call-policy.js";
 import { policyText } from "./error-texts.js";
 
 /** The protocol a request speaks, from its content type. */
@@ -78,20 +78,10 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
     }
     // The token's expiry ends the stream: the response fails with it, which
     // aborts the handler's signal (its hub subscription ends).
-    let expire: (error: ConnectError) => void = () => {};
-    const expired = new Promise<never>((_, reject) => {
-      expire = reject;
-    });
-    expired.catch(() => {});
-    call.onExpired((error) => expire(error));
-    const source = res.message[Symbol.asyncIterator]();
+    const source = untilExpired(res.message, call);
     async function* governed() {
       try {
-        for (;;) {
-          const r = await Promise.race([source.next(), expired]);
-          if (r.done) break;
-          yield r.value;
-        }
+        yield* source;
         call.end();
       } catch (error) {
         throw fail(error);
@@ -102,4 +92,50 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
     }
     return { ...res, message: governed() };
   };
+}
+
+/**
+ * The response messages of `source` until the call's token expires; then a
+ * pending or later read fails with the expiry. One promise per message and
+ * nothing kept per message (a race against one long-lived promise would
+ * keep a reaction per message until the stream ends).
+ */
+function untilExpired<T>(source: AsyncIterable<T>, call: PolicyCall): AsyncIterable<T> {
+  const it = source[Symbol.asyncIterator]();
+  let expired: ConnectError | undefined;
+  let rejectPending: ((error: unknown) => void) | undefined;
+  call.onExpired((error) => {
+    expired = error;
+    rejectPending?.(error);
+  });
+  // A call that ends while the handler is suspended at a message nobody
+  // reads (its client left) still finishes the handler, so that what it
+  // holds (a watcher, a KeepAlive session) is given back.
+  call.onEnd(() => {
+    void it.return?.()?.catch(() => {});
+  });
+  const iterator: AsyncIterator<T> = {
+    next: () => {
+      if (expired) return Promise.reject(expired);
+      return new Promise<IteratorResult<T>>((resolve, reject) => {
+        rejectPending = reject;
+        it.next().then(
+          (r) => {
+            rejectPending = undefined;
+            resolve(r);
+          },
+          (error: unknown) => {
+            rejectPending = undefined;
+            reject(error);
+          },
+        );
+      });
+    },
+    return: (value?: unknown) => {
+      // Not awaited: a read still pending in the handler ends with its signal.
+      void it.return?.(value)?.catch(() => {});
+      return Promise.resolve({ done: true, value: value as T });
+    },
+  };
+  return { [Symbol.asyncIterator]: () => iterator };
 }
