@@ -115,6 +115,37 @@ describe("the page's account view", () => {
     expect(view.transitions.map((t) => EventType[t.type])).toEqual(["EXPIRED", "ACQUIRED"]);
   });
 
+  it("L1: a grant that ran out with nothing recorded after it (History's last event ACQUIRED) is shown as ended", () => {
+    const view = new AccountView();
+    const a = lease("a", 1n);
+    const b = lease("b", 2n);
+    // The page opens after b's lease expired and nobody touched s1 since:
+    // List finds nothing held, History ends with b's ACQUIRED (EXPIRED is
+    // written only at the next grant).
+    view.replace([], 0);
+    view.addHistory([
+      event(EventType.ACQUIRED, b, { id: 3n, atSeconds: 30 }),
+      event(EventType.RELEASED, a, { id: 2n, atSeconds: 20 }),
+      event(EventType.ACQUIRED, a, { id: 1n, atSeconds: 10 }),
+    ]);
+    const [bGrant, aRelease, aGrant] = view.transitions;
+    if (!bGrant || !aRelease || !aGrant) throw new Error("three transitions expected");
+    expect(view.ranOutUnrecorded(bGrant)).toBe(true);
+    // a's grant has its end listed; a release is no grant.
+    expect(view.ranOutUnrecorded(aGrant)).toBe(false);
+    expect(view.ranOutUnrecorded(aRelease)).toBe(false);
+
+    // Held after all (a List that comes later): not ended; the page redraws.
+    const version = view.transitionsVersion;
+    view.replace([b], 0);
+    expect(view.transitionsVersion).toBeGreaterThan(version);
+    expect(view.ranOutUnrecorded(bGrant)).toBe(false);
+
+    // Its expiry seen live: the EXPIRED is listed, the grant needs no mark.
+    view.apply(event(EventType.EXPIRED, b, { id: 0n, atSeconds: 40 }), 0);
+    expect(view.ranOutUnrecorded(bGrant)).toBe(false);
+  });
+
   it("keeps the newest 50 changes when History adds older ones", () => {
     const view = new AccountView();
     for (let i = 1; i <= 50; i++) {

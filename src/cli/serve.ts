@@ -11,7 +11,9 @@ export const serveHelp = `Usage: leasehold serve [flags]
 
 Serves LeaseService over gRPC, gRPC-Web and Connect on one port (HTTP/2
 cleartext and HTTP/1.1). Without --database-url (DATABASE_URL) it starts an
-embedded PostgreSQL with its data under --data-dir, and stops it on exit.
+embedded PostgreSQL with its data under --data-dir, and stops it on exit;
+one server at a time uses a data folder (it holds the lock file
+<data-dir>.lock). --database-url takes postgres:// or postgresql:// URLs.
 
 Flags (each also read from the environment variable shown):
 ${settingsHelp(serverSettings)}

@@ -54,6 +54,28 @@ export class AccountView {
     for (const runId of this.handoffs.keys()) {
       if (!this.holdsAny(runId)) this.handoffs.delete(runId);
     }
+    // Which listed grants have since run out (ranOutUnrecorded) depends on
+    // the sessions held.
+    this.transitionsVersion += 1;
+  }
+
+  /**
+   * Whether a listed grant has run out with nothing recorded after it: the
+   * audit trail writes a lease's EXPIRED only when its session is next
+   * acquired, so a session that expired and was never touched again has its
+   * ACQUIRED as last event. Such a grant is shown as ended. (An expiry
+   * while the page watches arrives as EXPIRED at the deadline.)
+   */
+  ranOutUnrecorded(t: Transition): boolean {
+    if (t.type !== EventType.ACQUIRED) return false;
+    if (this.sessions.get(t.sessionId)?.lease.runId === t.runId) return false;
+    for (const newer of this.transitions) {
+      if (newer === t) return true;
+      if (newer.sessionId === t.sessionId && newer.type !== EventType.HANDOFF_REQUESTED) {
+        return false;
+      }
+    }
+    return false;
   }
 
   /**

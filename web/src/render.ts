@@ -202,6 +202,13 @@ function renderTransitions(view: AccountView): void {
       badge.className = "badge";
       badge.textContent = type;
       li.append(time, " ", t.sessionId, " ", badge, " ", describe(t));
+      if (view.ranOutUnrecorded(t)) {
+        li.dataset.ranOut = "";
+        const note = document.createElement("small");
+        note.textContent =
+          " — not held now: it ran out without a renewal (the audit trail records EXPIRED only when the session is next acquired)";
+        li.append(note);
+      }
       return li;
     }),
   );
