@@ -170,8 +170,8 @@ func parseOptions(args []string) (*options, error) {
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "Usage: worker --account A --session S [flags]\n\n"+
 			"Holds a Leasehold session's lease and writes through the fence; one JSON\n"+
-			"event per line on stdout. The bearer token for the lease server, if it\n"+
-			"needs one, is read from LEASEHOLD_TOKEN.\n\nFlags:")
+			"event per line on stdout. The bearer token for the lease server and the\n"+
+			"guarded store, if they need one, is read from LEASEHOLD_TOKEN.\n\nFlags:")
 		fs.PrintDefaults()
 	}
 	fs.StringVar(&o.server, "server", "127.0.0.1:7070", "lease server, host:port (gRPC over h2c)")
@@ -315,9 +315,10 @@ func (w *worker) acquire(wait time.Duration) (*holding, error) {
 	return h, nil
 }
 
-// withFence adds the three headers a fenced service reads (docs/fencing.md).
+// withFence adds the three headers a fenced service reads (docs/fencing.md),
+// and the bearer token: the guarded store authenticates as the lease server does.
 func (w *worker) withFence(ctx context.Context, token int64) context.Context {
-	return metadata.AppendToOutgoingContext(ctx,
+	return metadata.AppendToOutgoingContext(withBearer(ctx, w.bearer),
 		fencingTokenHeader, tokenString(token),
 		accountHeader, w.key.GetAccountId(),
 		sessionHeader, w.key.GetSessionId())

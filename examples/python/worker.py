@@ -389,8 +389,10 @@ class Worker:
         return holding
 
     def fence_metadata(self, token):
-        """The three headers a fenced service reads (docs/fencing.md)."""
-        return (
+        """The three headers a fenced service reads (docs/fencing.md), and
+        the bearer token: the guarded store authenticates as the lease
+        server does."""
+        return self.auth + (
             (FENCING_TOKEN_HEADER, str(token)),
             (ACCOUNT_HEADER, self.key.account_id),
             (SESSION_HEADER, self.key.session_id),
@@ -528,8 +530,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         description="Hold a Leasehold session's lease and write through "
         "the fence; one JSON event per line on stdout. The bearer token "
-        "for the lease server, if it needs one, is read from "
-        "LEASEHOLD_TOKEN.")
+        "for the lease server and the guarded store, if they need one, is "
+        "read from LEASEHOLD_TOKEN.")
     parser.add_argument("--server", default="127.0.0.1:7070",
                         help="lease server, host:port (gRPC over h2c)")
     parser.add_argument("--store", default="127.0.0.1:7071",
