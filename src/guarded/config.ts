@@ -32,7 +32,7 @@ export interface GuardedConfig extends HostConfig {
    * is confirmed with its CheckFence (every write in live mode).
    */
   leaseUrl: string;
-  /** Deadline of each CheckFence call in live mode. */
+  /** Deadline of each CheckFence call. */
   leaseTimeoutMs: number;
   /**
    * The bearer token this resource presents to the lease server (a JWT with
