@@ -191,8 +191,16 @@ func run(o *options) int {
 	}
 	defer client.Close()
 	// Calls made with leasehold.WithLease(ctx, lease) carry its fencing headers.
+	// The guarded store authenticates its callers as the lease server does.
+	storeAuth := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
+		invoker grpc.UnaryInvoker, callOpts ...grpc.CallOption) error {
+		if t := os.Getenv("LEASEHOLD_TOKEN"); t != "" {
+			ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+t)
+		}
+		return invoker(ctx, method, req, reply, cc, callOpts...)
+	}
 	conn, err := grpc.NewClient(o.store, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(leasehold.UnaryFencingInterceptor()))
+		grpc.WithChainUnaryInterceptor(leasehold.UnaryFencingInterceptor(), storeAuth))
 	if err != nil {
 		ev.emit("error", fields{"message": err.Error()})
 		return exitError

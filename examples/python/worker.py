@@ -97,6 +97,9 @@ def main(argv: list[str]) -> int:
     client = leasehold.LeaseClient(args.server, token=os.environ.get("LEASEHOLD_TOKEN") or None,
                                    timeout=args.release_timeout_ms / 1000)
     store = guarded_pb2_grpc.GuardedStoreServiceStub(grpc.insecure_channel(args.store))
+    # The guarded store authenticates its callers as the lease server does.
+    bearer = os.environ.get("LEASEHOLD_TOKEN")
+    store_auth = [("authorization", f"Bearer {bearer}")] if bearer else []
     hold_options = dict(ttl=args.ttl_ms / 1000, holder=args.holder, run_id=args.run_id,
                         safety_margin=None if args.margin_ms is None else args.margin_ms / 1000,
                         renew_interval=None if args.renew_ms is None else args.renew_ms / 1000)
@@ -105,7 +108,8 @@ def main(argv: list[str]) -> int:
         request = guarded_pb2.PutRequest(key=key.to_proto(), name=args.document,
                                          value=text.encode(), fencing_token=token)
         try:
-            return store.Put(request, timeout=timeout, metadata=metadata)  # type: ignore[no-any-return]
+            return store.Put(  # type: ignore[no-any-return]
+                request, timeout=timeout, metadata=[*metadata, *store_auth])
         except grpc.RpcError as e:
             raise leasehold.errors.from_rpc_error(e) from e
 
