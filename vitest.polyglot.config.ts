@@ -1,12 +1,15 @@
 import { defineConfig } from "vitest/config";
 
 // Polyglot client tests (npm run test:polyglot): the Python and Go example
-// workers against `leasehold serve` and `leasehold guarded serve`, and the
-// Python client library's pytest suites. They need the Go packages of
-// examples/install-toolchains.sh and the Python client's venv (made from its
-// lock by clients/python/scripts/setup.sh, from PyPI), so `npm test`, which
-// needs only Node, leaves them out. The setup starts PostgreSQL (embedded
-// unless DATABASE_URL is set), then makes the venv and builds the Go worker.
+// workers against `leasehold serve` and `leasehold guarded serve`, the Python
+// client library's pytest suites and the Go client's `go test -race`. They
+// need protoc from Debian (protobuf-compiler, which
+// examples/install-toolchains.sh installs when missing), Go 1.26 or later
+// installed on the machine (the script checks it; Go modules come from the Go
+// module proxy), and the Python client's venv (made from its lock by
+// clients/python/scripts/setup.sh, from PyPI), so `npm test`, which needs
+// only Node, leaves them out. The setup starts PostgreSQL (embedded unless
+// DATABASE_URL is set), then makes the venv and builds the Go worker.
 export default defineConfig({
   test: {
     include: ["test/polyglot/**/*.test.ts"],

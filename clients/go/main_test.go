@@ -37,7 +37,7 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	if store, err = testenv.NewGuarded(); err != nil {
+	if store, err = testenv.NewGuarded(shared.Addr); err != nil {
 		shared.Stop()
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)

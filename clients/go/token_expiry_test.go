@@ -23,9 +23,11 @@ import (
 // expiringServer is a LeaseService that ends every KeepAlive stream after
 // its third renewal with what DESIGN §7 says a server sends once the
 // stream's token has expired: UNAUTHENTICATED, ErrorInfo cause "expired".
-// It stands in for `leasehold serve` until that server's native gRPC path
-// ends such streams (TestTokenRefreshedMidHold runs the real one); it
-// records the token each stream opened with.
+// It ends streams after renewals rather than at a token's expiry, so the
+// reopen can be seen token by token: it records the token each stream opened
+// with. TestTokenRefreshedMidHold and TestStaticExpiredTokenLosesTheLease
+// run the same stories against `leasehold serve`, which ends the stream
+// itself at its token's expiry.
 type expiringServer struct {
 	leasev1.UnimplementedLeaseServiceServer
 	mu     sync.Mutex

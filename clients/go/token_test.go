@@ -12,8 +12,8 @@ import (
 )
 
 // Tokens that the server accepts for about two more seconds: it allows 5s
-// past `exp`, and ends a stream with UNAUTHENTICATED on its first message
-// after that.
+// past `exp`, and then ends a stream opened with one with UNAUTHENTICATED
+// (cause expired) by its own timer, without waiting for another message.
 func shortToken() string { return token(-3 * time.Second) }
 
 // A token function is called again when the server ends the stream for an

@@ -40,8 +40,12 @@ def server(servers: list[Server]) -> Server:
 
 
 @pytest.fixture(scope="session")
-def store() -> Iterator[Server]:
-    started = guarded_server(require_env("LEASEHOLD_TEST_STORE_DATABASE_URL"))
+def store(server: Server, secret: str) -> Iterator[Server]:
+    """The guarded store, its callers verified with the lease server's
+    secret and its fence confirmed by the first lease server instance."""
+    started = guarded_server(
+        require_env("LEASEHOLD_TEST_STORE_DATABASE_URL"), secret, server.address
+    )
     yield started
     started.stop()
 

@@ -120,7 +120,16 @@ def lease_server(database_url: str, secret: str, *args: str) -> Server:
     )
 
 
-def guarded_server(database_url: str) -> Server:
+#: The guarded store's own account at the lease server.
+STORE_ACCOUNT = "guarded-store"
+FENCE_SCOPE = "leasehold:fence"
+
+
+def guarded_server(database_url: str, secret: str, lease_address: str) -> Server:
+    """The guarded store as a deployment starts it: the lease server's JWT
+    secret to verify its callers, --lease-url naming the lease server that
+    confirms a write raising a session's fence, and its own token for that
+    server with the fence scope."""
     return Server(
         [
             "guarded",
@@ -131,7 +140,15 @@ def guarded_server(database_url: str) -> Server:
             "1s",
             "--database-url",
             database_url,
-        ]
+            "--lease-url",
+            f"http://{lease_address}",
+        ],
+        {
+            "LEASEHOLD_JWT_SECRET": secret,
+            "LEASEHOLD_LEASE_TOKEN": jwt(
+                secret, STORE_ACCOUNT, expires_in=24 * 3600, scope=FENCE_SCOPE
+            ),
+        },
     )
 
 

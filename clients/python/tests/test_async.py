@@ -89,7 +89,7 @@ async def test_l2_s6_s7_stalled_winner_is_cancelled_before_the_database_deadline
 
     async def work(h: AsyncHold) -> None:
         seen["hold"] = h
-        put(store, k, h.fencing_token, "old: first")
+        put(store, k, h.fencing_token, "old: first", bearer=token())
         proxy.stall()
         try:
             while True:
@@ -111,9 +111,9 @@ async def test_l2_s6_s7_stalled_winner_is_cancelled_before_the_database_deadline
     assert h.released is None
     async with new.hold(k, ttl=TTL, wait=30) as h2:
         assert h2.fencing_token > h.fencing_token
-        put(store, k, h2.fencing_token, "new: first")
+        put(store, k, h2.fencing_token, "new: first", bearer=token())
         with pytest.raises(StaleFencingTokenError) as refused:
-            put(store, k, h.fencing_token, "old: late")
+            put(store, k, h.fencing_token, "old: late", bearer=token())
         assert (refused.value.presented, refused.value.highest) == (
             h.fencing_token,
             h2.fencing_token,

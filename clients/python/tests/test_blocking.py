@@ -33,7 +33,11 @@ def key(label: str) -> SessionKey:
     return SessionKey(ACCOUNT, fresh_session(label))
 
 
-def put(store: Server, k: SessionKey, token: int, text: str) -> guarded_pb2.PutResponse:
+def put(
+    store: Server, k: SessionKey, token: int, text: str, *, bearer: str
+) -> guarded_pb2.PutResponse:
+    """A Put to the guarded store as the session's account: ``bearer`` is
+    that account's token (the store verifies it as the lease server does)."""
     import grpc
 
     from leasehold.errors import from_rpc_error
@@ -45,6 +49,7 @@ def put(store: Server, k: SessionKey, token: int, text: str) -> guarded_pb2.PutR
                 guarded_pb2.PutRequest(
                     key=k.to_proto(), name="transcript", value=text.encode(), fencing_token=token
                 ),
+                metadata=(("authorization", f"Bearer {bearer}"),),
                 timeout=10,
             )
             return response
@@ -112,7 +117,7 @@ def test_l2_s6_s7_stalled_winner_stops_before_the_database_deadline_and_is_fence
     wrote: list[float] = []
     with old.hold(k, ttl=TTL, safety_margin=MARGIN, holder="old") as h:
         t1 = h.fencing_token
-        put(store, k, t1, "old: first")
+        put(store, k, t1, "old: first", bearer=token())
         proxy.stall()
         # The work: writes while it holds, checked before every write.
         while True:
@@ -134,9 +139,9 @@ def test_l2_s6_s7_stalled_winner_stops_before_the_database_deadline_and_is_fence
     assert h.released is None  # nothing sent
     with new.hold(k, ttl=TTL, wait=30, holder="new") as h2:
         assert h2.fencing_token > t1
-        put(store, k, h2.fencing_token, "new: first")
+        put(store, k, h2.fencing_token, "new: first", bearer=token())
         with pytest.raises(StaleFencingTokenError) as refused:
-            put(store, k, t1, "old: late")
+            put(store, k, t1, "old: late", bearer=token())
         assert refused.value.presented == t1
         assert refused.value.highest == h2.fencing_token
     # No release after loss, from the server: the old run's lease expired.

@@ -3,6 +3,8 @@ class, for the blocking client (the asyncio client's are in test_async.py)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import socket
 import time
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from leasehold import (
     CanceledError,
     DeadlineExceededError,
     InvalidArgumentError,
+    KeepAliveEvent,
     LeaseClient,
     LeaseLostError,
     LeaseNotHeldError,
@@ -38,6 +41,12 @@ Proxies = Callable[[str], TcpProxy]
 
 def key(label: str) -> SessionKey:
     return SessionKey(ACCOUNT, fresh_session(label))
+
+
+def exp_of(jwt: str) -> float:
+    """The token's `exp` claim, as the server reads it."""
+    body = jwt.split(".")[1]
+    return float(json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))["exp"])
 
 
 def expired_on_server(exp: float) -> bool:
@@ -96,6 +105,82 @@ def test_l2_a_static_token_that_expired_loses_the_lease_saying_why(
         assert h.loss_reason == "token_expired"
         assert h.remaining() == timedelta(0)
         assert c._keepalive.placed == {}
+
+
+def test_l2_the_servers_own_expired_token_end_calls_the_token_callable_again_and_keeps_the_lease(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """L2, DESIGN §7: with no proxy and nothing cut, the server itself ends
+    the KeepAlive stream with UNAUTHENTICATED (failure expired) once the
+    stream's token expired; the client calls the token callable again for
+    the reopened stream, and the lease is kept: renewed over the new stream,
+    same run and fencing token."""
+    k = key("server-end")
+    issued: list[float] = []
+    events: list[tuple[KeepAliveEvent, float, int]] = []
+
+    def short_lived() -> str:
+        text = token(expires_in=1)
+        issued.append(exp_of(text))
+        return text
+
+    def seen(event: KeepAliveEvent) -> None:
+        events.append((event, time.time(), len(issued)))
+
+    c = clients(server.address, token=short_lived, on_event=seen)
+    with c.hold(k, ttl=3.0, safety_margin=1.0) as h:
+        ended, ended_at, calls = wait_for(
+            "the server to end the stream for its expired token",
+            lambda: next((e for e in events if e[0].type == "failed"), None),
+            20,
+        )
+        assert isinstance(ended.error, UnauthenticatedError)
+        assert ended.error.failure == "expired"
+        assert ended.retry_in is not None  # reopened, not final
+        # The server's expiry timer, not anything sooner: no token it saw had expired before.
+        assert ended_at >= issued[0] + SERVER_CLOCK_TOLERANCE
+        wait_for("the token callable to be called for the reopen", lambda: len(issued) > calls)
+        wait_for(
+            "the reopened stream",
+            lambda: any(e.type == "open" and t > ended_at for e, t, _ in events),
+        )
+        renewed_from = h.lease.expires_at
+        wait_for("a renewal over the reopened stream", lambda: h.lease.expires_at != renewed_from)
+        h.check()
+        assert h.loss_reason is None
+        state = admin.get(k)
+        assert state.lease is not None
+        assert (state.lease.run_id, state.lease.fencing_token) == (h.run_id, h.fencing_token)
+    assert h.released is True
+
+
+def test_l2_a_static_token_loses_the_lease_when_the_server_ends_its_stream_at_expiry(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """L2, DESIGN §7: with a static token, the server's own UNAUTHENTICATED
+    end of the stream at the token's expiry (nothing cut) loses the hold at
+    once, long before its 30 s TTL, with reason token_expired and a message
+    saying a static token cannot be renewed; no release is sent (DESIGN §6),
+    so the server still counts the run's lease."""
+    k = key("server-static")
+    events: list[KeepAliveEvent] = []
+    static = token(expires_in=1)
+    c = clients(server.address, token=static, on_event=events.append)
+    with c.hold(k, ttl=30.0) as h:
+        assert h.lost.wait(20)
+        assert time.time() >= exp_of(static) + SERVER_CLOCK_TOLERANCE  # ended for its expiry
+        assert h.loss_reason == "token_expired"
+        failed = [e for e in events if e.type == "failed"]
+        assert len(failed) == 1 and failed[0].retry_in is None  # final: no reopen
+        assert isinstance(failed[0].error, UnauthenticatedError)
+        assert failed[0].error.failure == "expired"
+        with pytest.raises(LeaseLostError) as lost:
+            h.check()
+        assert lost.value.loss_reason == "token_expired"
+        assert "static token cannot be renewed" in str(lost.value)
+    assert h.released is None
+    state = admin.get(k)
+    assert state.lease is not None and state.lease.run_id == h.run_id
 
 
 def test_bad_input_raises_an_error_naming_what_failed(

@@ -91,9 +91,10 @@ type Server struct {
 
 var servingOn = regexp.MustCompile(`serving on http://(\S+)`)
 
-func start(argv []string) (*Server, error) {
+func start(argv []string, extraEnv ...string) (*Server, error) {
 	cmd := exec.Command(env.Node, append([]string{env.CLI}, argv...)...)
 	cmd.Env = append(os.Environ(), "LEASEHOLD_JWT_SECRET="+Secret, "LEASEHOLD_LOG_LEVEL=warn")
+	cmd.Env = append(cmd.Env, extraEnv...)
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		return nil, err
@@ -146,15 +147,27 @@ func serverArgs(args []string) []string {
 	return append([]string{"serve", "--listen", "127.0.0.1:0", "--min-ttl", "50ms", "--shutdown-grace", "1s", "--database-url", env.LeaseDB}, args...)
 }
 
-func guardedArgs(args []string) []string {
-	return append([]string{"guarded", "serve", "--listen", "127.0.0.1:0", "--shutdown-grace", "1s", "--database-url", env.StoreDB}, args...)
+// StoreAccount is the guarded store's own account at the lease server: its
+// token carries the fence scope CheckFence asks for.
+const StoreAccount = "guarded-store"
+
+// startGuarded runs `leasehold guarded serve` as a deployment does: the
+// lease server's JWT secret (start sets it for every server) to verify its
+// callers, --lease-url naming the lease server that confirms a write raising
+// a session's fence, and its own fence-scope token for that server.
+func startGuarded(leaseAddr string, args []string) (*Server, error) {
+	argv := append([]string{"guarded", "serve", "--listen", "127.0.0.1:0", "--shutdown-grace", "1s", "--database-url", env.StoreDB, "--lease-url", "http://" + leaseAddr}, args...)
+	return start(argv, "LEASEHOLD_LEASE_TOKEN="+Token(StoreAccount, 24*time.Hour, "leasehold:fence"))
 }
 
 // NewServer runs `leasehold serve` for a whole test binary (TestMain stops it).
 func NewServer(args ...string) (*Server, error) { return start(serverArgs(args)) }
 
-// NewGuarded runs `leasehold guarded serve` for a whole test binary.
-func NewGuarded(args ...string) (*Server, error) { return start(guardedArgs(args)) }
+// NewGuarded runs `leasehold guarded serve` for a whole test binary, its
+// fence confirmed by the lease server at leaseAddr.
+func NewGuarded(leaseAddr string, args ...string) (*Server, error) {
+	return startGuarded(leaseAddr, args)
+}
 
 // StartServer runs `leasehold serve` on the lease database with the test
 // defaults (port 0, TTLs from 50ms) and args, stopped at the test's end.
@@ -163,9 +176,10 @@ func StartServer(tb testing.TB, args ...string) *Server {
 	return started(tb, s, err)
 }
 
-// StartGuarded runs `leasehold guarded serve` (monotonic mode) on the store database.
-func StartGuarded(tb testing.TB, args ...string) *Server {
-	s, err := start(guardedArgs(args))
+// StartGuarded runs `leasehold guarded serve` (monotonic mode) on the store
+// database, its fence confirmed by the lease server at leaseAddr.
+func StartGuarded(tb testing.TB, leaseAddr string, args ...string) *Server {
+	s, err := startGuarded(leaseAddr, args)
 	return started(tb, s, err)
 }
 
