@@ -116,6 +116,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
   let history: History;
   const reports: FaultReport[] = [];
   let result: CheckResult | undefined;
+  let exitCodes: (number | null)[] = [];
   let startedAt = 0;
   let cycles = 1;
   let probe = 0;
@@ -230,6 +231,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
         const sql = postgres(stack.directUrl(m, "postgres"), {
           max: 1,
           connect_timeout: 2,
+          fetch_types: false,
           onnotice: () => {},
         });
         try {
@@ -434,6 +436,9 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
       const fresh = postgres(stack.directUrl(old), {
         max: 1,
         connect_timeout: 2,
+        // No type query of its own on connecting: against a member that is
+        // going away, postgres.js left that query's failure unhandled.
+        fetch_types: false,
         onnotice: () => {},
         connection: { statement_timeout: 5_000 },
       });
@@ -705,8 +710,9 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
   it("the clients finish; their history and lease_events go through the checker", async () => {
     await sleep(2 * ttlMs);
     for (const w of workers) w.child.stdin?.end();
-    const exitCodes = await Promise.all(workers.map((w) => w.exited));
-    expect(exitCodes, "every client finished its run").toEqual(workers.map(() => 0));
+    exitCodes = await Promise.all(workers.map((w) => w.exited));
+    // A client that died is reported by the test after this one; the
+    // history it wrote until then is checked with the others'.
     const rows = await untilAnswered(
       () => admin<
         {
@@ -758,6 +764,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
       faults: reports,
       faultsFailed: reports.filter((r) => r.asserted !== "ok").length,
       automaticFailovers,
+      clientExitCodes: exitCodes,
       violationsByInvariant: byInvariant,
       violationList: checked.violations,
     };
@@ -778,6 +785,10 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     expect(grants.length, "the clients were granted leases").toBeGreaterThan(0);
     expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
   }, 300_000);
+
+  it("every client finished its run (exit 0)", () => {
+    expect(exitCodes, "the clients' exit codes").toEqual(workers.map(() => 0));
+  });
 
   const invariantChecks: [Invariant, string][] = [
     ["S1", "one holder: no run is granted a key inside another run's held interval"],

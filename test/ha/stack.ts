@@ -338,7 +338,12 @@ export async function startHaStack(options: { log?: (line: string) => void } = {
   const throughHaproxy = superuserUrl(haproxyPort);
   await waitFor(
     async () => {
-      const sql = postgres(throughHaproxy, { max: 1, connect_timeout: 2, onnotice: () => {} });
+      const sql = postgres(throughHaproxy, {
+        max: 1,
+        connect_timeout: 2,
+        fetch_types: false,
+        onnotice: () => {},
+      });
       try {
         const [row] = await sql<{ standby: boolean }[]>`SELECT pg_is_in_recovery() AS standby`;
         return row?.standby === false;
