@@ -78,7 +78,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
     }
     // The token's expiry ends the stream: the response fails with it, which
     // aborts the handler's signal (its hub subscription ends).
-    const source = untilExpired(res.message, call);
+    const source = untilExpired(res.message, call, req.signal, cancelled);
     async function* governed() {
       try {
         yield* source;
@@ -100,7 +100,12 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
  * nothing kept per message (a race against one long-lived promise would
  * keep a reaction per message until the stream ends).
  */
-function untilExpired<T>(source: AsyncIterable<T>, call: PolicyCall): AsyncIterable<T> {
+function untilExpired<T>(
+  source: AsyncIterable<T>,
+  call: PolicyCall,
+  signal: AbortSignal,
+  cancelled: ConnectError,
+): AsyncIterable<T> {
   const it = source[Symbol.asyncIterator]();
   let expired: ConnectError | undefined;
   let rejectPending: ((error: unknown) => void) | undefined;
@@ -110,13 +115,21 @@ function untilExpired<T>(source: AsyncIterable<T>, call: PolicyCall): AsyncItera
   });
   // A call that ends while the handler is suspended at a message nobody
   // reads (its client left) still finishes the handler, so that what it
-  // holds (a watcher, a KeepAlive session) is given back.
+  // holds (a watcher, a KeepAlive session) is given back. A handler busy
+  // with a read ends by its own signal, with that signal's code (e.g. a
+  // shutdown's UNAVAILABLE): returning it early would end the stream OK.
   call.onEnd(() => {
-    void it.return?.()?.catch(() => {});
+    if (rejectPending === undefined) void it.return?.()?.catch(() => {});
   });
   const iterator: AsyncIterator<T> = {
     next: () => {
       if (expired) return Promise.reject(expired);
+      // Aborted (client gone, deadline, shutdown): the stream ends with the
+      // abort's code, not as if the handler had finished.
+      if (signal.aborted) {
+        const reason: unknown = signal.reason;
+        return Promise.reject(reason instanceof ConnectError ? reason : cancelled);
+      }
       return new Promise<IteratorResult<T>>((resolve, reject) => {
         rejectPending = reject;
         it.next().then(
