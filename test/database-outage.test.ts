@@ -5,8 +5,10 @@
 // the deadline of the lease it renews. The pool caps the delay
 // (reconnectDelaySeconds); these tests hold it to that.
 
+import { randomBytes } from "node:crypto";
+import { setImmediate as nextTurn } from "node:timers/promises";
 import { describe, expect, it } from "vitest";
-import { reconnectDelaySeconds } from "../src/server/db/pool.js";
+import { openDatabase, reconnectDelaySeconds } from "../src/server/db/pool.js";
 import { openThroughProxy } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 
@@ -55,6 +57,49 @@ describe("reconnecting after a database outage", () => {
     } finally {
       await sql.end({ timeout: 1 });
       await proxy.close();
+    }
+  });
+
+  // postgres.js reads the array types on every new connection, before the
+  // first statement it was opened for. Its reader's promise had no handler:
+  // when that read failed (the connection closed under it, as at a
+  // failover, or refused with an error), the statement waiting for the
+  // connection got the error, and the process died of an unhandled
+  // rejection besides (a fault-suite client, nine minutes into an HA soak,
+  // of CONNECTION_CLOSED). A role that may not read pg_type makes that read
+  // fail on every connection, deterministically.
+  it("a connection whose type read fails fails its statement, and leaves no unhandled rejection", async () => {
+    const role = `leasehold_no_types_${randomBytes(4).toString("hex")}`;
+    await db.sql.unsafe(`CREATE ROLE ${role} LOGIN PASSWORD 'no-types'`);
+    await db.sql.unsafe(`REVOKE SELECT ON pg_catalog.pg_type FROM PUBLIC`);
+    const url = new URL(db.url);
+    url.username = role;
+    url.password = "no-types";
+    const unhandled: unknown[] = [];
+    const onUnhandled = (reason: unknown) => unhandled.push(reason);
+    process.on("unhandledRejection", onUnhandled);
+    const sql = openDatabase({
+      url: url.toString(),
+      maxConnections: 1,
+      statementTimeoutMs: 5_000,
+      lockTimeoutMs: 1_000,
+      idleInTransactionTimeoutMs: 5_000,
+      applicationName: "leasehold-test-type-read",
+    });
+    try {
+      const outcome = await sql`SELECT 1`.then(
+        () => "answered",
+        (error: { code?: string }) => error.code,
+      );
+      // insufficient_privilege, from the type read, reported to the statement.
+      expect(outcome).toBe("42501");
+      // Rejections are reported as unhandled after the microtask queue drains.
+      for (let i = 0; i < 5; i++) await nextTurn();
+      expect(unhandled).toEqual([]);
+    } finally {
+      process.off("unhandledRejection", onUnhandled);
+      await sql.end({ timeout: 1 });
+      await db.sql.unsafe(`GRANT SELECT ON pg_catalog.pg_type TO PUBLIC`);
     }
   });
 });

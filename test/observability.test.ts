@@ -150,6 +150,8 @@ describe("/metrics", () => {
     expect(value(after, "leasehold_leases_held")).toBeGreaterThanOrEqual(0);
     expect(value(after, "leasehold_db_up")).toBe(1);
     expect(value(after, "leasehold_db_pool_size")).toBe(20);
+    // The pool's counter, made before the registry, is served with it (nothing cancelled here).
+    expect(after).toContain("\nleasehold_db_sync_replication_cancelled_total 0\n");
     expect(
       delta(
         'leasehold_rpc_duration_seconds_count{method="leasehold.v1.LeaseService/Acquire",code="resource_exhausted"}',

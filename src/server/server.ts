@@ -24,7 +24,12 @@ import { leaseServerSets } from "./db/migrate.js";
 import { openDatabase, type Sql } from "./db/pool.js";
 import { createRetention, startMaintenance } from "./db/retention.js";
 import { createSessionAclTable } from "./db/session-acl.js";
-import { type HostedServices, type RunningServer, startHost } from "./http/host.js";
+import {
+  type HostedServices,
+  type PoolCounters,
+  type RunningServer,
+  startHost,
+} from "./http/host.js";
 import { createStaticHandler } from "./http/static.js";
 import type { LeaseStore } from "./lease/types.js";
 import { startHealthMonitor } from "./observability/health.js";
@@ -93,7 +98,7 @@ export async function startServer(
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
     migrationSets: leaseServerSets,
-    build: async (sql, shutdownSignal, databaseUrl) => {
+    build: async (sql, shutdownSignal, databaseUrl, poolCounters) => {
       const built = await buildLeaseServer(
         config,
         logger,
@@ -101,6 +106,7 @@ export async function startServer(
         databaseUrl,
         shutdownSignal,
         extensions,
+        poolCounters,
       );
       streaming = built.streaming;
       return built.services;
@@ -117,10 +123,16 @@ async function buildLeaseServer(
   databaseUrl: string,
   shutdownSignal: AbortSignal,
   extensions: LeaseServerExtensions,
+  poolCounters: PoolCounters,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
   const counts = createLeaseCounts(sql);
-  const metrics = createMetrics({ poolSize: config.poolSize, countHeld: counts.heldTotal, logger });
+  const metrics = createMetrics({
+    poolSize: config.poolSize,
+    countHeld: counts.heldTotal,
+    logger,
+    syncReplicationCancelled: poolCounters.syncReplicationCancelled,
+  });
 
   // The probe has its own connection: a pool busy with lease work is not
   // an unreachable database.

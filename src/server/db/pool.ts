@@ -3,6 +3,7 @@
 // transaction can hold a lease row (or a pool slot) for long.
 
 import postgres from "postgres";
+import type { Logger } from "../observability/logger.js";
 
 export type Sql = postgres.Sql<{ bigint: bigint }>;
 
@@ -18,6 +19,40 @@ export interface DatabaseOptions {
   /** Seconds before an idle connection is closed. */
   idleTimeoutSeconds?: number;
   connectTimeoutSeconds?: number;
+  /** Where the server's notices go; without it they are dropped. */
+  notices?: DatabaseNotices;
+}
+
+export interface DatabaseNotices {
+  logger: Logger;
+  /** Incremented per cancelled wait for a synchronous standby (see below). */
+  syncReplicationCancelled: { inc(): void };
+}
+
+/**
+ * PostgreSQL's warning, sent instead of an error, when a COMMIT waiting for
+ * its synchronous standby is cancelled (pg_cancel_backend, or the server
+ * ending the session): the commit stands on the primary and the statement
+ * reports success, but the standby may not have it, so a failover right
+ * then can lose a lease change the client was told about (docs/failover.md).
+ * Matched on the English text (lc_messages C, as embedded PostgreSQL runs).
+ */
+export function isSyncReplicationCancelled(notice: { message?: string }): boolean {
+  return /^canceling (the )?wait for synchronous replication/.test(notice.message ?? "");
+}
+
+function noticeHandler(
+  notices: DatabaseNotices | undefined,
+  applicationName: string,
+): (notice: postgres.Notice) => void {
+  return (notice) => {
+    if (!notices || !isSyncReplicationCancelled(notice)) return;
+    notices.syncReplicationCancelled.inc();
+    notices.logger.warn(
+      { applicationName, notice: notice.message, detail: notice.detail },
+      "a commit's wait for the synchronous standby was cancelled: committed on the primary, maybe not on the standby",
+    );
+  };
 }
 
 /**
@@ -45,7 +80,7 @@ export function openDatabase(options: DatabaseOptions): Sql {
     backoff: reconnectDelaySeconds,
     types: { bigint: postgres.BigInt },
     transform: postgres.camel,
-    onnotice: () => {},
+    onnotice: noticeHandler(options.notices, options.applicationName),
     connection: {
       application_name: options.applicationName,
       statement_timeout: options.statementTimeoutMs,

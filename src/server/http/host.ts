@@ -8,11 +8,13 @@ import type http from "node:http";
 import type http2 from "node:http2";
 import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
 import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
+import type { Counter } from "prom-client";
 import type { HostConfig } from "../config/host-config.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-postgres.js";
 import { type MigrationSet, migrate } from "../db/migrate.js";
 import { openDatabase, type Sql } from "../db/pool.js";
 import type { Logger } from "../observability/logger.js";
+import { createSyncReplicationCancelledCounter } from "../observability/metrics.js";
 import { type Listener, listen, type StreamHandler } from "./listener.js";
 import { createRpcEntry } from "./rpc-entry.js";
 
@@ -62,7 +64,13 @@ export interface HostOptions {
     sql: Sql,
     shutdownSignal: AbortSignal,
     databaseUrl: string,
+    database: PoolCounters,
   ): HostedServices | Promise<HostedServices>;
+}
+
+/** Counters the pool's notice handler keeps, for the server's /metrics. */
+export interface PoolCounters {
+  syncReplicationCancelled: Counter;
 }
 
 export async function startHost(
@@ -91,6 +99,9 @@ export async function startHost(
         "applied migrations",
       );
     }
+    const counters: PoolCounters = {
+      syncReplicationCancelled: createSyncReplicationCancelledCounter(),
+    };
     sql = openDatabase({
       url: databaseUrl,
       maxConnections: config.poolSize,
@@ -98,12 +109,13 @@ export async function startHost(
       lockTimeoutMs: config.lockTimeoutMs,
       idleInTransactionTimeoutMs: config.idleInTransactionTimeoutMs,
       applicationName: options.applicationName,
+      notices: { logger, syncReplicationCancelled: counters.syncReplicationCancelled },
     });
     const shutdown = new AbortController();
     // Every in-flight call links its own signal to this one; a busy server
     // has far more than Node's default of 10 listeners, and that is no leak.
     setMaxListeners(0, shutdown.signal);
-    services = await options.build(sql, shutdown.signal, databaseUrl);
+    services = await options.build(sql, shutdown.signal, databaseUrl, counters);
     // connect-es's own bound when none is given.
     const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
     const acceptUnknownJsonFields = config.jsonUnknownFields === "accept";
