@@ -170,6 +170,8 @@ class TcpProxy:
         self._closed = False
         self._drop_answers = 0
         self.dropped_answers = 0
+        self._drop_requests = 0
+        self.dropped_requests = 0
         #: Seconds the next chunk from the server is held before it is passed on.
         self.answer_delay = 0.0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -213,6 +215,10 @@ class TcpProxy:
                             live.remove(src)  # a stalled peer notices nothing, not even a close
                             continue
                         return
+                    if src is client and self._drop_requests > 0 and len(data) >= _REQUEST_BYTES:
+                        self._drop_requests -= 1
+                        self.dropped_requests += 1
+                        return  # reset below: the request never reaches the server
                     if src is upstream and self._drop_answers > 0:
                         self._drop_answers -= 1
                         self.dropped_answers += 1
@@ -261,10 +267,21 @@ class TcpProxy:
         """The next bytes the server sends reset their connection instead."""
         self._drop_answers = 1
 
+    def drop_next_request(self) -> None:
+        """The next request the client sends (bytes enough for a call, not an
+        HTTP/2 ping or window update) resets its connection instead: the
+        client sees the reset, the server never sees the call."""
+        self._drop_requests = 1
+
     def close(self) -> None:
         self._closed = True
         self.listener.close()
         self.cut()
+
+
+#: HTTP/2 control frames a client sends on its own (PING 17 bytes, WINDOW_UPDATE
+#: 13, SETTINGS ack 9) are shorter; a unary call's HEADERS and DATA are longer.
+_REQUEST_BYTES = 64
 
 
 def _reset(sock: socket.socket) -> None:

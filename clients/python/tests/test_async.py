@@ -184,6 +184,26 @@ async def test_s2_a_retry_after_a_dropped_answer_keeps_the_token(
         assert [(e.run_id, e.fencing_token) for e in acquired] == [(h.run_id, h.fencing_token)]
 
 
+async def test_s5_a_release_whose_connection_is_reset_is_retried_on_the_same_address(
+    server: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    k = key("arelease-reset")
+    proxy = proxies(server.address)
+    c = aclients(proxy.address, token=token())
+    granted = await c.acquire(k, ttl=30.0)
+    assert granted.lease is not None
+    run_id = granted.lease.run_id
+    proxy.drop_next_request()
+    assert await c.release(k, run_id) is True
+    assert proxy.dropped_requests == 1
+    assert events_of(admin, k, run_id) == ["ACQUIRED", "RELEASED"]
+    assert admin.get(k).lease is None
+
+
 async def test_l2_an_instance_stopped_mid_hold_the_lease_is_kept_through_the_other(
     database_url: str,
     secret: str,

@@ -17,6 +17,7 @@ from leasehold import (
     NotAcquiredError,
     SessionKey,
     StaleFencingTokenError,
+    UnavailableError,
 )
 from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
 from support import Server, TcpProxy, fresh_session, keepalive_streams_ended, lease_server, wait_for
@@ -199,6 +200,50 @@ def test_s2_a_retry_after_a_dropped_answer_keeps_the_token(
         assert proxy.dropped_answers == 1
         history = [e for e in reversed(admin.history(k).events) if e.type == "ACQUIRED"]
         assert [(e.run_id, e.fencing_token) for e in history] == [(h.run_id, h.fencing_token)]
+
+
+def test_s5_a_release_whose_connection_is_reset_is_retried_on_the_same_address(
+    server: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+) -> None:
+    """S5 (idempotent release): with a single address, the proxy resets the
+    connection carrying the Release before the server sees it; the client
+    sends it again to the same address and it releases. History shows the
+    run released once."""
+    k = key("release-reset")
+    proxy = proxies(server.address)
+    c = clients(proxy.address, token=token())
+    granted = c.acquire(k, ttl=30.0)
+    assert granted.lease is not None
+    run_id = granted.lease.run_id
+    proxy.drop_next_request()
+    assert c.release(k, run_id) is True
+    assert proxy.dropped_requests == 1
+    assert events_of(admin, k, run_id) == ["ACQUIRED", "RELEASED"]
+    assert admin.get(k).lease is None
+
+
+def test_a_revoke_whose_connection_is_reset_is_not_sent_again(
+    server: Server, token: Callable[..., str], clients: Clients, proxies: Proxies
+) -> None:
+    """Revoke is not idempotent (sent again it could end a lease granted in
+    between): a reset under it is reported as UNAVAILABLE, not retried."""
+    k = key("revoke-reset")
+    proxy = proxies(server.address)
+    c = clients(proxy.address, token=token(scope="leasehold:admin"))
+    granted = c.acquire(k, ttl=30.0)
+    assert granted.lease is not None
+    run_id = granted.lease.run_id
+    proxy.drop_next_request()
+    with pytest.raises(UnavailableError) as raised:
+        c.revoke(k, reason="test")
+    assert proxy.dropped_requests == 1
+    assert [address for address, _ in raised.value.attempts] == [proxy.address]
+    state = c.get(k)
+    assert state.lease is not None and state.lease.run_id == run_id
 
 
 def test_l2_an_instance_stopped_mid_hold_the_lease_is_kept_through_the_other(

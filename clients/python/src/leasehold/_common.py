@@ -227,6 +227,26 @@ def watch_item(r: lease_pb2.WatchResponse) -> Snapshot | Event:
     return event_from(r.event)
 
 
+#: Unary calls that change nothing when sent twice: reads, and writes keyed
+#: by the caller's run id (S5: a Release can only end that run's own lease;
+#: sent again after it succeeded it answers released=false). Revoke and
+#: RequestHandoff are not among them: a second Revoke could end a lease
+#: granted in between, a second RequestHandoff records a second request.
+_IDEMPOTENT = frozenset({"Renew", "Release", "Get", "List", "History", "CheckFence"})
+
+
+def attempt_plan(method: str, request: Any, count: int, start: int) -> list[int]:
+    """The address indexes a unary call tries, in order, on UNAVAILABLE: each
+    address once from the preferred one, then, for an idempotent call, each
+    again. A connection reset under a call (a proxy or load balancer cutting
+    it) fails that call once though the same address answers the next one;
+    with a single address there is nowhere else to go. Acquire is idempotent
+    only with a run id chosen by the client (same run id, same token)."""
+    first = [(start + i) % count for i in range(count)]
+    idempotent = method in _IDEMPOTENT or (method == "Acquire" and bool(request.run_id))
+    return first + first if idempotent else first
+
+
 def unavailable_message(method: str, attempts: list[tuple[str, str]]) -> str:
     tried = "; ".join(f"{address}: {what}" for address, what in attempts)
     return f"{method}: no server instance could answer (tried {tried})"

@@ -183,22 +183,26 @@ class AsyncLeaseClient:
         return stub
 
     async def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary call, failing over to the next instance on UNAVAILABLE."""
+        """A unary call, failing over to the next instance on UNAVAILABLE;
+        an idempotent call then tries each instance once more (``attempt_plan``),
+        all within the call's one deadline."""
         if self._closed:
             raise RuntimeError("the client is closed")
         metadata = self._auth.metadata()
         attempts: list[tuple[str, str]] = []
-        count = len(self.addresses)
-        start = self._preferred
+        limit = timeout if timeout is not None else self._timeout
+        deadline = time.monotonic() + limit
         last: grpc.RpcError | None = None
-        for i in range(count):
-            index = (start + i) % count
+        plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
+        for index in plan:
+            # Every attempt, a failover or a retry, shares the call's deadline.
+            remaining = deadline - time.monotonic()
+            if attempts and remaining <= 0:
+                break
             address = self.addresses[index]
             try:
                 response = await getattr(self._stub(address), method)(
-                    request,
-                    timeout=timeout if timeout is not None else self._timeout,
-                    metadata=metadata,
+                    request, timeout=remaining, metadata=metadata
                 )
                 self._preferred = index
                 return response

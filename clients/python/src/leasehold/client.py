@@ -254,22 +254,26 @@ class LeaseClient:
         return stub
 
     def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary call, failing over to the next instance on UNAVAILABLE.
-        Every LeaseService call is safe to send twice."""
+        """A unary call, failing over to the next instance on UNAVAILABLE;
+        an idempotent call then tries each instance once more (``attempt_plan``),
+        all within the call's one deadline."""
         if self._closed:
             raise RuntimeError("the client is closed")
         metadata = self._auth.metadata()
         attempts: list[tuple[str, str]] = []
-        count = len(self.addresses)
-        start = self._preferred
-        for i in range(count):
-            index = (start + i) % count
+        limit = timeout if timeout is not None else self._timeout
+        deadline = time.monotonic() + limit
+        last: grpc.RpcError | None = None
+        plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
+        for index in plan:
+            # Every attempt, a failover or a retry, shares the call's deadline.
+            remaining = deadline - time.monotonic()
+            if attempts and remaining <= 0:
+                break
             address = self.addresses[index]
             try:
                 response = getattr(self._stub(address), method)(
-                    request,
-                    timeout=timeout if timeout is not None else self._timeout,
-                    metadata=metadata,
+                    request, timeout=remaining, metadata=metadata
                 )
                 self._preferred = index
                 return response
@@ -278,9 +282,8 @@ class LeaseClient:
                 if not isinstance(error, UnavailableError):
                     raise error from e
                 attempts.append((address, error.message))
-                last: grpc.RpcError = e
-        message = c.unavailable_message(method, attempts)
-        raise UnavailableError(message, attempts=attempts) from last
+                last = e
+        raise UnavailableError(c.unavailable_message(method, attempts), attempts=attempts) from last
 
     # LeaseService, one method per RPC
 

@@ -173,7 +173,8 @@ class ResourceExhaustedError(LeaseholdError):
 
 
 class UnavailableError(LeaseholdError):
-    """No configured instance could answer; ``attempts`` names every instance tried and why."""
+    """No configured instance could answer; ``attempts`` names every attempt's
+    instance and why it failed (an idempotent call tries each instance twice)."""
 
     def __init__(
         self,
