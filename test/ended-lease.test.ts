@@ -243,6 +243,46 @@ describe("a same-run Acquire of an ended lease is refused, never a new grant", (
     ).toEqual(["released", "revoked", "expired"]);
   });
 
+  it("S4: a run whose lease ended is refused also after another run held the key in between (single-row, batched and the store)", async () => {
+    // The key's row names the other run now: only the audit trail remembers
+    // the first run's grant. Each way of ending it, and each statement form.
+    const cases = [] as { lease: LeaseRecord; cause: "released" | "revoked" | "expired" }[];
+    for (const cause of ["released", "revoked", "expired"] as const) {
+      const lease = await grant(`again-after-other-${cause}`, cause === "expired" ? 1_000 : 30_000);
+      if (cause === "released") await store.release(lease, lease.runId);
+      if (cause === "revoked") await store.revoke(lease, "test");
+      if (cause === "expired") await untilExpired(db.sql, lease);
+      const other = await store.acquire({
+        ...acquireItem(lease),
+        runId: randomUUID(),
+        ttlMs: 1_000,
+      });
+      if (!other.acquired) throw new Error("another run must be granted");
+      // The other run ends too (by expiry), so nothing stands in the way.
+      await untilExpired(db.sql, other.lease);
+      cases.push({ lease, cause });
+    }
+    for (const { lease, cause } of cases) {
+      expect(
+        await acquireOne(db.sql, acquireItem(lease), { wait: false, maxLeasesPerAccount: 0 }),
+      ).toEqual({ outcome: "ended", cause });
+    }
+    const batched = await acquireMany(
+      db.sql,
+      cases.map(({ lease }) => acquireItem(lease)),
+      { wait: false, maxLeasesPerAccount: 0 },
+    );
+    expect(batched).toEqual(cases.map(({ cause }) => ({ outcome: "ended", cause })));
+    for (const { lease, cause } of cases) {
+      await expect(store.acquire(acquireItem(lease))).rejects.toMatchObject({
+        name: "LeaseNotHeldError",
+        reason: cause,
+      });
+      // Nothing was granted: the row still names the other run's ended lease.
+      expect((await row(lease))?.runId).not.toBe(lease.runId);
+    }
+  });
+
   it("S3: a new run still takes over an ended lease, with a larger token", async () => {
     const lease = await grant("again-new-run");
     await store.release(lease, lease.runId);

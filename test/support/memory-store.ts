@@ -204,6 +204,25 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       const k = keyString(input);
       const held = rows.get(k);
       const ttlMs = BigInt(input.ttlMs);
+      // Also after another run held the key in between: the audit trail
+      // keeps the run's grant, and its latest end says how it ended.
+      if (!held || held.runId !== input.runId) {
+        const mine = events.filter(
+          (e) =>
+            e.accountId === input.accountId &&
+            e.sessionId === input.sessionId &&
+            e.runId === input.runId,
+        );
+        if (mine.some((e) => e.type === "acquired")) {
+          const last = mine.findLast(
+            (e) => e.type === "released" || e.type === "revoked" || e.type === "expired",
+          );
+          throw endedLeaseNotReacquired(
+            input.runId,
+            (last?.type as "released" | "revoked" | "expired" | undefined) ?? "expired",
+          );
+        }
+      }
       if (held && valid(held, now) && held.runId !== input.runId) {
         return { acquired: false, current: record(held, now) } satisfies AcquireResult;
       }

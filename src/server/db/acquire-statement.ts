@@ -72,7 +72,8 @@ export type AcquireOutcome =
   | { outcome: "unknown" };
 
 interface AcquireRow extends Record<string, unknown> {
-  decision: "try" | "busy" | "quota";
+  decision: "try" | "busy" | "quota" | "ended";
+  reusedCause: EndCause | "expired" | null;
   granted: boolean;
   retried: boolean | null;
   eventId: bigint | null;
@@ -126,6 +127,12 @@ export async function acquireMany(
     state AS MATERIALIZED (
       SELECT w.*, k.idx IS NOT NULL AS locked,
              coalesce(k.expires_at > c.observed_at, false) AS own_valid,
+             CASE WHEN coalesce(k.run_id <> w.run_id, true) THEN ${earlierGrantEnd(
+               sql,
+               sql`w.account_id`,
+               sql`w.session_id`,
+               sql`w.run_id`,
+             )} END AS reused_cause,
              -- Present in the snapshot but not locked: another transaction holds it.
              k.idx IS NULL AND EXISTS (
                SELECT 1 FROM leases p
@@ -151,6 +158,7 @@ export async function acquireMany(
       SELECT s.*,
         CASE
           WHEN s.busy THEN 'busy'
+          WHEN s.reused_cause IS NOT NULL THEN 'ended'
           WHEN ${quota} > 0
             AND ah.held - s.own_valid::int + CASE WHEN s.own_valid THEN 0 ELSE s.new_before END
                 >= ${quota}
@@ -158,7 +166,9 @@ export async function acquireMany(
           ELSE 'try'
         END AS decision
       FROM (
-        SELECT s.*, count(*) FILTER (WHERE NOT s.own_valid AND NOT s.busy) OVER (
+        SELECT s.*, count(*) FILTER (
+          WHERE NOT s.own_valid AND NOT s.busy AND s.reused_cause IS NULL
+        ) OVER (
           PARTITION BY s.account_id ORDER BY s.idx
           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
         ) AS new_before
@@ -179,7 +189,7 @@ export async function acquireMany(
       RETURNING held.*
     ),
     audit AS (${grantAudit(sql)})
-    SELECT t.idx, t.decision, g.account_id IS NOT NULL AS granted,
+    SELECT t.idx, t.decision, t.reused_cause, g.account_id IS NOT NULL AS granted,
            ${leaseColumns(sql, "g")},
            g.acquired_at < lease_clock.observed_at AS retried,
            ev.acquired_id AS event_id,
@@ -212,6 +222,7 @@ export async function acquireMany(
   return rows.map((row): AcquireOutcome => {
     if (row.decision === "busy") return { outcome: "busy" };
     if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
+    if (row.decision === "ended") return { outcome: "ended", cause: row.reusedCause ?? "expired" };
     if (row.decision === "quota") return { outcome: "quota" };
     if (row.granted) return grantOf(row);
     if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
@@ -221,6 +232,7 @@ export async function acquireMany(
 
 interface OneRow extends Record<string, unknown> {
   overQuota: boolean;
+  reusedCause: EndCause | "expired" | null;
   ownEnded: boolean;
   lockedEnded: EndCause | null;
   granted: boolean;
@@ -272,6 +284,17 @@ export async function acquireOne(
         ) ELSE 0 END AS held
         FROM (SELECT count(*) FROM locked) lock_taken
       ),
+      -- After the lock (it reads \`locked\`): the requesting run's earlier
+      -- lease on this key, when the row now names another run or none.
+      reused AS MATERIALIZED (
+        SELECT CASE WHEN NOT EXISTS (SELECT 1 FROM locked k WHERE k.run_id = ${item.runId}::uuid)
+          THEN ${earlierGrantEnd(
+            sql,
+            sql`${item.accountId}::text`,
+            sql`${item.sessionId}::text`,
+            sql`${item.runId}::uuid`,
+          )} END AS cause
+      ),
       granted AS (
         INSERT INTO leases AS held
           (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
@@ -279,13 +302,14 @@ export async function acquireOne(
                nextval('lease_fencing_token'), ${item.holder},
                ${item.ttlMs}::bigint * interval '1 millisecond', c.observed_at,
                c.observed_at + ${item.ttlMs}::bigint * interval '1 millisecond'
-        FROM lease_clock c CROSS JOIN others o
-        WHERE ${quota} = 0 OR o.held < ${quota}
+        FROM lease_clock c CROSS JOIN others o CROSS JOIN reused r
+        WHERE (${quota} = 0 OR o.held < ${quota}) AND r.cause IS NULL
         ${upsertOnConflict(sql)}
         RETURNING held.*
       ),
       audit AS (${grantAudit(sql)})
       SELECT ${quota} > 0 AND o.held >= ${quota} AS over_quota,
+             (SELECT cause FROM reused) AS reused_cause,
              g.account_id IS NOT NULL AS granted,
              coalesce((SELECT ${ownEnded(sql, "k", sql`${item.runId}::uuid`)} FROM locked k), false)
                AS own_ended,
@@ -308,6 +332,7 @@ export async function acquireOne(
   if (!row) throw new Error("the acquire statement returned no row");
   if (row.granted) return grantOf(row);
   if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
+  if (row.reusedCause) return { outcome: "ended", cause: row.reusedCause };
   if (row.overQuota) return { outcome: "quota" };
   return { outcome: "refused" };
 }
@@ -381,6 +406,33 @@ function upsertOnConflict(sql: Sql) {
        -- its clock: \`ended\` says so where the older clock reading cannot.
        OR (held.run_id = EXCLUDED.run_id AND held.ended IS NULL
            AND held.expires_at > EXCLUDED.acquired_at)`;
+}
+
+/**
+ * S4 across holders: when the requesting run was granted this key before
+ * (the audit trail keeps its grant), how its lease there ended — its latest
+ * 'released', 'revoked' or 'expired' event, else 'expired' (a lease that ran
+ * out with no takeover recorded, its tombstone since collected); NULL for a
+ * run new to the key. Used only when the key's row is not the run's own, so
+ * that another run's grant in between does not make an ended run new again.
+ * Reads the statement's snapshot: a run's grant is committed long before.
+ */
+function earlierGrantEnd(
+  sql: Sql,
+  accountId: postgres.PendingQuery<postgres.Row[]>,
+  sessionId: postgres.PendingQuery<postgres.Row[]>,
+  runId: postgres.PendingQuery<postgres.Row[]>,
+) {
+  return sql`CASE WHEN EXISTS (
+      SELECT 1 FROM lease_events e
+      WHERE e.account_id = ${accountId} AND e.session_id = ${sessionId}
+        AND e.type = 'acquired' AND e.run_id = ${runId}
+    ) THEN coalesce((
+      SELECT e.type FROM lease_events e
+      WHERE e.account_id = ${accountId} AND e.session_id = ${sessionId}
+        AND e.run_id = ${runId} AND e.type IN ('released', 'revoked', 'expired')
+      ORDER BY e.id DESC LIMIT 1
+    ), 'expired') END`;
 }
 
 /**
