@@ -390,6 +390,28 @@ describe("history checker", () => {
     expect(result.violations.map((v) => v.invariant)).toEqual(["L2"]);
   });
 
+  it("L2: a run revoked before its confirmed deadline may be told taken_over (another run took the key) before it", () => {
+    const abort: HistoryRecord = {
+      type: "abort",
+      client: 0,
+      key,
+      runId: "A",
+      reason: "taken_over",
+      deadlineUs: t0 + ttlUs,
+      dbUs: t0 + 500_000,
+      dbRttUs: 1_000,
+      wallUs: t0 + 499_000,
+    };
+    const records = [grant("A", 10, t0), abort];
+    const revoked = [acquiredEvent(1, "A", 10, t0), revokedEvent(2, "A", 10, t0 + 100_000)];
+    expect(checkHistory(records, revoked).violations).toEqual([]);
+    // Without the revoke, or with it only after the report, the report is a violation.
+    const unrevoked = [acquiredEvent(1, "A", 10, t0)];
+    expect(checkHistory(records, unrevoked).violations.map((v) => v.invariant)).toEqual(["L2"]);
+    const later = [acquiredEvent(1, "A", 10, t0), revokedEvent(2, "A", 10, t0 + 600_000)];
+    expect(checkHistory(records, later).violations.map((v) => v.invariant)).toContain("L2");
+  });
+
   it("audit: flags a grant the database never recorded, and one recorded twice", () => {
     expect(invariants([grant("A", 10, t0)], [])).toEqual(["audit"]);
     const twice = [acquiredEvent(1, "A", 10, t0), acquiredEvent(2, "A", 10, t0)];

@@ -409,14 +409,26 @@ export function checkHistory(
   let l2Excused = 0;
   let l2WithinLatency = 0;
   let l2Checked = 0;
+  // A revoke ends a lease before its deadline; the run's stream then says
+  // `revoked`, or `taken_over` once another run was granted the key.
+  const revokedAt = new Map<string, number>();
+  for (const e of events) {
+    if (e.type !== "revoked") continue;
+    revokedAt.set(e.runId, Math.min(e.atUs, revokedAt.get(e.runId) ?? e.atUs));
+  }
   for (const r of records) {
     if (r.type !== "abort") continue;
     l2Checked += 1;
     const latest = r.dbUs ?? r.wallUs;
     const earliest = r.dbUs !== undefined ? r.dbUs - (r.dbRttUs ?? 0) : r.wallUs;
-    // A "lost" the server sent is a claim that the lease had expired: it
-    // cannot come before the deadline the client saw confirmed.
-    if ((r.reason === "expired" || r.reason === "taken_over") && latest < r.deadlineUs) {
+    const revoked = revokedAt.get(r.runId);
+    // A "lost" the server sent is a claim that the lease had expired (or was
+    // revoked): it cannot come before the deadline the client saw confirmed.
+    if (
+      (r.reason === "expired" || r.reason === "taken_over") &&
+      latest < r.deadlineUs &&
+      (revoked === undefined || revoked > latest)
+    ) {
       flag(
         "L2",
         r.key,
