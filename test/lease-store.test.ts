@@ -292,6 +292,61 @@ describe("a decision that waited on a row lock", () => {
     return { runId: granted.lease.runId, answer: await decision, key };
   }
 
+  it("S4, audit order: a release or revoke that read its clock before a renewal it then waited behind ends the lease no earlier than that renewal's reading", async () => {
+    for (const how of ["released", "revoked"] as const) {
+      const key = freshKey(`end-after-renewal-${how}`);
+      const granted = await acquire(store, key);
+      if (!granted.acquired) throw new Error("not granted");
+      // Another transaction holds the row; the end reads its clock and waits;
+      // only then does that transaction renew the lease (a later clock
+      // reading) and commit, so the end decides on the renewed version.
+      const conn = db.connect(1);
+      let locked!: () => void;
+      const isLocked = new Promise<void>((resolve) => {
+        locked = resolve;
+      });
+      let renew!: () => void;
+      const renewNow = new Promise<void>((resolve) => {
+        renew = resolve;
+      });
+      const renewal = conn.begin(async (t) => {
+        await t`SELECT 1 FROM leases
+                WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} FOR UPDATE`;
+        locked();
+        await renewNow;
+        const [r] = await t<{ readingUs: bigint }[]>`
+          UPDATE leases SET expires_at = clock_timestamp() + ttl
+          WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}
+          RETURNING (extract(epoch FROM expires_at - ttl) * 1000000)::bigint AS reading_us`;
+        return r?.readingUs;
+      });
+      await isLocked;
+      const ended =
+        how === "released" ? store.release(key, granted.lease.runId) : store.revoke(key, "test");
+      await waitFor(
+        async () =>
+          (
+            await db.sql`SELECT 1 FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'`
+          ).length > 0,
+        { what: `the ${how} statement to wait on the row lock` },
+      );
+      renew();
+      const renewedAtUs = await renewal;
+      await conn.end({ timeout: 1 });
+      expect(await ended).toBeDefined();
+      if (renewedAtUs === undefined) throw new Error("the renewal renewed nothing");
+      const [end] = await db.sql<{ endUs: bigint; eventUs: bigint }[]>`
+        SELECT (extract(epoch FROM l.expires_at) * 1000000)::bigint AS end_us,
+               (extract(epoch FROM e.at) * 1000000)::bigint AS event_us
+        FROM leases l JOIN lease_events e USING (account_id, session_id)
+        WHERE l.account_id = ${key.accountId} AND l.session_id = ${key.sessionId}
+          AND e.type = ${how}`;
+      expect(end?.endUs).toBeGreaterThanOrEqual(renewedAtUs);
+      expect(end?.eventUs).toBeGreaterThanOrEqual(renewedAtUs);
+    }
+  });
+
   it("S5: a release waiting for a renewal of its own lease ends it", async () => {
     const { runId, answer, key } = await decidedAfterARenewal("wait-release", (k, run) =>
       store.release(k, run),

@@ -245,7 +245,10 @@ export function checkHistory(
         );
       }
       const end = grantEnd.get(`${r.runId}:${r.token}`);
-      if (end && renewedAt >= end.atUs) {
+      // An end records no time before the last renewal of the row it ends
+      // (a Release or Revoke that waited behind that renewal's row lock read
+      // its clock first): a renewal at the end's very instant preceded it.
+      if (end && renewedAt > end.atUs) {
         flag(
           "S4",
           r.key,

@@ -172,8 +172,9 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
   }
 
   function end(row: Row, how: "released" | "revoked", now: bigint, reason: string | null) {
-    // As in SQL: never before the grant began.
-    row.expiresAtUs = now > row.acquiredAtUs ? now : row.acquiredAtUs;
+    // As in SQL: never before the last grant or renewal's clock reading.
+    const lastReading = row.expiresAtUs - row.ttlMs * 1000n;
+    row.expiresAtUs = now > lastReading ? now : lastReading;
     row.ended = how;
     const event = audit(row, how, row.expiresAtUs, reason);
     return { ...record(row, now), eventId: event.id } satisfies EndedLease;

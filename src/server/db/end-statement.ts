@@ -13,7 +13,10 @@
 // S1, S6: a statement that locked a row at its latest version may find a
 //     lease granted after this statement's clock reading; ending it before
 //     it began would put this grant's interval out of order with the next
-//     one's, so the end is never before acquired_at.
+//     one's, so the end is never before acquired_at. Nor before the clock
+//     reading of the last renewal (expires_at − ttl, at least acquired_at):
+//     an end that waited behind that renewal's row lock comes after it, and
+//     the audit trail says so (the fault checkers order by these times).
 // S8: rows are locked in key order with SKIP LOCKED unless `wait`: a row
 //     another transaction holds is answered `busy` and tried alone.
 
@@ -82,7 +85,7 @@ export async function endMany(
     ended AS (
       -- The locked row versions, by ctid: stable while the lock is held.
       UPDATE leases AS held
-      SET expires_at = greatest(lease_clock.observed_at, held.acquired_at), ended = k.ended
+      SET expires_at = greatest(lease_clock.observed_at, held.expires_at - held.ttl), ended = k.ended
       FROM locked k, lease_clock
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
         AND held.ctid = k.row_id AND held.ended IS NULL
@@ -157,7 +160,7 @@ export async function endOne(
       -- UPDATE does in READ COMMITTED) where one by ctid would not see it.
       ended AS (
         UPDATE leases AS held
-        SET expires_at = greatest(lease_clock.observed_at, held.acquired_at),
+        SET expires_at = greatest(lease_clock.observed_at, held.expires_at - held.ttl),
             ended = ${item.ended}
         FROM locked k, lease_clock
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
