@@ -416,6 +416,13 @@ function upsertOnConflict(sql: Sql) {
  * run new to the key. Used only when the key's row is not the run's own, so
  * that another run's grant in between does not make an ended run new again.
  * Reads the statement's snapshot: a run's grant is committed long before.
+ *
+ * The grant lookup is a scalar subquery with LIMIT 1, not EXISTS: PostgreSQL
+ * may plan a correlated EXISTS as a hashed subplan that reads every grant
+ * of the table once per statement (it did for the batched form on a table
+ * without statistics: a quarter of the cycle rate at 32 callers, worse as
+ * the history grew); a scalar subquery is always one index probe per row
+ * (test/acquire-probe.test.ts).
  */
 function earlierGrantEnd(
   sql: Sql,
@@ -423,10 +430,11 @@ function earlierGrantEnd(
   sessionId: postgres.PendingQuery<postgres.Row[]>,
   runId: postgres.PendingQuery<postgres.Row[]>,
 ) {
-  return sql`CASE WHEN EXISTS (
-      SELECT 1 FROM lease_events e
+  return sql`CASE WHEN (
+      SELECT true FROM lease_events e
       WHERE e.account_id = ${accountId} AND e.session_id = ${sessionId}
         AND e.type = 'acquired' AND e.run_id = ${runId}
+      LIMIT 1
     ) THEN coalesce((
       SELECT e.type FROM lease_events e
       WHERE e.account_id = ${accountId} AND e.session_id = ${sessionId}
