@@ -133,11 +133,13 @@ export async function acquireMany(
                sql`w.session_id`,
                sql`w.run_id`,
              )} END AS reused_cause,
-             -- Present in the snapshot but not locked: another transaction holds it.
-             k.idx IS NULL AND EXISTS (
-               SELECT 1 FROM leases p
+             -- Present in the snapshot but not locked: another transaction
+             -- holds it. A scalar subquery, never hashed (see earlierGrantEnd).
+             k.idx IS NULL AND coalesce((
+               SELECT true FROM leases p
                WHERE p.account_id = w.account_id AND p.session_id = w.session_id
-             ) AS busy
+               LIMIT 1
+             ), false) AS busy
       FROM wanted w CROSS JOIN lease_clock c LEFT JOIN locked k ON k.idx = w.idx
     ),
     account_held AS MATERIALIZED (

@@ -106,15 +106,17 @@ export async function endMany(
            -- Valid and matching in the snapshot, yet not locked: another
            -- transaction holds the row. Or locked, yet not ended: the row
            -- version locked was made by a transaction that committed after
-           -- the snapshot, which the UPDATE cannot see.
-           e.idx IS NULL AND (k.idx IS NOT NULL OR EXISTS (
-             SELECT 1 FROM leases p
+           -- the snapshot, which the UPDATE cannot see. A scalar subquery,
+           -- never hashed (acquire-statement.ts, earlierGrantEnd).
+           e.idx IS NULL AND (k.idx IS NOT NULL OR coalesce((
+             SELECT true FROM leases p
              WHERE p.account_id = w.account_id AND p.session_id = w.session_id
                AND (w.run_id IS NULL OR p.run_id = w.run_id) AND p.ended IS NULL
                AND p.expires_at > lease_clock.observed_at
                AND (w.grant_token IS NULL OR (p.fencing_token = w.grant_token
                     AND (extract(epoch FROM p.expires_at) * 1000000)::bigint = w.grant_expires_us))
-           )) AS busy
+             LIMIT 1
+           ), false)) AS busy
     FROM wanted w
     CROSS JOIN lease_clock
     LEFT JOIN ended e ON e.idx = w.idx
