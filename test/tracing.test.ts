@@ -10,7 +10,8 @@
 //   account and the outcome; the session id only with --trace-session-keys.
 //   Each call's requests carry its span into the batched statement: the
 //   statement that decided a Get or a KeepAlive renewal links to its span.
-// - The caller's W3C traceparent is continued.
+// - The caller's W3C traceparent is continued, from a raw header and from
+//   the client library's `traceparent` option.
 // - A group-committed statement is one span linked to every call of its
 //   batch: a table lock holds the first Acquire's statement in flight while
 //   two more Acquires queue behind it and then go out together.
@@ -48,7 +49,7 @@ import { testServerArgs } from "./support/server.js";
 import { bearer, createTestKeys, type TestKeys } from "./support/tokens.js";
 import { waitFor, within } from "./support/wait.js";
 
-const { db, startServer, defer } = useTestDatabase();
+const { db, startServer, libraryClient, defer } = useTestDatabase();
 const exporter = new InMemorySpanExporter();
 const provider = new BasicTracerProvider({ spanProcessors: [new SimpleSpanProcessor(exporter)] });
 let keys: TestKeys;
@@ -215,6 +216,27 @@ for (const mode of ["native", "connect"] as const) {
           expect(span.parentSpanContext?.spanId, `${protocol} ${method}`).toBe(parentId);
           expect(span.parentSpanContext?.isRemote).toBe(true);
         }
+      }
+    });
+
+    it("the client library's traceparent option continues the caller's trace (gRPC and Connect)", async () => {
+      const token = await keys.token(account);
+      for (const protocol of ["grpc", "connect"] as const) {
+        const traceId = randomHex(16);
+        const parentId = randomHex(8);
+        const client = libraryClient({
+          baseUrl: server().url,
+          protocol,
+          token,
+          traceparent: () => `00-${traceId}-${parentId}-01`,
+        });
+        await client.get({ key: { accountId: account, sessionId: `library-${mode}` } });
+        const span = await waitFor(
+          () => finished().find((s) => s.spanContext().traceId === traceId),
+          { what: `${protocol}: the span of the library's Get in trace ${traceId}` },
+        );
+        expect(span.name).toBe("leasehold.v1.LeaseService/Get");
+        expect(span.parentSpanContext?.spanId).toBe(parentId);
       }
     });
 
