@@ -111,6 +111,8 @@ function untilExpired<T>(
   cancelled: ConnectError,
 ): AsyncIterable<T> {
   const it = source[Symbol.asyncIterator]();
+  // Made once: no function per message.
+  const read = () => it.next();
   let expired: ConnectError | undefined;
   let rejectPending: ((error: unknown) => void) | undefined;
   call.onExpired((error) => {
@@ -136,18 +138,16 @@ function untilExpired<T>(
       }
       return new Promise<IteratorResult<T>>((resolve, reject) => {
         rejectPending = reject;
-        call
-          .run(() => it.next())
-          .then(
-            (r) => {
-              rejectPending = undefined;
-              resolve(r);
-            },
-            (error: unknown) => {
-              rejectPending = undefined;
-              reject(error);
-            },
-          );
+        call.run(read).then(
+          (r) => {
+            rejectPending = undefined;
+            resolve(r);
+          },
+          (error: unknown) => {
+            rejectPending = undefined;
+            reject(error);
+          },
+        );
       });
     },
     return: (value?: unknown) => {
