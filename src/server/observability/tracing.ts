@@ -80,8 +80,6 @@ export interface Tracing {
    * requests made inside it (and in what it starts) join link to the span.
    */
   within<T>(span: Span, work: () => T): T;
-  /** `listener`, run as part of the call of `span` whoever calls it (an event emitter). */
-  bind<A extends unknown[]>(span: Span, listener: (...args: A) => void): (...args: A) => void;
   readonly statements: StatementTracing;
   /** Exports the spans still buffered and stops the exporters. */
   shutdown(): Promise<void>;
@@ -144,10 +142,6 @@ export function createTracing(options: TracingOptions): Tracing {
       return tracer.startSpan(name, { kind: SpanKind.SERVER, attributes }, parent);
     },
     within,
-    bind(span, listener) {
-      if (!span.isRecording()) return listener;
-      return (...args) => within(span, () => listener(...args));
-    },
     statements,
     shutdown: async () => {
       await own?.shutdown();
