@@ -60,4 +60,5 @@ export {
   type FailoverEvent,
   type Protocol,
   type TransportOptions,
+  traceparentInterceptor,
 } from "./transport.js";

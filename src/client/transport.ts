@@ -25,6 +25,14 @@ export interface TransportOptions {
   token?: string | (() => string | Promise<string>);
   /** Interceptors run on every call, after the bearer token is set. */
   interceptors?: Interceptor[];
+  /**
+   * The W3C `traceparent` of a call, sent as its header; called as each
+   * call starts, in the caller's async context, so it can read the active
+   * OpenTelemetry context. Return undefined or "" to send none. The library
+   * imports no OpenTelemetry package: with `@opentelemetry/api`,
+   * `traceparentFromActiveContext` of the guide (docs/client.md) is five lines.
+   */
+  traceparent?: () => string | undefined;
   /** Timeout of a unary call without its own, in ms; default 10 000. */
   defaultTimeoutMs?: number;
 }
@@ -48,10 +56,20 @@ export function bearerTokenInterceptor(
   };
 }
 
+/** Sets the `traceparent` header of every call from `traceparent()`, when it returns one. */
+export function traceparentInterceptor(traceparent: () => string | undefined): Interceptor {
+  return (next) => (req) => {
+    const value = traceparent();
+    if (value !== undefined && value !== "") req.header.set("traceparent", value);
+    return next(req);
+  };
+}
+
 /** Builds a transport to one server instance with its own connection. */
 export function createEndpoint(baseUrl: string, options: TransportOptions = {}): Endpoint {
   const interceptors = [
     ...(options.token !== undefined ? [bearerTokenInterceptor(options.token)] : []),
+    ...(options.traceparent !== undefined ? [traceparentInterceptor(options.traceparent)] : []),
     ...(options.interceptors ?? []),
   ];
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;

@@ -10,6 +10,7 @@
 // waiting Acquire); authentication; the interceptors; the routes.
 
 import { randomUUID } from "node:crypto";
+import type { TracerProvider } from "@opentelemetry/api";
 import { Health } from "../gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { LimitName } from "../protocol/errors.js";
@@ -50,6 +51,7 @@ import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
 import { policyInterceptor } from "./rpc/policy-interceptor.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
+import { tracingStep } from "./rpc/tracing-step.js";
 import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
 import { createExpiryTracker, type ExpiryTracker } from "./streams/expiry-tracker.js";
 import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
@@ -85,6 +87,12 @@ export interface LeaseServer extends RunningServer {
 export interface LeaseServerExtensions {
   /** Steps added to the call policy, run on every path after the built-in ones. */
   policySteps?: readonly PolicyStep[];
+  /**
+   * With tracing on (--tracing on), the provider spans go to instead of one
+   * built from the OTEL_* variables (a test's in-memory exporter); the
+   * server does not shut it down. Ignored with tracing off.
+   */
+  tracerProvider?: TracerProvider;
 }
 
 export async function startServer(
@@ -126,6 +134,20 @@ async function buildLeaseServer(
   poolCounters: PoolCounters,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
+  // Tracing (observability/tracing.ts), only when on: off, its module (the
+  // OpenTelemetry SDK) is not even loaded, and nothing below holds a tracer.
+  const tracing = config.tracing.enabled
+    ? (await import("./observability/tracing.js")).createTracing({
+        exporters: config.tracing.exporters,
+        provider: extensions.tracerProvider,
+      })
+    : undefined;
+  if (tracing) {
+    logger.info(
+      { exporters: extensions.tracerProvider ? ["given"] : config.tracing.exporters },
+      "tracing on",
+    );
+  }
   const counts = createLeaseCounts(sql);
   const metrics = createMetrics({
     poolSize: config.poolSize,
@@ -190,11 +212,16 @@ async function buildLeaseServer(
     // Twice the statement timeout: a statement the database runs (lock
     // waits included) has answered by then, one on a dead connection has not.
     unansweredAfterMs: 2 * config.statementTimeoutMs,
+    tracer: tracing?.statements,
   });
   const store = withMetrics(withPublishing(sqlStore, feed), metrics);
 
   const tracker = createExpiryTracker({ store, feed, logger });
-  const batcher = createRenewalBatcher({ store, tickMs: tuning.renewTickMs });
+  const batcher = createRenewalBatcher({
+    store,
+    tickMs: tuning.renewTickMs,
+    tracer: tracing?.statements,
+  });
   const keepAlive = createKeepAliveHub({
     batcher,
     feed,
@@ -224,6 +251,8 @@ async function buildLeaseServer(
     tracker.close();
     // Publishes what is queued, then stops listening.
     await feed.close();
+    // Exports the spans still buffered.
+    await tracing?.shutdown();
   };
   // Receivers subscribe before changes start to flow.
   try {
@@ -265,11 +294,16 @@ async function buildLeaseServer(
     fenceScope: auth.fenceScope,
     limits,
   });
+  // Tracing first: its span covers the other steps, and its `around` holds
+  // the handler and everything after it.
   const policy = createCallPolicy({
     observer,
     access,
     watchSlots,
-    steps: extensions.policySteps,
+    steps: [
+      ...(tracing ? [tracingStep(tracing, { sessionKeys: config.tracing.sessionKeys })] : []),
+      ...(extensions.policySteps ?? []),
+    ],
   });
   const interceptors = [policyInterceptor(policy)];
 

@@ -14,6 +14,7 @@ import {
 import { checkExposure, type OpsConfig, opsSettings, parseOpsConfig } from "./ops-config.js";
 import { ConfigError, readSettings, type Setting } from "./settings.js";
 import { parseStreamTuning, type StreamTuning, streamSettings } from "./stream-config.js";
+import { parseTracingConfig, type TracingConfig, tracingSettings } from "./tracing-config.js";
 
 /** The built web page of this package (vite's output), served at `/`. */
 export const defaultWebDir = fileURLToPath(new URL("../../../web/dist/", import.meta.url));
@@ -29,6 +30,8 @@ export interface ServerConfig extends HostConfig {
    * or, like every other protocol, the Connect adapter.
    */
   grpcPath: "native" | "connect";
+  /** OpenTelemetry spans (tracing-config.ts); off by default. */
+  tracing: TracingConfig;
 }
 
 export const leaseServerDefaults: HostDefaults = {
@@ -44,6 +47,7 @@ export const serverSettings = {
   "max-wait": { env: "LEASEHOLD_MAX_WAIT", help: "longest Acquire wait (default 5m)" },
   ...streamSettings,
   ...opsSettings,
+  ...tracingSettings,
   "grpc-path": {
     env: "LEASEHOLD_GRPC_PATH",
     help: "native (default) or connect: what serves gRPC clients' LeaseService calls",
@@ -78,6 +82,7 @@ export function parseServerConfig(
     streams: parseStreamTuning(read),
     webDir: read.get("web-dir") ?? defaultWebDir,
     grpcPath: parseGrpcPath(read.get("grpc-path")),
+    tracing: parseTracingConfig(read, env),
   };
 }
 

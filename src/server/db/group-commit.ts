@@ -16,6 +16,26 @@
 // after a statement was sent waits for the next one, as every call does, so
 // it never gets an answer read before it arrived. Without this, N Gets of a
 // hot key took N statements one after the other, the queue rescanned for each.
+//
+// With tracing on (`tracer`), a call's trace context is taken when it joins
+// the queue, and each statement is a span linked to every call it decides;
+// off, the tracer is undefined and that is all it costs.
+
+/**
+ * Traces group-committed statements (observability/tracing.ts); unset when
+ * tracing is off.
+ */
+export interface StatementTracer {
+  /** The traced call whose code runs now, to be linked from the statement that decides it. */
+  link(): object | undefined;
+  /** Runs one statement of `rows` rows as a span linked to `links` (the calls it decides). */
+  statement<T>(
+    operation: string,
+    links: readonly object[],
+    rows: number,
+    run: () => Promise<T>,
+  ): Promise<T>;
+}
 
 export interface GroupCommitOptions<I, R> {
   /** Runs one statement for `items` (distinct keys); resolves with a result per item, in order. */
@@ -28,6 +48,9 @@ export interface GroupCommitOptions<I, R> {
   maxInFlight: number;
   /** Calls of one key waiting for the same statement share its answer (reads only). */
   shareByKey?: boolean;
+  /** Tracing of the statements, named `operation` (unset: tracing off). */
+  tracer?: StatementTracer;
+  operation?: string;
 }
 
 export interface GroupCommitStats {
@@ -53,10 +76,13 @@ interface Queued<I, R> {
   reject(error: unknown): void;
   /** Calls of the same key that share this one's answer (shareByKey). */
   sharing?: Queued<I, R>[];
+  /** The call's trace context, when tracing is on and the call is traced. */
+  link?: object;
 }
 
 export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): GroupCommit<I, R> {
-  const { run, keyOf, maxBatch, maxInFlight } = options;
+  const { run, keyOf, maxBatch, maxInFlight, tracer } = options;
+  const operation = options.operation ?? "statement";
   let queue: Queued<I, R>[] = [];
   let inFlight = 0;
   const stats: GroupCommitStats = { statements: 0, items: 0, queued: 0, shared: 0 };
@@ -116,7 +142,12 @@ export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): Grou
       stats.statements += 1;
       stats.items += batch.length;
       inFlight += 1;
-      run(batch.map((q) => q.item)).then(
+      const items = batch.map((q) => q.item);
+      const links = tracer === undefined ? undefined : linksOf(batch);
+      (links === undefined || links.length === 0
+        ? run(items)
+        : (tracer as StatementTracer).statement(operation, links, items.length, () => run(items))
+      ).then(
         (results) => {
           inFlight -= 1;
           for (let i = 0; i < batch.length; i++) {
@@ -148,11 +179,23 @@ export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): Grou
     }
   }
 
+  // Every call a statement decides, the ones sharing an answer included.
+  function linksOf(batch: readonly Queued<I, R>[]): object[] {
+    const links: object[] = [];
+    for (const q of batch) {
+      if (q.link) links.push(q.link);
+      for (const s of q.sharing ?? []) if (s.link) links.push(s.link);
+    }
+    return links;
+  }
+
   return {
     stats,
     submit(item) {
       return new Promise<R>((resolve, reject) => {
-        queue.push({ item, key: keyOf(item), resolve, reject });
+        const queued: Queued<I, R> = { item, key: keyOf(item), resolve, reject };
+        if (tracer !== undefined) queued.link = tracer.link();
+        queue.push(queued);
         stats.queued = queue.length;
         flush();
       });

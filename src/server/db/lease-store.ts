@@ -37,7 +37,7 @@ import type {
 import { acquireMany, acquireOne } from "./acquire-statement.js";
 import { classifyDatabaseError } from "./database-errors.js";
 import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
-import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
+import { createGroupCommit, type GroupCommitStats, type StatementTracer } from "./group-commit.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 import type { Sql } from "./pool.js";
 import { renewMany, renewOne } from "./renew-statement.js";
@@ -57,6 +57,8 @@ export interface LeaseStoreOptions {
    * it, until TCP gives up.
    */
   unansweredAfterMs?: number;
+  /** Traces each group-committed statement, linked to the calls it decides (unset: tracing off). */
+  tracer?: StatementTracer;
 }
 
 /** The statements and rows of each group-committed kind, for tests and benchmarks. */
@@ -90,6 +92,7 @@ export function createLeaseStore(
   const maxBatch = options.maxBatch ?? 500;
   const maxInFlight = options.maxInFlight ?? 1;
   const quota = { maxLeasesPerAccount };
+  const tracer = options.tracer;
 
   const unansweredAfterMs = options.unansweredAfterMs ?? 0;
   const unanswered = () =>
@@ -151,6 +154,8 @@ export function createLeaseStore(
     keyOf,
     maxBatch,
     maxInFlight,
+    tracer,
+    operation: "acquire",
   });
   const releaseBatch = createGroupCommit({
     run: batch(
@@ -160,6 +165,8 @@ export function createLeaseStore(
     keyOf,
     maxBatch,
     maxInFlight,
+    tracer,
+    operation: "release",
   });
   const renewBatch = createGroupCommit({
     run: batch(
@@ -169,6 +176,8 @@ export function createLeaseStore(
     keyOf,
     maxBatch,
     maxInFlight,
+    tracer,
+    operation: "renew",
   });
   const getBatch = createGroupCommit<SessionKey, LeaseRecord | undefined>({
     run: (keys) => run(() => getMany(sql, keys)),
@@ -177,6 +186,8 @@ export function createLeaseStore(
     maxInFlight,
     // Gets of one key waiting together share one reading of it.
     shareByKey: true,
+    tracer,
+    operation: "get",
   });
 
   const stillLocked = () =>

@@ -4,7 +4,9 @@
 // native gRPC path, grpc-native.ts and native-streams.ts). Written once, in
 // order:
 //
-//   begin    observation (call-observer.ts: request id, latency, log line)
+//   begin    observation (call-observer.ts: request id, latency, log line);
+//            the steps' begin (tracing starts the call's span here,
+//            tracing-step.ts)
 //   admit    authentication (the bearer token, the method's scope); a stream
 //            is then timed to end with UNAUTHENTICATED at its token's expiry
 //            (past the verifier's clock tolerance), without waiting for
@@ -15,6 +17,8 @@
 //   watch    the per-account Watch quota, given back when the call ends
 //   end      error mapping (error-codes.ts) with the request id, observation
 //            recorded, end hooks run
+//   run      the handler, inside what the steps' `around` sets up (tracing:
+//            the call's span, for the statements its requests join)
 //
 // The adapters only move bytes and messages. A step added to `steps` runs on
 // every path by construction (test/call-policy.test.ts checks that), and so
@@ -45,6 +49,8 @@ export interface PolicyCallInfo {
   readonly requestId: string;
   /** The caller once known; undefined before admission and in development mode. */
   readonly principal: Principal | undefined;
+  /** A request header (lower-case name), or null. */
+  header(name: string): string | null;
 }
 
 /**
@@ -53,12 +59,23 @@ export interface PolicyCallInfo {
  * table gives it its code.
  */
 export interface PolicyStep {
+  /** Once per call, first, before authentication; cannot refuse the call. */
+  begin?(call: PolicyCallInfo): void;
   /** Once per call, after authentication, before its first request message. */
   admit?(call: PolicyCallInfo): void | Promise<void>;
-  /** Each request message, after the access check. */
+  /**
+   * Each request message, after the access check. A step that returns no
+   * promise keeps a message that needs none synchronous (a KeepAlive
+   * stream's later renewals).
+   */
   message?(call: PolicyCallInfo, message: object): void | Promise<void>;
   /** Once, when the call ends, with its code (undefined: OK). */
   end?(call: PolicyCallInfo, code: Code | undefined): void;
+  /**
+   * Runs `work` (the call's handler, or a part of a stream's) inside this
+   * step's context for the call, and returns what it returns.
+   */
+  around?<T>(call: PolicyCallInfo, work: () => T): T;
 }
 
 export interface PolicyCall extends PolicyCallInfo {
@@ -74,6 +91,14 @@ export interface PolicyCall extends PolicyCallInfo {
   enterWatch(account: string): void;
   /** Runs `hook` once when the call ends; at once when it already has. */
   onEnd(hook: () => void): void;
+  /**
+   * Runs `work` inside the steps' `around`, in order (the first step's
+   * outermost); without such steps, just calls it. The adapters run the
+   * handler, and what reaches it later from the connection, through this.
+   */
+  run<T>(work: () => T): T;
+  /** `listener`, run through `run` whoever calls it; itself when no step has `around`. */
+  bind<A extends unknown[]>(listener: (...args: A) => void): (...args: A) => void;
   /**
    * Called once, when a stream's token expires before the call ended: the
    * adapter ends the call with the given error.
@@ -106,9 +131,23 @@ export interface CallPolicy {
   }): PolicyCall;
 }
 
+/** The steps, sorted once by the hooks they have. */
+interface Steps {
+  all: readonly PolicyStep[];
+  begin: readonly PolicyStep[];
+  message: readonly PolicyStep[];
+  around: readonly PolicyStep[];
+}
+
 export function createCallPolicy(options: CallPolicyOptions): CallPolicy {
   const { observer, access, watchSlots } = options;
-  const steps = options.steps ?? [];
+  const all = options.steps ?? [];
+  const steps: Steps = {
+    all,
+    begin: all.filter((s) => s.begin),
+    message: all.filter((s) => s.message),
+    around: all.filter((s) => s.around),
+  };
   return {
     begin: (init) => {
       const observed = observer.begin(
@@ -116,7 +155,9 @@ export function createCallPolicy(options: CallPolicyOptions): CallPolicy {
         init.method.name,
         init.header(requestIdHeader),
       );
-      return new Call(init, observed, access, watchSlots, steps);
+      const call = new Call(init, observed, access, watchSlots, steps);
+      for (const step of steps.begin) step.begin?.(call);
+      return call;
     },
   };
 }
@@ -127,7 +168,7 @@ class Call implements PolicyCall {
   readonly protocol: string;
   private readonly streaming: boolean;
   private readonly input: DescMessage;
-  private readonly header: (name: string) => string | null;
+  readonly header: (name: string) => string | null;
   private readonly decided = new Map<string, number>();
   private caller: Principal | undefined;
   private admitted = false;
@@ -143,7 +184,7 @@ class Call implements PolicyCall {
     private readonly observed: ObservedCall,
     private readonly access: Access,
     private readonly watchSlots: AccountSlots,
-    private readonly steps: readonly PolicyStep[],
+    private readonly steps: Steps,
   ) {
     this.service = init.service.typeName;
     this.method = init.method.name;
@@ -173,7 +214,7 @@ class Call implements PolicyCall {
       this.observed.principal = this.caller;
       this.scheduleExpiry();
     }
-    for (const step of this.steps) if (step.admit) await step.admit(this);
+    for (const step of this.steps.all) if (step.admit) await step.admit(this);
   }
 
   message(message: object): void | Promise<void> {
@@ -197,13 +238,42 @@ class Call implements PolicyCall {
         this.watchSlotFor(principal);
       }
     }
-    const withSteps = this.steps.filter((s) => s.message);
+    const withSteps = this.steps.message;
     if (withSteps.length === 0) return pending as Promise<void> | undefined;
-    const run = async () => {
-      await pending;
-      for (const step of withSteps) await step.message?.(this, message);
-    };
-    return run();
+    if (pending) {
+      return pending.then(() => this.stepsFrom(withSteps, 0, message));
+    }
+    return this.stepsFrom(withSteps, 0, message);
+  }
+
+  // The message steps from `first` on, in order: synchronous until one
+  // returns a promise, the rest after it settles.
+  private stepsFrom(
+    steps: readonly PolicyStep[],
+    first: number,
+    message: object,
+  ): void | Promise<void> {
+    for (let i = first; i < steps.length; i++) {
+      const done = steps[i]?.message?.(this, message);
+      if (done instanceof Promise) return done.then(() => this.stepsFrom(steps, i + 1, message));
+    }
+  }
+
+  run<T>(work: () => T): T {
+    const around = this.steps.around;
+    if (around.length === 0) return work();
+    return this.around(around, 0, work);
+  }
+
+  private around<T>(steps: readonly PolicyStep[], i: number, work: () => T): T {
+    const step = steps[i];
+    if (step?.around === undefined) return work();
+    return step.around(this, () => this.around(steps, i + 1, work));
+  }
+
+  bind<A extends unknown[]>(listener: (...args: A) => void): (...args: A) => void {
+    if (this.steps.around.length === 0) return listener;
+    return (...args) => this.run(() => listener(...args));
   }
 
   enterWatch(account: string): void {
@@ -243,7 +313,7 @@ class Call implements PolicyCall {
     }
     this.observed.end(code, this.answer);
     for (const hook of this.endHooks.splice(0)) hook();
-    for (const step of this.steps) step.end?.(this, code);
+    for (const step of this.steps.all) step.end?.(this, code);
     return this.answer;
   }
 

@@ -94,8 +94,9 @@ export function createNativeGrpc(
     if (encoding !== undefined && encoding !== "identity") return false;
     const call = new NativeCall(route, stream, headers, options);
     if (call.ended) return true; // a bad grpc-timeout, already answered
+    // What the handler starts runs inside the policy's steps (tracing).
     if (route.unary) serveUnary(call, route.unary);
-    else route.stream?.(call);
+    else call.policy.run(() => route.stream?.(call));
     return true;
   };
 }
@@ -129,14 +130,16 @@ function serveUnary(call: NativeCall, fn: UnaryFn): void {
       return;
     }
     const request = message;
-    void (async () => {
-      await call.authenticate();
-      await call.check(request);
-      return fn(request, call.context);
-    })().then(
-      (response) => call.replyOnce(encodeFrame(call.method.output, response)),
-      (error: unknown) => call.end(error),
-    );
+    void call.policy
+      .run(async () => {
+        await call.authenticate();
+        await call.check(request);
+        return fn(request, call.context);
+      })
+      .then(
+        (response) => call.replyOnce(encodeFrame(call.method.output, response)),
+        (error: unknown) => call.end(error),
+      );
   });
 }
 
@@ -209,14 +212,17 @@ export class NativeCall {
     return new FrameReader<T>(this.method.input, this.options.maxMessageBytes, fast);
   }
 
+  // Listeners of the stream's events run through the policy's `run`: the
+  // connection, not the call, emits them.
   onData(listener: (chunk: Buffer) => void): void {
-    this.stream.on("data", listener);
+    this.stream.on("data", this.policy.bind(listener));
   }
 
   /** The client finished sending. */
   onEnd(listener: () => void): void {
+    const bound = this.policy.bind(listener);
     this.stream.once("end", () => {
-      if (!this.finished) listener();
+      if (!this.finished) bound();
     });
   }
 
@@ -301,7 +307,7 @@ export class NativeCall {
   }
 
   onDrain(listener: () => void): void {
-    this.stream.once("drain", listener);
+    this.stream.once("drain", this.policy.bind(listener));
   }
 
   /** The one answer of a unary call. */

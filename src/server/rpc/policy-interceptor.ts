@@ -47,7 +47,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
       await call.admit();
       if (!req.stream) {
         await call.message(req.message);
-        res = await next(req);
+        res = await call.run(() => next(req));
       } else if (req.method.methodKind === "server_streaming") {
         // One request message: checked before the handler starts.
         const messages: object[] = [];
@@ -55,7 +55,9 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
         for (const m of messages) await call.message(m);
         // Ended while its checks were awaited: no handler runs for it.
         if (call.ended) throw cancelled;
-        res = await next({ ...req, message: createAsyncIterable(messages) } as StreamRequest);
+        res = await call.run(() =>
+          next({ ...req, message: createAsyncIterable(messages) } as StreamRequest),
+        );
       } else {
         // Client and bidi streams: every message is checked as it arrives; a
         // refused one ends the stream with its code.
@@ -66,7 +68,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
             yield m;
           }
         }
-        res = await next({ ...req, message: checked() } as StreamRequest);
+        res = await call.run(() => next({ ...req, message: checked() } as StreamRequest));
       }
     } catch (error) {
       throw fail(error);
@@ -96,7 +98,9 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
 
 /**
  * The response messages of `source` until the call's token expires; then a
- * pending or later read fails with the expiry. One promise per message and
+ * pending or later read fails with the expiry. Each read runs through the
+ * policy's `run` (a stream handler's code runs when its messages are read,
+ * so that is where it joins the call's trace). One promise per message and
  * nothing kept per message (a race against one long-lived promise would
  * keep a reaction per message until the stream ends).
  */
@@ -107,6 +111,8 @@ function untilExpired<T>(
   cancelled: ConnectError,
 ): AsyncIterable<T> {
   const it = source[Symbol.asyncIterator]();
+  // Made once: no function per message.
+  const read = () => it.next();
   let expired: ConnectError | undefined;
   let rejectPending: ((error: unknown) => void) | undefined;
   call.onExpired((error) => {
@@ -132,7 +138,7 @@ function untilExpired<T>(
       }
       return new Promise<IteratorResult<T>>((resolve, reject) => {
         rejectPending = reject;
-        it.next().then(
+        call.run(read).then(
           (r) => {
             rejectPending = undefined;
             resolve(r);

@@ -10,6 +10,7 @@
 
 import { keyString, type LeaseChange } from "../lease/lease-change.js";
 import type { Scope } from "../lease/types.js";
+import { outsideCalls } from "../observability/call-trace.js";
 import type { Logger } from "../observability/logger.js";
 import type { Notifier } from "./notifier.js";
 import type { NotifierMessage } from "./notify-codec.js";
@@ -62,7 +63,13 @@ export function createChangeFeed(options: ChangeFeedOptions): ChangeFeed {
 
   const scopeKey = (s: Scope) => keyString(s);
 
+  // Listeners run outside the call that committed the change: what it wakes
+  // (another call's waiting Acquire) is not part of that call's trace.
   function deliver(change: LeaseChange) {
+    outsideCalls(deliverNow, change);
+  }
+
+  function deliverNow(change: LeaseChange) {
     for (const listener of listeners) {
       try {
         listener(change);

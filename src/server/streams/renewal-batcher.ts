@@ -28,8 +28,13 @@
 // fails with RenewalUndecidedError: a KeepAlive stream leaves that one
 // renewal unanswered (the client's next renewal tries again, its local
 // deadline covers a lock that persists) and answers the others as usual.
+//
+// With tracing on (`tracer`), each batch statement is a span linked to the
+// KeepAlive streams (and Renew calls) whose renewals it decides; the trace
+// context is taken when a renewal is submitted. Off, `tracer` is undefined.
 
 import type { LossCause } from "../../protocol/errors.js";
+import type { StatementTracer } from "../db/group-commit.js";
 import { DatabaseUnavailableError } from "../lease/errors.js";
 import { runKey } from "../lease/lease-change.js";
 import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
@@ -71,11 +76,15 @@ export interface RenewalBatcherOptions {
   eagerBatch?: number;
   /** Statements in flight at once. */
   maxInFlight?: number;
+  /** Traces each batch statement, linked to the calls it decides (unset: tracing off). */
+  tracer?: StatementTracer;
 }
 
 interface Pending {
   item: RenewItem;
   waiters: RenewalCallback[];
+  /** The trace contexts of the calls that submitted it (tracing on). */
+  links?: object[];
 }
 
 // Raised outside the batch's own flow, as an unhandled rejection would be.
@@ -89,7 +98,7 @@ const reportUncaught = (error: unknown) =>
 const maxLockedRetries = 3;
 
 export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBatcher {
-  const { store, tickMs } = options;
+  const { store, tickMs, tracer } = options;
   const maxBatch = options.maxBatch ?? 2_000;
   const maxInFlight = options.maxInFlight ?? 4;
   const eagerBatch = Math.min(options.eagerBatch ?? 256, maxBatch);
@@ -160,10 +169,13 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
     inFlight += 1;
     try {
       stats.statements += 1;
-      const results = await store.renewMany(
-        batch.map((p) => p.item),
-        { wait: false },
-      );
+      const items = batch.map((p) => p.item);
+      const links = tracer === undefined ? undefined : batch.flatMap((p) => p.links ?? []);
+      const results = await (links === undefined || links.length === 0
+        ? store.renewMany(items, { wait: false })
+        : (tracer as StatementTracer).statement("keepalive renew", links, items.length, () =>
+            store.renewMany(items, { wait: false }),
+          ));
       stats.renewals += batch.length;
       const locked: Pending[] = [];
       results.forEach((r, i) => {
@@ -233,7 +245,7 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       done(new DatabaseUnavailableError("the server is shutting down"), undefined);
       return;
     }
-    const existing = pending.get(k);
+    let existing = pending.get(k);
     if (existing) {
       // The later request's TTL wins; a handoff lookup asked by either is made.
       existing.item = {
@@ -242,7 +254,15 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       };
       existing.waiters.push(done);
     } else {
-      pending.set(k, { item, waiters: [done] });
+      existing = { item, waiters: [done] };
+      pending.set(k, existing);
+    }
+    if (tracer !== undefined) {
+      const link = tracer.link();
+      if (link) {
+        if (existing.links) existing.links.push(link);
+        else existing.links = [link];
+      }
     }
     stats.pending = pending.size;
     schedule();
