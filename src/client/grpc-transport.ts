@@ -45,6 +45,14 @@ import {
   findTrailerError,
 } from "@connectrpc/connect/protocol-grpc";
 import { KeepAliveResponseSchema, WatchResponseSchema } from "../gen/leasehold/v1/lease_pb.js";
+import {
+  compressedFlag,
+  encodeFrame,
+  FrameDecoder,
+  type FrameDecoderOptions,
+  FrameError,
+  type FrameSink,
+} from "../protocol/grpc-frame.js";
 import { readKeepAliveResponse, readWatchResponse } from "../protocol/wire-reader.js";
 
 // The messages of the two hot streams, read without protobuf-es's reflection
@@ -428,7 +436,7 @@ type CallStream = http2.ClientHttp2Stream & { [kAttempt]?: Attempt };
  * and how it ends. The stream's listeners are shared functions that find
  * their attempt on the stream, so a call allocates no closures for them.
  */
-class Attempt {
+class Attempt implements FrameSink {
   stream: CallStream | undefined;
   conn: Conn | undefined;
   done = false;
@@ -445,12 +453,7 @@ class Attempt {
   trailers: http2.IncomingHttpHeaders | undefined;
   /** The unary response message. */
   message: unknown;
-  // Frame reader state: a header split across chunks, a body being filled.
-  private head: Buffer | undefined;
-  private headFill = 0;
-  private body: Buffer | undefined;
-  private bodyFlags = 0;
-  private bodyFill = 0;
+  private readonly decoder: FrameDecoder;
   // Streams: messages not yet read, the reader waiting, and how it ended.
   private queue: unknown[] | undefined;
   private queueStart = 0;
@@ -471,6 +474,7 @@ class Attempt {
   ) {
     call.track(this);
     this.fastRead = fastReaders.get(output.typeName);
+    this.decoder = new FrameDecoder(limits.readMaxBytes, decoderOptions);
   }
 
   /** The hand reader of this call's output messages, if it has one. */
@@ -586,69 +590,25 @@ class Attempt {
   }
 
   onChunk(chunk: Buffer): void {
-    const max = this.limits.readMaxBytes;
-    let off = 0;
-    const n = chunk.length;
-    while (off < n && !this.done) {
-      let body = this.body;
-      if (body === undefined) {
-        let flags: number;
-        let length: number;
-        if (this.headFill === 0 && n - off >= 5) {
-          flags = chunk[off] as number;
-          length = chunk.readUInt32BE(off + 1);
-          off += 5;
-        } else {
-          const head = this.head ?? Buffer.allocUnsafe(5);
-          this.head = head;
-          const take = Math.min(5 - this.headFill, n - off);
-          chunk.copy(head, this.headFill, off, off + take);
-          this.headFill += take;
-          off += take;
-          if (this.headFill < 5) return;
-          this.headFill = 0;
-          flags = head[0] as number;
-          length = head.readUInt32BE(1);
-        }
-        if (length > max) {
-          this.fail(
-            new ConnectError(
-              `message size ${length} is larger than configured readMaxBytes ${max}`,
-              Code.ResourceExhausted,
-            ),
-          );
-          return;
-        }
-        if (n - off >= length) {
-          this.onFrame(flags, chunk.subarray(off, off + length));
-          off += length;
-          continue;
-        }
-        body = Buffer.allocUnsafe(length);
-        this.body = body;
-        this.bodyFlags = flags;
-        this.bodyFill = 0;
-      }
-      const take = Math.min(body.length - this.bodyFill, n - off);
-      chunk.copy(body, this.bodyFill, off, off + take);
-      this.bodyFill += take;
-      off += take;
-      if (this.bodyFill === body.length) {
-        this.body = undefined;
-        this.onFrame(this.bodyFlags, body);
-      }
+    try {
+      this.decoder.push(chunk, this);
+    } catch (error) {
+      // onFrame fails the call itself; what the codec throws is a message over readMaxBytes.
+      if (!(error instanceof FrameError)) throw error;
+      this.fail(new ConnectError(error.message, Code.ResourceExhausted));
     }
   }
 
-  private onFrame(flags: number, data: Uint8Array): void {
-    if ((flags & 1) === 1) {
+  /** One response frame (the decoder's sink); false once the attempt is done. */
+  onFrame(flags: number, data: Uint8Array): boolean {
+    if ((flags & compressedFlag) !== 0) {
       this.fail(
         new ConnectError(
           "received compressed envelope, but do not know how to decompress",
           Code.Internal,
         ),
       );
-      return;
+      return false;
     }
     let message: unknown = this.fastRead?.(data);
     try {
@@ -656,7 +616,7 @@ class Attempt {
     } catch (e) {
       const m = e instanceof Error ? e.message : String(e);
       this.fail(new ConnectError(`parse binary: ${m}`, Code.Internal));
-      return;
+      return false;
     }
     if (!this.streaming) {
       if (this.message !== undefined) {
@@ -666,16 +626,16 @@ class Attempt {
             Code.Unimplemented,
           ),
         );
-        return;
+        return false;
       }
       this.message = message;
-      return;
+      return true;
     }
     const waiting = this.waiting;
     if (waiting !== undefined) {
       this.waiting = undefined;
       waiting.resolve({ value: message, done: false });
-      return;
+      return true;
     }
     const queue = this.queue ?? [];
     this.queue = queue;
@@ -684,6 +644,7 @@ class Attempt {
       this.paused = true;
       this.stream?.pause();
     }
+    return true;
   }
 
   /** The response ended (END_STREAM): decide the call from what arrived. */
@@ -704,7 +665,7 @@ class Attempt {
         return;
       }
     }
-    if (this.headFill !== 0 || this.body !== undefined) {
+    if (this.decoder.incomplete) {
       this.fail(new ConnectError("protocol error: incomplete envelope", Code.InvalidArgument));
       return;
     }
@@ -1094,18 +1055,18 @@ function envelope(desc: DescMessage, message: unknown, writeMaxBytes: number): B
     const m = e instanceof Error ? e.message : String(e);
     throw new ConnectError(`serialize binary: ${m}`, Code.Internal);
   }
-  if (bytes.byteLength > writeMaxBytes) {
-    throw new ConnectError(
-      `message size ${bytes.byteLength} is larger than configured writeMaxBytes ${writeMaxBytes}`,
-      Code.ResourceExhausted,
-    );
+  try {
+    return encodeFrame(bytes, allocate, writeMaxBytes);
+  } catch (error) {
+    // A message over writeMaxBytes, the one rule of the writer.
+    if (!(error instanceof FrameError)) throw error;
+    throw new ConnectError(error.message, Code.ResourceExhausted);
   }
-  const frame = Buffer.allocUnsafe(5 + bytes.byteLength);
-  frame[0] = 0;
-  frame.writeUInt32BE(bytes.byteLength, 1);
-  frame.set(bytes, 5);
-  return frame;
 }
+
+// Node writes a Buffer to the stream as it is.
+const allocate = (size: number): Buffer => Buffer.allocUnsafe(size);
+const decoderOptions: FrameDecoderOptions = { allocate };
 
 /** A Node header object as web Headers, without HTTP/2 pseudo-headers (as connect-node). */
 function webHeaders(nodeHeaders: http2.IncomingHttpHeaders): Headers {
