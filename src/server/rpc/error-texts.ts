@@ -2,7 +2,9 @@
 // (beyond the domain errors, whose texts live with their rules): one message
 // per call, a stream that ends inside a message, a message flagged compressed
 // without a compression, a deadline, a cancel, an expired token. Both paths
-// (the Connect adapter and the native gRPC path) answer in these words.
+// (the Connect adapter and the native gRPC path) answer in these words. The
+// text of a message over the size limit is the frame codec's
+// (src/protocol/grpc-frame.ts, messageSizeText), shared with the client.
 
 /** Error texts the serving paths answer themselves, in one place. */
 export const policyText = {

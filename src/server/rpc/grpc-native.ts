@@ -208,7 +208,7 @@ export class NativeCall {
   }
 
   /** A reader of this method's request frames; `fast`: see FrameReader. */
-  reader<T extends Message>(fast?: (bytes: Buffer) => T | undefined): FrameReader<T> {
+  reader<T extends Message>(fast?: (bytes: Uint8Array) => T | undefined): FrameReader<T> {
     return new FrameReader<T>(this.method.input, this.options.maxMessageBytes, fast);
   }
 

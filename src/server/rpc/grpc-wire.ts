@@ -1,11 +1,18 @@
 // The gRPC wire format as the native path (grpc-native.ts) needs it: the
-// length-prefixed message frames of a request body, read as the bytes
-// arrive, and the frames and status trailers of an answer.
+// messages of a request body, read as the bytes arrive, and the frames and
+// status trailers of an answer. The frames themselves are the codec's
+// (src/protocol/grpc-frame.ts), shared with the client's transport.
 
 import type http2 from "node:http2";
 import { create, type DescMessage, fromBinary, type Message, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
+import {
+  encodeFrame as encodeMessageFrame,
+  FrameDecoder,
+  FrameError,
+  type FrameSink,
+} from "../../protocol/grpc-frame.js";
 import { policyText } from "./error-texts.js";
 
 export const grpcContentType = "application/grpc+proto";
@@ -19,12 +26,7 @@ export function encodeFrame(desc: DescMessage, message: unknown): Buffer {
     (message as Message).$typeName === desc.typeName
       ? (message as Message)
       : create(desc, message as Record<string, unknown>);
-  const bytes = toBinary(desc, m);
-  const frame = Buffer.allocUnsafe(5 + bytes.length);
-  frame[0] = 0;
-  frame.writeUInt32BE(bytes.length, 1);
-  frame.set(bytes, 5);
-  return frame;
+  return encodeMessageFrame(toBinary(desc, m), allocate);
 }
 
 /** The status of a failed call as trailers (grpc-status, grpc-message, grpc-status-details-bin). */
@@ -35,20 +37,16 @@ export function errorTrailers(error: ConnectError): http2.OutgoingHttpHeaders {
 }
 
 /**
- * Reads the message frames of a request body as its chunks arrive: a frame
- * may span chunks and a chunk may hold several frames. A message larger
+ * Reads the message frames of a request body as its chunks arrive (the
+ * codec, src/protocol/grpc-frame.ts, reads the frames). A message larger
  * than `maxMessageBytes` is RESOURCE_EXHAUSTED (what the Connect adapter
  * answers), a compressed one (the native path takes no grpc-encoding) or
  * one that is not protobuf is INVALID_ARGUMENT.
  */
-export class FrameReader<T extends Message> {
-  // The chunks of the frame being read, with their total. A frame trickled
-  // in tiny chunks (1-byte HTTP/2 DATA frames) is concatenated once, when
-  // it is whole: concatenating on every chunk copied O(n²) bytes.
-  private chunks: Buffer[] = [];
-  private buffered = 0;
-  /** The length of the frame being read (header included), once its header is in. */
-  private frameBytes: number | undefined;
+export class FrameReader<T extends Message> implements FrameSink {
+  private readonly decoder: FrameDecoder;
+  /** The messages of the chunk being read. */
+  private messages: T[] = [];
 
   /**
    * `fast` reads the usual shape of a message without protobuf-es and
@@ -56,58 +54,39 @@ export class FrameReader<T extends Message> {
    */
   constructor(
     private readonly desc: DescMessage,
-    private readonly maxMessageBytes: number,
-    private readonly fast?: (bytes: Buffer) => T | undefined,
-  ) {}
+    maxMessageBytes: number,
+    private readonly fast?: (bytes: Uint8Array) => T | undefined,
+  ) {
+    this.decoder = new FrameDecoder(maxMessageBytes, { rejectCompressed: true, allocate });
+  }
 
   /** The messages completed by `chunk`, in order. Throws on a bad frame. */
   push(chunk: Buffer): T[] {
-    if (chunk.length > 0) {
-      this.chunks.push(chunk);
-      this.buffered += chunk.length;
-    }
     const messages: T[] = [];
-    while (this.buffered >= 5) {
-      if (this.frameBytes === undefined) {
-        const head = this.joined();
-        const length = head.readUInt32BE(1);
-        if (length > this.maxMessageBytes) {
-          throw new ConnectError(
-            `message size ${length} is larger than configured readMaxBytes ${this.maxMessageBytes}`,
-            Code.ResourceExhausted,
-          );
-        }
-        if ((head[0] ?? 0) & 1) {
-          throw new ConnectError(policyText.flaggedCompressed, Code.InvalidArgument);
-        }
-        this.frameBytes = 5 + length;
-      }
-      if (this.buffered < this.frameBytes) break;
-      const buffer = this.joined();
-      messages.push(this.decode(buffer.subarray(5, this.frameBytes)));
-      const rest = buffer.subarray(this.frameBytes);
-      this.chunks = rest.length > 0 ? [rest] : [];
-      this.buffered = rest.length;
-      this.frameBytes = undefined;
+    this.messages = messages;
+    try {
+      this.decoder.push(chunk, this);
+    } catch (error) {
+      if (!(error instanceof FrameError)) throw error;
+      throw error.kind === "compressed"
+        ? new ConnectError(policyText.flaggedCompressed, Code.InvalidArgument)
+        : new ConnectError(error.message, Code.ResourceExhausted);
     }
     return messages;
   }
 
   /** True when the body ended inside a frame. */
   get incomplete(): boolean {
-    return this.buffered > 0;
+    return this.decoder.incomplete;
   }
 
-  /** The buffered chunks as one (copied only when there are several). */
-  private joined(): Buffer {
-    const [first] = this.chunks;
-    if (this.chunks.length === 1 && first !== undefined) return first;
-    const all = Buffer.concat(this.chunks, this.buffered);
-    this.chunks = [all];
-    return all;
+  /** The decoder's sink: one frame's message, read. */
+  onFrame(_flags: number, bytes: Uint8Array): boolean {
+    this.messages.push(this.decode(bytes));
+    return true;
   }
 
-  private decode(bytes: Buffer): T {
+  private decode(bytes: Uint8Array): T {
     const message = this.fast?.(bytes);
     if (message) return message;
     try {
@@ -121,3 +100,6 @@ export class FrameReader<T extends Message> {
     }
   }
 }
+
+// Buffer.allocUnsafe, looked up when called (a test counts the bytes copied through it).
+const allocate = (size: number): Buffer => Buffer.allocUnsafe(size);

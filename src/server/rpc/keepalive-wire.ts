@@ -16,6 +16,7 @@
 // test/keepalive-wire.test.ts holds the bytes to protobuf-es's with property tests.
 
 import { KeepAliveResponseSchema } from "../../gen/leasehold/v1/lease_pb.js";
+import { frameHeaderBytes, writeFrameHeader } from "../../protocol/grpc-frame.js";
 import type { LeaseRecord } from "../lease/types.js";
 import type { KeepAliveAnswer } from "../streams/keepalive.js";
 import { encodeFrame } from "./grpc-wire.js";
@@ -248,9 +249,8 @@ class Writer {
   /** One KeepAliveResponse { key, run_id, lease } as a gRPC message frame. */
   renewed(l: LeaseLayout) {
     const buf = this.buf;
-    buf[this.pos] = 0; // not compressed
-    buf.writeUInt32BE(l.answerSize, this.pos + 1);
-    this.pos += 5;
+    writeFrameHeader(buf, this.pos, l.answerSize);
+    this.pos += frameHeaderBytes;
     this.key(answerKey, l);
     this.string(answerRunId, l.lease.runId, l.runId);
     buf[this.pos++] = answerLease;
@@ -278,7 +278,7 @@ export function encodeKeepAliveAnswers(answers: readonly KeepAliveAnswer[]): Buf
     if (answer.kind === "lease") {
       const l = new LeaseLayout(answer.lease);
       parts[i] = l;
-      total += 5 + l.answerSize;
+      total += frameHeaderBytes + l.answerSize;
     } else {
       const frame = encodeFrame(KeepAliveResponseSchema, keepAliveAnswer(answer));
       parts[i] = frame;
