@@ -6,13 +6,9 @@
 
 import { randomBytes } from "node:crypto";
 import { describe, expect, it } from "vitest";
-import {
-  createAuthenticator,
-  verifiedCacheBytes,
-  verifiedEntryBytes,
-} from "../src/server/auth/authn.js";
-import type { TokenConfig } from "../src/server/config/ops-config.js";
-import { UnauthenticatedError } from "../src/server/lease/errors.js";
+import { createAuthenticator, verifiedCacheBytes, verifiedEntryBytes } from "../src/auth/authn.js";
+import type { TokenConfig } from "../src/config/ops-config.js";
+import { UnauthenticatedError } from "../src/lease/errors.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));

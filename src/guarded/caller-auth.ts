@@ -6,9 +6,9 @@
 // interceptor outside it gives them their codes.
 
 import type { Interceptor } from "@connectrpc/connect";
+import type { Authenticator } from "../auth/authn.js";
 import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
-import type { Authenticator } from "../server/auth/authn.js";
-import { PermissionDeniedError } from "../server/lease/errors.js";
+import { PermissionDeniedError } from "../lease/errors.js";
 
 /**
  * Refuses a GuardedStoreService call without a valid token (UNAUTHENTICATED)

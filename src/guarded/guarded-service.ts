@@ -14,9 +14,9 @@ import {
   PutResponseSchema,
 } from "../gen/leasehold/guarded/v1/guarded_pb.js";
 import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
-import { InvalidArgumentError, NotFoundError } from "../server/lease/errors.js";
-import type { Limits } from "../server/lease/limits.js";
-import { checkFencingToken, checkKey, checkText } from "../server/lease/validation.js";
+import { InvalidArgumentError, NotFoundError } from "../lease/errors.js";
+import type { Limits } from "../lease/limits.js";
+import { checkFencingToken, checkKey, checkText } from "../lease/validation.js";
 import { timestampFromMicros } from "../server/rpc/convert.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
 import { checkWrite, type WriteChecks } from "./live-check.js";

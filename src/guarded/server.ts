@@ -6,13 +6,13 @@
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { createAuthenticator } from "../auth/authn.js";
+import { errorCodeInterceptor } from "../call/error-codes.js";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
-import { createAuthenticator } from "../server/auth/authn.js";
-import { guardedStoreSets } from "../server/db/migrate.js";
-import { type RunningServer, startHost } from "../server/http/host.js";
-import { createLogger, type Logger } from "../server/observability/logger.js";
-import { errorCodeInterceptor } from "../server/rpc/error-codes.js";
+import { type RunningServer, startHost } from "../host/host.js";
+import { createLogger, type Logger } from "../log/logger.js";
+import { guardedStoreSets } from "../postgres/migrate.js";
 import { callerAuthInterceptor } from "./caller-auth.js";
 import { type GuardedConfig, readLeaseTokenFile } from "./config.js";
 import { createDocumentStore } from "./document-store.js";

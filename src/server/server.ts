@@ -10,30 +10,34 @@
 // waiting Acquire); authentication; the interceptors; the routes.
 
 import { randomUUID } from "node:crypto";
+import { createAuthenticator } from "../auth/authn.js";
+import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-authorizer.js";
+import { createCallObserver } from "../call/call-observer.js";
+import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "../call/call-policy.js";
+import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
+import { policyInterceptor } from "../call/policy-interceptor.js";
+import { checkExposure } from "../config/ops-config.js";
 import { Health } from "../gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
-import { LimitName } from "../protocol/errors.js";
-import { createAuthenticator } from "./auth/authn.js";
-import { aclTableAuthorizer, ownAccountAuthorizer } from "./auth/session-authorizer.js";
-import { checkExposure } from "./config/ops-config.js";
-import type { ServerConfig } from "./config/server-config.js";
-import { createEventStore } from "./db/event-store.js";
-import { createLeaseCounts } from "./db/lease-counts.js";
-import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
-import { leaseServerSets } from "./db/migrate.js";
-import { openDatabase, type Sql } from "./db/pool.js";
-import { createRetention, startMaintenance } from "./db/retention.js";
-import { createSessionAclTable } from "./db/session-acl.js";
 import {
   type HostedServices,
   type PoolCounters,
   type RunningServer,
   startHost,
-} from "./http/host.js";
+} from "../host/host.js";
+import type { LeaseStore } from "../lease/types.js";
+import { createLogger, type Logger } from "../log/logger.js";
+import { leaseServerSets } from "../postgres/migrate.js";
+import { openDatabase, type Sql } from "../postgres/pool.js";
+import { LimitName } from "../protocol/errors.js";
+import type { ServerConfig } from "./config/server-config.js";
+import { createEventStore } from "./db/event-store.js";
+import { createLeaseCounts } from "./db/lease-counts.js";
+import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
+import { createRetention, startMaintenance } from "./db/retention.js";
+import { createSessionAclTable } from "./db/session-acl.js";
 import { createStaticHandler } from "./http/static.js";
-import type { LeaseStore } from "./lease/types.js";
 import { startHealthMonitor } from "./observability/health.js";
-import { createLogger, type Logger } from "./observability/logger.js";
 import { withMetrics } from "./observability/metered-store.js";
 import {
   createMetrics,
@@ -41,13 +45,9 @@ import {
   serveMetrics,
 } from "./observability/metrics.js";
 import { createAccess } from "./rpc/access.js";
-import { createCallObserver } from "./rpc/call-observer.js";
-import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "./rpc/call-policy.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { nativeStreams } from "./rpc/native-streams.js";
-import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
-import { policyInterceptor } from "./rpc/policy-interceptor.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
 import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";

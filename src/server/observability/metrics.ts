@@ -5,8 +5,8 @@
 import type http from "node:http";
 import type http2 from "node:http2";
 import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from "prom-client";
+import type { Logger } from "../../log/logger.js";
 import type { LossCause } from "../../protocol/errors.js";
-import type { Logger } from "./logger.js";
 
 export interface LeaseMetrics {
   readonly registry: Registry;

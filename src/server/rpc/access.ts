@@ -10,11 +10,11 @@
 // It throws domain errors; the error table gives them their codes.
 
 import type { DescMessage } from "@bufbuild/protobuf";
-import type { Authenticator, Principal } from "../auth/authn.js";
-import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
-import { PermissionDeniedError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { checkId } from "../lease/validation.js";
+import type { Authenticator, Principal } from "../../auth/authn.js";
+import type { SessionAction, SessionAuthorizer } from "../../auth/session-authorizer.js";
+import { PermissionDeniedError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { checkId } from "../../lease/validation.js";
 
 /** Every method of LeaseService and the session action it performs. */
 const actions: Record<string, SessionAction> = {

@@ -14,11 +14,11 @@ import {
   RevokeResponseSchema,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { InvalidArgumentError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { eventPageToken } from "../lease/page-token.js";
-import type { EventRecord, EventStore, LeaseStore } from "../lease/types.js";
-import { checkKey, checkPageSize, checkText } from "../lease/validation.js";
+import { InvalidArgumentError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { eventPageToken } from "../../lease/page-token.js";
+import type { EventRecord, EventStore, LeaseStore } from "../../lease/types.js";
+import { checkKey, checkPageSize, checkText } from "../../lease/validation.js";
 import { leaseToProto, timestampFromMicros } from "./convert.js";
 
 export interface AuditServiceDeps {

@@ -16,8 +16,8 @@ import {
   LeaseSchema,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord } from "../lease/types.js";
+import type { ChangeType, LeaseChange } from "../../lease/lease-change.js";
+import type { LeaseRecord } from "../../lease/types.js";
 
 export function timestampFromMicros(us: bigint): Timestamp {
   const seconds = us / 1_000_000n;

@@ -6,7 +6,7 @@ import type http2 from "node:http2";
 import { create, type DescMessage, fromBinary, type Message, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
-import { policyText } from "./error-texts.js";
+import { policyText } from "../../call/error-texts.js";
 
 export const grpcContentType = "application/grpc+proto";
 

@@ -13,10 +13,10 @@ import {
   ReleaseResponseSchema,
   RenewResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { LeaseNotHeldError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { sessionPageToken } from "../lease/page-token.js";
-import type { LeaseStore } from "../lease/types.js";
+import { LeaseNotHeldError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { sessionPageToken } from "../../lease/page-token.js";
+import type { LeaseStore } from "../../lease/types.js";
 import {
   checkId,
   checkKey,
@@ -26,7 +26,7 @@ import {
   checkText,
   checkTtl,
   checkWait,
-} from "../lease/validation.js";
+} from "../../lease/validation.js";
 import type { Waiters } from "../streams/waiters.js";
 import { leaseToProto } from "./convert.js";
 

@@ -29,10 +29,10 @@
 // renewal unanswered (the client's next renewal tries again, its local
 // deadline covers a lock that persists) and answers the others as usual.
 
+import { DatabaseUnavailableError } from "../../lease/errors.js";
+import { runKey } from "../../lease/lease-change.js";
+import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../../lease/types.js";
 import type { LossCause } from "../../protocol/errors.js";
-import { DatabaseUnavailableError } from "../lease/errors.js";
-import { runKey } from "../lease/lease-change.js";
-import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
 
 /**
  * One renewal could not be decided: its row stayed locked by another

@@ -4,8 +4,8 @@
 // operator would raise. Counting is per instance: N instances allow N times
 // the number of watchers, which bounds each instance's memory, the point.
 
+import { ResourceExhaustedError } from "../../lease/errors.js";
 import { LimitName } from "../../protocol/errors.js";
-import { ResourceExhaustedError } from "../lease/errors.js";
 
 export interface AccountSlots {
   /** Takes a slot for `account`, or throws; call the returned function once to give it back. */

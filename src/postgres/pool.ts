@@ -3,7 +3,7 @@
 // transaction can hold a lease row (or a pool slot) for long.
 
 import postgres from "postgres";
-import type { Logger } from "../observability/logger.js";
+import type { Logger } from "../log/logger.js";
 
 export type Sql = postgres.Sql<{ bigint: bigint }>;
 

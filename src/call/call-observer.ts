@@ -10,8 +10,8 @@ import { randomUUID } from "node:crypto";
 import { Code, type ConnectError } from "@connectrpc/connect";
 import { codeToString } from "@connectrpc/connect/protocol-connect";
 import type { Principal } from "../auth/authn.js";
-import type { Logger } from "../observability/logger.js";
-import type { LeaseMetrics } from "../observability/metrics.js";
+import type { Logger } from "../log/logger.js";
+import type { LeaseMetrics } from "../server/observability/metrics.js";
 
 const requestIdPattern = /^[A-Za-z0-9._:-]{1,128}$/;
 

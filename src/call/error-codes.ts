@@ -9,8 +9,7 @@ import {
   BadRequest_FieldViolationSchema,
   BadRequestSchema,
   ErrorInfoSchema,
-} from "../../gen/google/rpc/error_details_pb.js";
-import { ErrorMetadata, ErrorReason, errorDomain } from "../../protocol/errors.js";
+} from "../gen/google/rpc/error_details_pb.js";
 import {
   DatabaseTimeoutError,
   DatabaseUnavailableError,
@@ -22,6 +21,7 @@ import {
   StaleFencingTokenError,
   UnauthenticatedError,
 } from "../lease/errors.js";
+import { ErrorMetadata, ErrorReason, errorDomain } from "../protocol/errors.js";
 import { requestParseErrorAsInvalidArgument } from "./parse-errors.js";
 
 function errorInfo(reason: string, metadata: Record<string, string>) {

@@ -23,11 +23,11 @@
 
 import type { DescMessage, DescMethod, DescService } from "@bufbuild/protobuf";
 import type { Code, ConnectError } from "@connectrpc/connect";
-import { requestIdHeader } from "../../protocol/headers.js";
 import type { Principal } from "../auth/authn.js";
 import { UnauthenticatedError } from "../lease/errors.js";
-import type { AccountSlots } from "../streams/stream-limits.js";
-import type { Access } from "./access.js";
+import { requestIdHeader } from "../protocol/headers.js";
+import type { Access } from "../server/rpc/access.js";
+import type { AccountSlots } from "../server/streams/stream-limits.js";
 import type { CallObserver, ObservedCall } from "./call-observer.js";
 import { toConnectError } from "./error-codes.js";
 import { policyText } from "./error-texts.js";
