@@ -17,6 +17,7 @@ import {
 import { describe, expect, it } from "vitest";
 import { createAuthenticator } from "../src/auth/authn.js";
 import { ownAccountAuthorizer } from "../src/auth/session-authorizer.js";
+import { createAccountSlots } from "../src/call/account-slots.js";
 import { createCallObserver } from "../src/call/call-observer.js";
 import { createCallPolicy } from "../src/call/call-policy.js";
 import { policyInterceptor } from "../src/call/policy-interceptor.js";
@@ -31,7 +32,6 @@ import { createLogger } from "../src/log/logger.js";
 import { LimitName } from "../src/protocol/errors.js";
 import { createMetrics } from "../src/server/observability/metrics.js";
 import { createAccess } from "../src/server/rpc/access.js";
-import { createAccountSlots } from "../src/server/streams/stream-limits.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));

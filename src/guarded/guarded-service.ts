@@ -17,7 +17,7 @@ import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
 import { InvalidArgumentError, NotFoundError } from "../lease/errors.js";
 import type { Limits } from "../lease/limits.js";
 import { checkFencingToken, checkKey, checkText } from "../lease/validation.js";
-import { timestampFromMicros } from "../server/rpc/convert.js";
+import { timestampFromMicros } from "../protocol/timestamps.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
 import { checkWrite, type WriteChecks } from "./live-check.js";
 

@@ -13,8 +13,8 @@ import type { HostConfig } from "../config/host-config.js";
 import type { Logger } from "../log/logger.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "../postgres/embedded-postgres.js";
 import { type MigrationSet, migrate } from "../postgres/migrate.js";
-import { openDatabase, type Sql } from "../postgres/pool.js";
-import { createSyncReplicationCancelledCounter } from "../server/observability/metrics.js";
+import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from "../postgres/pool.js";
+
 import { type Listener, listen, type StreamHandler } from "./listener.js";
 import { createRpcEntry } from "./rpc-entry.js";
 

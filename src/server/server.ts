@@ -12,6 +12,7 @@
 import { randomUUID } from "node:crypto";
 import { createAuthenticator } from "../auth/authn.js";
 import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-authorizer.js";
+import { createAccountSlots } from "../call/account-slots.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "../call/call-policy.js";
 import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
@@ -56,7 +57,6 @@ import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
 import { createNotifier, type Notifier } from "./streams/notifier.js";
 import { withPublishing } from "./streams/publishing-store.js";
 import { createRenewalBatcher, type RenewalBatcher } from "./streams/renewal-batcher.js";
-import { createAccountSlots } from "./streams/stream-limits.js";
 import { createWaiters, type Waiters } from "./streams/waiters.js";
 import { createWatchHub, type WatchHub } from "./streams/watch-hub.js";
 

@@ -32,7 +32,7 @@ export interface LeaseMetrics {
 
 export interface MetricsOptions {
   poolSize: number;
-  /** The pool's counter, made before the registry (createSyncReplicationCancelledCounter). */
+  /** The pool's counter, made before the registry (src/postgres/pool.ts). */
   syncReplicationCancelled?: Counter;
   /** Counts valid leases; called at most once per `heldCacheMs` per scrape. */
   countHeld: () => Promise<number>;
@@ -127,19 +127,6 @@ export function createMetrics(options: MetricsOptions): LeaseMetrics {
     }),
     lost: (reason) => losses.inc({ reason }),
   };
-}
-
-/**
- * Cancelled waits for the synchronous standby, counted by the pool's notice
- * handler (db/pool.ts). The pool opens before the server's registry exists,
- * so the counter starts in no registry and createMetrics adds it.
- */
-export function createSyncReplicationCancelledCounter(): Counter {
-  return new Counter({
-    name: "leasehold_db_sync_replication_cancelled_total",
-    help: "commits whose wait for the synchronous standby was cancelled (committed on the primary, maybe not on the standby)",
-    registers: [],
-  });
 }
 
 /** What the notification channel reports of itself (notifier.ts's stats). */
