@@ -1,8 +1,8 @@
-// The one call policy of the lease server: what every LeaseService call goes
-// through, whichever path serves it (the Connect adapter's interceptor,
-// policy-interceptor.ts, for Connect, gRPC-Web and connect-node's gRPC; the
-// native gRPC path, grpc-native.ts and native-streams.ts). Written once, in
-// order:
+// The one call policy of the lease server and the guarded store: what every
+// call goes through, whichever path serves it (the Connect adapter's
+// interceptor, policy-interceptor.ts, for Connect, gRPC-Web and connect-node's
+// gRPC; the lease server's native gRPC path, src/server/rpc/grpc-native.ts and
+// native-streams.ts). Written once, in order:
 //
 //   begin    observation (call-observer.ts: request id, latency, log line)
 //   admit    authentication (the bearer token, the method's scope); a stream
@@ -11,7 +11,7 @@
 //            another message; extra steps
 //   message  each request message: refused once the token has expired
 //            (nothing is renewed after that), the account and the session
-//            authorizer (access.ts), extra steps
+//            authorizer (the server's Access, access.ts), extra steps
 //   watch    the per-account Watch quota, given back when the call ends
 //   end      error mapping (error-codes.ts) with the request id, observation
 //            recorded, end hooks run
@@ -90,8 +90,8 @@ export interface PolicyCall extends PolicyCallInfo {
 export interface CallPolicyOptions {
   observer: CallObserver;
   access: Access;
-  /** Open Watch streams per account on this instance. */
-  watchSlots: AccountSlots;
+  /** Open Watch streams per account on this instance; none for a server without Watch. */
+  watchSlots?: AccountSlots;
   /** Steps run after the built-in ones, in order. */
   steps?: readonly PolicyStep[];
 }
@@ -142,7 +142,7 @@ class Call implements PolicyCall {
     init: Parameters<CallPolicy["begin"]>[0],
     private readonly observed: ObservedCall,
     private readonly access: Access,
-    private readonly watchSlots: AccountSlots,
+    private readonly watchSlots: AccountSlots | undefined,
     private readonly steps: readonly PolicyStep[],
   ) {
     this.service = init.service.typeName;
@@ -208,7 +208,7 @@ class Call implements PolicyCall {
 
   enterWatch(account: string): void {
     // A call that already ended takes nothing (a check it awaited came back late).
-    if (this.finished) return;
+    if (this.finished || !this.watchSlots) return;
     const leave = this.watchSlots.enter(account);
     this.onEnd(leave);
   }

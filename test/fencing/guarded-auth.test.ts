@@ -134,6 +134,40 @@ describe("guarded store callers", () => {
     expect(read((await client.get({ key, name: "notes" }, alice)).value)).toBe("alice's");
     expect((await client.list({ key }, alice)).highestToken).toBe(token);
   });
+
+  it("calls go through the lease server's call policy: the request id comes back on a served call and on a refused one, sent or generated (gRPC and Connect)", async () => {
+    const { key, token } = await grant("alice");
+    const alice = bearer(await keys.token("alice"));
+    const mallory = bearer(await keys.token("mallory"));
+    for (const client of [guardedGrpcClient(store.url), guardedConnectClient(store.url)]) {
+      const servedId = `req-${randomUUID()}`;
+      let answered: string | null = null;
+      await client.put(
+        { key, name: "ids", value: text("x"), fencingToken: token },
+        {
+          headers: { ...alice.headers, "x-request-id": servedId },
+          onHeader: (h) => {
+            answered = h.get("x-request-id");
+          },
+        },
+      );
+      expect(answered).toBe(servedId);
+
+      const refusedId = `req-${randomUUID()}`;
+      const denied = await refusal(
+        client.get(
+          { key, name: "ids" },
+          { headers: { ...mallory.headers, "x-request-id": refusedId } },
+        ),
+      );
+      expect(denied.code).toBe(Code.PermissionDenied);
+      expect(denied.metadata.get("x-request-id")).toBe(refusedId);
+      // No id sent: the policy makes one, as on the lease server.
+      const anonymous = await refusal(client.list({ key }));
+      expect(anonymous.code).toBe(Code.Unauthenticated);
+      expect(anonymous.metadata.get("x-request-id")).toMatch(/^[0-9a-f-]{36}$/);
+    }
+  });
 });
 
 describe("the fence rises only to granted tokens", () => {
