@@ -1,4 +1,4 @@
-// The cache of verified tokens (src/server/auth/authn.ts): keyed by the
+// The cache of verified tokens (src/auth/authn.ts): keyed by the
 // token, not by the header that carried it, and bounded in bytes, so that
 // a caller with one valid token cannot fill the server's memory by spelling
 // its header in many ways, nor with many large tokens. Unit tests of the

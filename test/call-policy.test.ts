@@ -1,4 +1,4 @@
-// The one call policy (src/server/rpc/call-policy.ts) on every path into the
+// The one call policy (src/call/call-policy.ts) on every path into the
 // server: native gRPC, connect-node's gRPC, Connect and gRPC-Web. Every test
 // runs on a server with `--grpc-path native` and on one with
 // `--grpc-path connect`, so a gRPC client reaches both serving paths.

@@ -1,4 +1,4 @@
-// The request body gatherer of src/server/http/whole-messages.ts, without
+// The request body gatherer of src/host/whole-messages.ts, without
 // sockets (test/trickled-messages.test.ts has it on real ones): whatever
 // the chunking, envelopes come out one per chunk with their bytes unchanged,
 // a message declared beyond the bound passes through untouched for the

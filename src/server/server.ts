@@ -2,7 +2,7 @@
 // the order it depends on, and nowhere else. `main` (cli/serve.ts), the tests
 // and the benchmarks all start a server through startServer.
 //
-// The host (http/host.ts) supplies the database (given or embedded), runs
+// The host (src/host/host.ts) supplies the database (given or embedded), runs
 // the migrations and opens the pool; `buildLeaseServer` then assembles, in
 // this order: metrics and health; the change feed (with the notification
 // channel to other instances); the lease store and its decorators; the
@@ -245,7 +245,7 @@ async function buildLeaseServer(
       "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
     );
   }
-  // The one call policy (rpc/call-policy.ts), run by every path: the Connect
+  // The one call policy (src/call/call-policy.ts), run by every path: the Connect
   // adapter's one interceptor and the native gRPC path. Open Watch streams
   // per account on this instance are counted there, whichever path serves them.
   const watchSlots = createAccountSlots(

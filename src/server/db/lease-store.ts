@@ -1,4 +1,4 @@
-// The lease store on PostgreSQL (DESIGN §3): the LeaseStore of lease/types.ts.
+// The lease store on PostgreSQL (DESIGN §3): the LeaseStore of src/lease/types.ts.
 // Every statement reads the database clock once, in a materialized
 // `lease_clock` CTE, and decides with that instant (S9). Statements run in
 // autocommit: no transaction spans a holder's work.

@@ -1,6 +1,6 @@
 // The bridge between Connect and the lease domain: validates requests, calls
 // the store, maps results to messages. No SQL; domain errors are thrown as
-// they are and mapped to codes once, by the error interceptor (error-codes.ts).
+// they are and mapped to codes once, by the call policy (src/call/error-codes.ts).
 
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
