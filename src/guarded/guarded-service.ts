@@ -1,7 +1,7 @@
 // GuardedStoreService: validates requests, asks the lease server about the
 // writes that need it (live-check.ts), calls the document store and maps the
-// records to messages. No SQL here. Callers are authenticated before, by
-// caller-auth.ts.
+// records to messages. No SQL here. Callers are authenticated before, by the
+// call policy with the store's rules (caller-auth.ts).
 
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
