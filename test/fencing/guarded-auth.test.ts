@@ -14,15 +14,22 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ConfigError } from "../../src/config/settings.js";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
+import { startGuardedServer as startGuardedWithLogger } from "../../src/guarded/server.js";
 import type { SessionKey } from "../../src/lease/types.js";
+import { createLogger } from "../../src/log/logger.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { useTestDatabase } from "../support/fixture.js";
-import { grpcClient, guardedConnectClient, guardedGrpcClient } from "../support/server.js";
+import {
+  grpcClient,
+  guardedConnectClient,
+  guardedGrpcClient,
+  testGuardedArgs,
+} from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 import { bearer, createTestKeys, type TestKeys } from "../support/tokens.js";
 
-const { db, startServer, startGuardedServer } = useTestDatabase();
+const { db, defer, startServer, startGuardedServer } = useTestDatabase();
 const maxToken = 9_223_372_036_854_775_807n;
 const text = (s: string) => new TextEncoder().encode(s);
 const read = (b: Uint8Array) => new TextDecoder().decode(b);
@@ -167,6 +174,50 @@ describe("guarded store callers", () => {
       expect(anonymous.code).toBe(Code.Unauthenticated);
       expect(anonymous.metadata.get("x-request-id")).toMatch(/^[0-9a-f-]{36}$/);
     }
+  });
+
+  it("a refused call writes one log line, as on the lease server: request id, method, account and code, never the token", async () => {
+    const lines: string[] = [];
+    const file = path.join(tokenDir, `${randomUUID()}.jwt`);
+    await writeFile(file, `${await keys.token("guarded-store", { scope: "leasehold:fence" })}\n`);
+    const config = parseGuardedConfig(
+      [
+        ...testGuardedArgs,
+        ...["--database-url", db.url, "--lease-url", leaseServer.url, "--lease-token-file", file],
+        ...keys.args,
+      ],
+      {},
+    );
+    const logged = await startGuardedWithLogger(
+      config,
+      createLogger({
+        level: "info",
+        destination: { write: (line: string) => void lines.push(line) },
+      }),
+    );
+    defer(() => logged.close());
+    const { key } = await grant("alice");
+    const token = await keys.token("mallory");
+    const requestId = `req-${randomUUID()}`;
+    const denied = await refusal(
+      guardedGrpcClient(logged.url).get(
+        { key, name: "n" },
+        { headers: { ...bearer(token).headers, "x-request-id": requestId } },
+      ),
+    );
+    expect(denied.code).toBe(Code.PermissionDenied);
+    const ours = lines
+      .map((l) => JSON.parse(l) as Record<string, unknown>)
+      .filter((l) => l.requestId === requestId);
+    expect(ours).toEqual([
+      expect.objectContaining({
+        msg: "rpc",
+        method: "leasehold.guarded.v1.GuardedStoreService/Get",
+        account: "mallory",
+        code: "permission_denied",
+      }),
+    ]);
+    expect(lines.join("")).not.toContain(token);
   });
 });
 
