@@ -9,7 +9,7 @@ import { mkdtemp, rm } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import { promisify } from "node:util";
-import { freePort } from "../src/server/db/embedded-postgres.js";
+import { freePort } from "../src/postgres/embedded-postgres.js";
 
 const run = promisify(execFile);
 

@@ -13,15 +13,15 @@ import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseGuardedConfig } from "../src/guarded/config.js";
 import { fence } from "../src/guarded/fence.js";
 import { startGuardedServer } from "../src/guarded/server.js";
-import { parseServerConfig } from "../src/server/config/server-config.js";
+import { createLogger } from "../src/log/logger.js";
 import {
   type EmbeddedDatabase,
   makeDataParent,
   startEmbeddedPostgres,
-} from "../src/server/db/embedded-postgres.js";
-import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
-import { openDatabase } from "../src/server/db/pool.js";
-import { createLogger } from "../src/server/observability/logger.js";
+} from "../src/postgres/embedded-postgres.js";
+import { allMigrationSets, migrate } from "../src/postgres/migrate.js";
+import { openDatabase } from "../src/postgres/pool.js";
+import { parseServerConfig } from "../src/server/config/server-config.js";
 import { durationFromMillis } from "../src/server/rpc/convert.js";
 import { startServer } from "../src/server/server.js";
 import { secondsPerCase } from "./support/arguments.js";

@@ -23,7 +23,7 @@ import {
   type KeepAliveRequestSchema,
   LeaseService,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { parseDuration } from "../src/server/lease/limits.js";
+import { parseDuration } from "../src/lease/limits.js";
 import { describeWaits, type StatementWaits, sampleRenewalWaits } from "./statement-waits.js";
 import {
   type BenchDatabase,

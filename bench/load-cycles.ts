@@ -11,8 +11,8 @@ import { Etcd3 } from "etcd3";
 import postgres from "postgres";
 import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService, SessionKeySchema } from "../src/gen/leasehold/v1/lease_pb.js";
+import { openDatabase } from "../src/postgres/pool.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import { openDatabase } from "../src/server/db/pool.js";
 import { Latency, type LatencySummary } from "./latency.js";
 import { loadOptions, MeasuredWindow, send, type WindowTiming } from "./load-protocol.js";
 

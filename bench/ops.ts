@@ -13,13 +13,13 @@ import { SignJWT } from "jose";
 import postgres from "postgres";
 import { createGrpcTransport } from "../src/client/grpc-transport.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { parseServerConfig } from "../src/server/config/server-config.js";
+import { createLogger } from "../src/log/logger.js";
 import {
   type EmbeddedDatabase,
   makeDataParent,
   startEmbeddedPostgres,
-} from "../src/server/db/embedded-postgres.js";
-import { createLogger } from "../src/server/observability/logger.js";
+} from "../src/postgres/embedded-postgres.js";
+import { parseServerConfig } from "../src/server/config/server-config.js";
 import { durationFromMillis } from "../src/server/rpc/convert.js";
 import { startServer } from "../src/server/server.js";
 import { secondsPerCase } from "./support/arguments.js";

@@ -6,10 +6,10 @@
 import { readFile, rm } from "node:fs/promises";
 import path from "node:path";
 import postgres from "postgres";
-import { defaultTimeouts } from "../src/server/config/host-config.js";
-import { makeDataParent, startEmbeddedPostgres } from "../src/server/db/embedded-postgres.js";
-import { allMigrationSets, migrate } from "../src/server/db/migrate.js";
-import { openDatabase, type Sql } from "../src/server/db/pool.js";
+import { defaultTimeouts } from "../src/config/host-config.js";
+import { makeDataParent, startEmbeddedPostgres } from "../src/postgres/embedded-postgres.js";
+import { allMigrationSets, migrate } from "../src/postgres/migrate.js";
+import { openDatabase, type Sql } from "../src/postgres/pool.js";
 import { processTree } from "./process-stats.js";
 
 export interface BenchPostgres {

@@ -6,9 +6,9 @@
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import { describe, expect, it } from "vitest";
+import type { SessionAuthorizer } from "../src/auth/session-authorizer.js";
 import { KeepAliveRequestSchema } from "../src/gen/leasehold/v1/lease_pb.js";
-import type { SessionAuthorizer } from "../src/server/auth/session-authorizer.js";
-import { defaultLimits } from "../src/server/lease/limits.js";
+import { defaultLimits } from "../src/lease/limits.js";
 import { createAccess } from "../src/server/rpc/access.js";
 
 describe("a KeepAlive stream's session decisions", () => {

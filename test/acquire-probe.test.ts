@@ -9,8 +9,8 @@
 
 import { randomUUID } from "node:crypto";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import type { Sql } from "../src/postgres/pool.js";
 import { acquireMany, acquireOne } from "../src/server/db/acquire-statement.js";
-import type { Sql } from "../src/server/db/pool.js";
 import { useTestDatabase } from "./support/fixture.js";
 
 const { db } = useTestDatabase();

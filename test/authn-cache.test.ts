@@ -1,4 +1,4 @@
-// The cache of verified tokens (src/server/auth/authn.ts): keyed by the
+// The cache of verified tokens (src/auth/authn.ts): keyed by the
 // token, not by the header that carried it, and bounded in bytes, so that
 // a caller with one valid token cannot fill the server's memory by spelling
 // its header in many ways, nor with many large tokens. Unit tests of the
@@ -6,13 +6,9 @@
 
 import { randomBytes } from "node:crypto";
 import { describe, expect, it } from "vitest";
-import {
-  createAuthenticator,
-  verifiedCacheBytes,
-  verifiedEntryBytes,
-} from "../src/server/auth/authn.js";
-import type { TokenConfig } from "../src/server/config/ops-config.js";
-import { UnauthenticatedError } from "../src/server/lease/errors.js";
+import { createAuthenticator, verifiedCacheBytes, verifiedEntryBytes } from "../src/auth/authn.js";
+import type { TokenConfig } from "../src/config/ops-config.js";
+import { UnauthenticatedError } from "../src/lease/errors.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));

@@ -8,9 +8,9 @@
 
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
+import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/lease/errors.js";
+import type { LeaseStore, SessionKey } from "../src/lease/types.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import { DatabaseUnavailableError, ResourceExhaustedError } from "../src/server/lease/errors.js";
-import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { openThroughProxy, openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";

@@ -1,4 +1,4 @@
-// The one call policy (src/server/rpc/call-policy.ts) on every path into the
+// The one call policy (src/call/call-policy.ts) on every path into the
 // server: native gRPC, connect-node's gRPC, Connect and gRPC-Web. Every test
 // runs on a server with `--grpc-path native` and on one with
 // `--grpc-path connect`, so a gRPC client reaches both serving paths.
@@ -32,10 +32,10 @@ import {
   createGrpcWebTransport,
 } from "@connectrpc/connect-node";
 import { beforeAll, describe, expect, it } from "vitest";
+import type { PolicyCallInfo, PolicyStep } from "../src/call/call-policy.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { GetRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
-import { PermissionDeniedError } from "../src/server/lease/errors.js";
-import type { PolicyCallInfo, PolicyStep } from "../src/server/rpc/call-policy.js";
+import { PermissionDeniedError } from "../src/lease/errors.js";
 import type { LeaseServer } from "../src/server/server.js";
 import { seconds } from "./support/calls.js";
 import { openTransaction } from "./support/db.js";

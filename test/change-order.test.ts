@@ -5,7 +5,7 @@
 
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import type { ChangeType, LeaseChange } from "../src/server/lease/lease-change.js";
+import type { ChangeType, LeaseChange } from "../src/lease/lease-change.js";
 import { OrderGuard } from "../src/server/streams/watch-hub.js";
 import { leaseChange as change } from "./support/lease-changes.js";
 

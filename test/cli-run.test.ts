@@ -4,7 +4,7 @@
 
 import { describe, expect, it } from "vitest";
 import { createLeaseClient, durationFromMs } from "../src/client/index.js";
-import { freePort } from "../src/server/db/embedded-postgres.js";
+import { freePort } from "../src/postgres/embedded-postgres.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { runCli, startCli } from "./support/cli.js";
 import { useTestServer } from "./support/fixture.js";

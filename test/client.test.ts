@@ -42,7 +42,7 @@ import {
   fencedCallKey,
   fencingInterceptor as serverFencingInterceptor,
 } from "../src/guarded/interceptor.js";
-import { listen } from "../src/server/http/listener.js";
+import { listen } from "../src/host/listener.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 

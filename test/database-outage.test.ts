@@ -8,7 +8,7 @@
 import { randomBytes } from "node:crypto";
 import { setImmediate as nextTurn } from "node:timers/promises";
 import { describe, expect, it } from "vitest";
-import { openDatabase, reconnectDelaySeconds } from "../src/server/db/pool.js";
+import { openDatabase, reconnectDelaySeconds } from "../src/postgres/pool.js";
 import { openThroughProxy } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 

@@ -7,13 +7,13 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import { LeaseNotHeldError } from "../src/lease/errors.js";
+import type { LeaseRecord, LeaseStore, SessionKey } from "../src/lease/types.js";
+import type { Sql } from "../src/postgres/pool.js";
 import { acquireMany, acquireOne } from "../src/server/db/acquire-statement.js";
 import { endOne } from "../src/server/db/end-statement.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { Sql } from "../src/server/db/pool.js";
 import { renewMany, renewOne } from "../src/server/db/renew-statement.js";
-import { LeaseNotHeldError } from "../src/server/lease/errors.js";
-import type { LeaseRecord, LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { createRenewalBatcher } from "../src/server/streams/renewal-batcher.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, untilExpired } from "./support/leases.js";

@@ -10,7 +10,7 @@ import { describe, expect, it } from "vitest";
 import { repoRoot } from "./support/server.js";
 
 const embeddedModule = fileURLToPath(
-  new URL("../src/server/db/embedded-postgres.ts", import.meta.url),
+  new URL("../src/postgres/embedded-postgres.ts", import.meta.url),
 );
 
 describe("exit status", () => {

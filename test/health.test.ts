@@ -15,7 +15,7 @@ import {
   type EmbeddedDatabase,
   makeDataParent,
   startEmbeddedPostgres,
-} from "../src/server/db/embedded-postgres.js";
+} from "../src/postgres/embedded-postgres.js";
 import type { RunningServer } from "../src/server/server.js";
 import { useTestServer } from "./support/fixture.js";
 import { startTestServer } from "./support/server.js";

@@ -3,12 +3,12 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import { DatabaseUnavailableError } from "../src/lease/errors.js";
+import type { LeaseStore, SessionKey } from "../src/lease/types.js";
+import type { Sql } from "../src/postgres/pool.js";
 import { endOne } from "../src/server/db/end-statement.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { Sql } from "../src/server/db/pool.js";
 import { renewOne } from "../src/server/db/renew-statement.js";
-import { DatabaseUnavailableError } from "../src/server/lease/errors.js";
-import type { LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, untilExpired } from "./support/leases.js";

@@ -8,7 +8,7 @@
 
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
-import { createLogger } from "../src/server/observability/logger.js";
+import { createLogger } from "../src/log/logger.js";
 import {
   createListenConnection,
   type ListenConnection,

@@ -6,8 +6,8 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import type { AcquireResult, LeaseStore, SessionKey } from "../src/lease/types.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { AcquireResult, LeaseStore, SessionKey } from "../src/server/lease/types.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey, lockLeaseRow } from "./support/leases.js";
 import { createMemoryStore, manualClock } from "./support/memory-store.js";

@@ -17,7 +17,7 @@ import {
   type Migration,
   migrate,
   SchemaMismatchError,
-} from "../src/server/db/migrate.js";
+} from "../src/postgres/migrate.js";
 import { createTestDatabase, type TestDatabase } from "./support/db.js";
 
 let db: TestDatabase;

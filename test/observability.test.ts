@@ -7,7 +7,7 @@ import { create } from "@bufbuild/protobuf";
 import { DurationSchema } from "@bufbuild/protobuf/wkt";
 import { Code } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
-import { createLogger } from "../src/server/observability/logger.js";
+import { createLogger } from "../src/log/logger.js";
 import { failure, seconds } from "./support/calls.js";
 import { useTestServer } from "./support/fixture.js";
 import { untilExpired } from "./support/leases.js";

@@ -4,8 +4,8 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import type { LeaseStore } from "../src/lease/types.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { LeaseStore } from "../src/server/lease/types.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { lockLeaseRow, untilExpired } from "./support/leases.js";
 

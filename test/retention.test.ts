@@ -4,10 +4,10 @@
 
 import { randomUUID } from "node:crypto";
 import { beforeAll, describe, expect, it } from "vitest";
+import type { LeaseStore } from "../src/lease/types.js";
+import { createLogger } from "../src/log/logger.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { createRetention, type Retention, startMaintenance } from "../src/server/db/retention.js";
-import type { LeaseStore } from "../src/server/lease/types.js";
-import { createLogger } from "../src/server/observability/logger.js";
 import { openTransaction } from "./support/db.js";
 import { useTestDatabase } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";

@@ -23,11 +23,11 @@ import {
 } from "@connectrpc/connect-node";
 import * as grpc from "@grpc/grpc-js";
 import { beforeAll, describe, expect, it } from "vitest";
+import { settingsHelp } from "../src/config/settings.js";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { AcquireRequestSchema, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { guardedSettings, parseGuardedConfig } from "../src/guarded/config.js";
 import { parseServerConfig, serverSettings } from "../src/server/config/server-config.js";
-import { settingsHelp } from "../src/server/config/settings.js";
 import type { RunningServer } from "../src/server/server.js";
 import { failure } from "./support/calls.js";
 import { useTestDatabase } from "./support/fixture.js";

@@ -20,8 +20,8 @@ import {
 } from "../src/client/index.js";
 import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
+import type { SessionKey } from "../src/lease/types.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
-import type { SessionKey } from "../src/server/lease/types.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";

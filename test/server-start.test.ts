@@ -12,7 +12,7 @@ import net from "node:net";
 import os from "node:os";
 import path from "node:path";
 import { afterAll, describe, expect, it } from "vitest";
-import { freePort, lockFileOf, makeDataParent } from "../src/server/db/embedded-postgres.js";
+import { freePort, lockFileOf, makeDataParent } from "../src/postgres/embedded-postgres.js";
 import { runCli } from "./support/cli.js";
 import { repoRoot, type ServerProcess, spawnLeasehold } from "./support/server-process.js";
 import { waitFor } from "./support/wait.js";

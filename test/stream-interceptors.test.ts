@@ -15,23 +15,23 @@ import {
   type ServiceImpl,
 } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
+import { createAuthenticator } from "../src/auth/authn.js";
+import { ownAccountAuthorizer } from "../src/auth/session-authorizer.js";
+import { createAccountSlots } from "../src/call/account-slots.js";
+import { createCallObserver } from "../src/call/call-observer.js";
+import { createCallPolicy } from "../src/call/call-policy.js";
+import { policyInterceptor } from "../src/call/policy-interceptor.js";
+import type { AuthConfig } from "../src/config/ops-config.js";
 import {
   KeepAliveResponseSchema,
   LeaseService,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
+import { defaultLimits } from "../src/lease/limits.js";
+import { createLogger } from "../src/log/logger.js";
 import { LimitName } from "../src/protocol/errors.js";
-import { createAuthenticator } from "../src/server/auth/authn.js";
-import { ownAccountAuthorizer } from "../src/server/auth/session-authorizer.js";
-import type { AuthConfig } from "../src/server/config/ops-config.js";
-import { defaultLimits } from "../src/server/lease/limits.js";
-import { createLogger } from "../src/server/observability/logger.js";
 import { createMetrics } from "../src/server/observability/metrics.js";
 import { createAccess } from "../src/server/rpc/access.js";
-import { createCallObserver } from "../src/server/rpc/call-observer.js";
-import { createCallPolicy } from "../src/server/rpc/call-policy.js";
-import { policyInterceptor } from "../src/server/rpc/policy-interceptor.js";
-import { createAccountSlots } from "../src/server/streams/stream-limits.js";
 import { signToken } from "./support/tokens.js";
 
 const secret = new TextEncoder().encode(randomBytes(32).toString("base64url"));

@@ -14,7 +14,7 @@ import {
   WatchRequestSchema,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
-import { defaultLimits } from "../src/server/lease/limits.js";
+import { defaultLimits } from "../src/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";

@@ -38,9 +38,9 @@ import {
   SimpleSpanProcessor,
 } from "@opentelemetry/sdk-trace-base";
 import { beforeAll, describe, expect, it } from "vitest";
+import { ConfigError } from "../src/config/settings.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
-import { ConfigError } from "../src/server/config/settings.js";
 import type { LeaseServer } from "../src/server/server.js";
 import { seconds } from "./support/calls.js";
 import { openTransaction } from "./support/db.js";

@@ -3,7 +3,7 @@
 // served by connect-node) sums every buffered chunk of an unfinished message
 // on each chunk that arrives: quadratic in the chunks, unauthenticated CPU
 // (a 60 KB message took 15.7 s). The server hands the decoder each message
-// whole (src/server/http/whole-messages.ts). These tests trickle real calls
+// whole (src/host/whole-messages.ts). These tests trickle real calls
 // through a proxy that splits every DATA frame into 1-byte frames, and count
 // the chunks the server's decoders are handed: one per message. The native
 // gRPC path, which reads frames itself, answers the same calls correctly.

@@ -1,4 +1,4 @@
-// The request body gatherer of src/server/http/whole-messages.ts, without
+// The request body gatherer of src/host/whole-messages.ts, without
 // sockets (test/trickled-messages.test.ts has it on real ones): whatever
 // the chunking, envelopes come out one per chunk with their bytes unchanged,
 // a message declared beyond the bound passes through untouched for the
@@ -10,8 +10,8 @@ import { BinaryWriter, WireType } from "@bufbuild/protobuf/wire";
 import fc from "fast-check";
 import { describe, expect, it, vi } from "vitest";
 import { type AcquireRequest, AcquireRequestSchema } from "../src/gen/leasehold/v1/lease_pb.js";
-import { unknownJsonFields } from "../src/server/http/json-fields.js";
-import { type MessageCheck, wholeBody, wholeEnvelopes } from "../src/server/http/whole-messages.js";
+import { unknownJsonFields } from "../src/host/json-fields.js";
+import { type MessageCheck, wholeBody, wholeEnvelopes } from "../src/host/whole-messages.js";
 import { FrameReader } from "../src/server/rpc/grpc-wire.js";
 
 function envelope(flags: number, payload: Uint8Array): Uint8Array {

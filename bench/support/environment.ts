@@ -14,7 +14,7 @@ import {
   type EmbeddedDatabase,
   makeDataParent,
   startEmbeddedPostgres,
-} from "../../src/server/db/embedded-postgres.js";
+} from "../../src/postgres/embedded-postgres.js";
 
 const cliPath = fileURLToPath(new URL("../../bin/leasehold.js", import.meta.url));
 const repoRoot = fileURLToPath(new URL("../../", import.meta.url));

@@ -11,7 +11,7 @@ import {
   LeaseholdError,
   UnavailableError,
 } from "../client/index.js";
-import { parseDuration } from "../server/lease/limits.js";
+import { parseDuration } from "../lease/limits.js";
 
 /** Exit codes of the client commands (sysexits.h where one fits). */
 export const ExitCode = {

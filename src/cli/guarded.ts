@@ -1,9 +1,9 @@
 // `leasehold guarded serve`: the guarded store server, until SIGINT or SIGTERM.
 
+import { ConfigError, settingsHelp } from "../config/settings.js";
 import { guardedSettings, parseGuardedConfig } from "../guarded/config.js";
 import { startGuardedServer } from "../guarded/server.js";
-import { ConfigError, settingsHelp } from "../server/config/settings.js";
-import { createLogger } from "../server/observability/logger.js";
+import { createLogger } from "../log/logger.js";
 import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";
 

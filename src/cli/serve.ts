@@ -1,8 +1,8 @@
 // `leasehold serve`: the lease server, until SIGINT or SIGTERM.
 
+import { ConfigError, settingsHelp } from "../config/settings.js";
+import { createLogger } from "../log/logger.js";
 import { parseServerConfig, serverSettings } from "../server/config/server-config.js";
-import { ConfigError, settingsHelp } from "../server/config/settings.js";
-import { createLogger } from "../server/observability/logger.js";
 import { startServer } from "../server/server.js";
 import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";

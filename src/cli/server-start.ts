@@ -3,12 +3,12 @@
 // the folder, the port or the database URL and what to do.
 
 import net from "node:net";
-import { hidePassword } from "../server/config/host-config.js";
+import { hidePassword } from "../config/host-config.js";
 import {
   DataDirInUseError,
   dataDirHolder,
   EmbeddedStartError,
-} from "../server/db/embedded-postgres.js";
+} from "../postgres/embedded-postgres.js";
 
 /** A start that cannot go on, with a message for the user (no stack). */
 export class StartError extends Error {

@@ -1,31 +1,44 @@
 // Who may call the guarded store (DESIGN §7): the lease server's bearer-token
-// authentication (its authn module, the same keys and settings) and its
-// account rule: a request's `key.account_id` must be the token's account.
-// Development mode (no keys, loopback only) takes every caller as acting for
-// the account its request names. It throws domain errors; the error
-// interceptor outside it gives them their codes.
+// authentication (src/auth, the same keys and settings) and its account
+// rule: a request's `key.account_id` must be the token's account. These are
+// the store's access rules for the one call policy (src/call/call-policy.ts),
+// which runs them on every call, as it runs the lease server's. Development
+// mode (no keys, loopback only) takes every caller as acting for the account
+// its request names. It throws domain errors; the policy's error table gives
+// them their codes.
 
-import type { Interceptor } from "@connectrpc/connect";
+import type { Authenticator } from "../auth/authn.js";
+import type { Access } from "../call/access.js";
 import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
-import type { Authenticator } from "../server/auth/authn.js";
-import { PermissionDeniedError } from "../server/lease/errors.js";
+import { PermissionDeniedError } from "../lease/errors.js";
 
 /**
  * Refuses a GuardedStoreService call without a valid token (UNAUTHENTICATED)
  * and one whose key names another account (PERMISSION_DENIED), before its
- * handler runs. Undefined `authenticator`: development mode.
+ * handler runs. Undefined `authenticator`: development mode, nothing checked.
  */
-export function callerAuthInterceptor(authenticator: Authenticator | undefined): Interceptor {
-  return (next) => async (req) => {
-    if (req.service.typeName !== GuardedStoreService.typeName || !authenticator) return next(req);
-    const caller = await authenticator.authenticate(req.header.get("authorization"));
-    // Every method of the service is unary and names its session in `key`.
-    if (req.stream) throw new PermissionDeniedError(`${req.method.name} is not open to callers`);
-    // A missing or empty account is left to the handler's INVALID_ARGUMENT.
-    const accountId = (req.message as { key?: { accountId?: string } }).key?.accountId;
-    if (accountId && accountId !== caller.account) {
-      throw new PermissionDeniedError("key.account_id is not the account of the caller's token");
-    }
-    return next(req);
+export function guardedAccess(authenticator: Authenticator | undefined): Access {
+  return {
+    protects: (serviceName) =>
+      authenticator !== undefined && serviceName === GuardedStoreService.typeName,
+
+    async caller(methodName, authorization) {
+      const caller = await authenticator?.authenticate(authorization);
+      // Every method of the service is unary and names its session in `key`.
+      const method = GuardedStoreService.methods.find((m) => m.name === methodName);
+      if (method?.methodKind !== "unary") {
+        throw new PermissionDeniedError(`${methodName} is not open to callers`);
+      }
+      return caller;
+    },
+
+    check(_methodName, _input, message, caller) {
+      // A missing or empty account is left to the handler's INVALID_ARGUMENT.
+      const accountId = (message as { key?: { accountId?: string } }).key?.accountId;
+      if (caller && accountId && accountId !== caller.account) {
+        throw new PermissionDeniedError("key.account_id is not the account of the caller's token");
+      }
+      return caller;
+    },
   };
 }

@@ -9,14 +9,14 @@ import {
   type HostDefaults,
   hostSettings,
   parseHostConfig,
-} from "../server/config/host-config.js";
+} from "../config/host-config.js";
 import {
   isLoopback,
   parseTokenConfig,
   type TokenConfig,
   tokenSettings,
-} from "../server/config/ops-config.js";
-import { ConfigError, readSettings, type Setting } from "../server/config/settings.js";
+} from "../config/ops-config.js";
+import { ConfigError, readSettings, type Setting } from "../config/settings.js";
 
 export type FenceMode = "monotonic" | "live";
 

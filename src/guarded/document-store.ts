@@ -2,11 +2,11 @@
 // and the document upsert in one transaction (S7), so the token that passed
 // the check is the token recorded with the value.
 
+import { ResourceExhaustedError } from "../lease/errors.js";
+import type { SessionKey } from "../lease/types.js";
+import { classifyDatabaseError } from "../postgres/database-errors.js";
+import type { Sql } from "../postgres/pool.js";
 import { LimitName } from "../protocol/errors.js";
-import { classifyDatabaseError } from "../server/db/database-errors.js";
-import type { Sql } from "../server/db/pool.js";
-import { ResourceExhaustedError } from "../server/lease/errors.js";
-import type { SessionKey } from "../server/lease/types.js";
 import { fence, highestToken } from "./fence.js";
 
 /** A document as stored, without its value; times in microseconds since the epoch. */

@@ -4,10 +4,10 @@
 // very same statement.
 
 import type postgres from "postgres";
-import { classifyDatabaseError } from "../server/db/database-errors.js";
-import type { Sql } from "../server/db/pool.js";
-import { InvalidArgumentError, StaleFencingTokenError } from "../server/lease/errors.js";
-import type { SessionKey } from "../server/lease/types.js";
+import { InvalidArgumentError, StaleFencingTokenError } from "../lease/errors.js";
+import type { SessionKey } from "../lease/types.js";
+import { classifyDatabaseError } from "../postgres/database-errors.js";
+import type { Sql } from "../postgres/pool.js";
 
 /** A transaction of a pool opened by `openDatabase`. */
 export type Transaction = postgres.TransactionSql<{ bigint: bigint }>;

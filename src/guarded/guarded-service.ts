@@ -1,7 +1,7 @@
 // GuardedStoreService: validates requests, asks the lease server about the
 // writes that need it (live-check.ts), calls the document store and maps the
-// records to messages. No SQL here. Callers are authenticated before, by
-// caller-auth.ts.
+// records to messages. No SQL here. Callers are authenticated before, by the
+// call policy with the store's rules (caller-auth.ts).
 
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
@@ -14,10 +14,10 @@ import {
   PutResponseSchema,
 } from "../gen/leasehold/guarded/v1/guarded_pb.js";
 import { SessionKeySchema } from "../gen/leasehold/v1/lease_pb.js";
-import { InvalidArgumentError, NotFoundError } from "../server/lease/errors.js";
-import type { Limits } from "../server/lease/limits.js";
-import { checkFencingToken, checkKey, checkText } from "../server/lease/validation.js";
-import { timestampFromMicros } from "../server/rpc/convert.js";
+import { InvalidArgumentError, NotFoundError } from "../lease/errors.js";
+import type { Limits } from "../lease/limits.js";
+import { checkFencingToken, checkKey, checkText } from "../lease/validation.js";
+import { timestampFromMicros } from "../protocol/timestamps.js";
 import type { DocumentLimits, DocumentRecord, DocumentStore } from "./document-store.js";
 import { checkWrite, type WriteChecks } from "./live-check.js";
 

@@ -2,11 +2,11 @@
 // (DESIGN §5). The client library sets them; the fencing interceptor reads
 // them. Header names are the field names of every error about them.
 
+import { InvalidArgumentError } from "../lease/errors.js";
+import type { Limits } from "../lease/limits.js";
+import type { SessionKey } from "../lease/types.js";
+import { checkId } from "../lease/validation.js";
 import { fencingHeaderNames } from "../protocol/headers.js";
-import { InvalidArgumentError } from "../server/lease/errors.js";
-import type { Limits } from "../server/lease/limits.js";
-import type { SessionKey } from "../server/lease/types.js";
-import { checkId } from "../server/lease/validation.js";
 
 /** The session and token a request claims to write with. */
 export interface FenceClaim {

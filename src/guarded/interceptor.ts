@@ -6,10 +6,10 @@
 
 import type { DescMethod } from "@bufbuild/protobuf";
 import { Code, ConnectError, createContextKey, type Interceptor } from "@connectrpc/connect";
-import { classifyDatabaseError } from "../server/db/database-errors.js";
-import type { Sql } from "../server/db/pool.js";
-import { defaultLimits, type Limits } from "../server/lease/limits.js";
-import { toConnectError } from "../server/rpc/error-codes.js";
+import { toConnectError } from "../call/error-codes.js";
+import { defaultLimits, type Limits } from "../lease/limits.js";
+import { classifyDatabaseError } from "../postgres/database-errors.js";
+import type { Sql } from "../postgres/pool.js";
 import { fence, highestToken, type Transaction } from "./fence.js";
 import { type FenceClaim, readFenceClaim } from "./headers.js";
 import { checkWrite, type LiveCheck } from "./live-check.js";

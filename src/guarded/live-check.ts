@@ -10,8 +10,8 @@
 
 import { type Client, Code, ConnectError } from "@connectrpc/connect";
 import type { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
-import { LeaseNotHeldError, StaleFencingTokenError } from "../server/lease/errors.js";
-import type { SessionKey } from "../server/lease/types.js";
+import { LeaseNotHeldError, StaleFencingTokenError } from "../lease/errors.js";
+import type { SessionKey } from "../lease/types.js";
 
 /** Resolves when the lease server confirms `token` for `key`; throws a domain error otherwise. */
 export type LiveCheck = (key: SessionKey, token: bigint) => Promise<void>;

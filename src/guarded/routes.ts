@@ -1,8 +1,8 @@
 // Routes of the guarded store server.
 
 import type { ConnectRouter } from "@connectrpc/connect";
+import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
 import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
-import { unaryParseErrorsAsInvalidArgument } from "../server/rpc/parse-errors.js";
 import { createGuardedService, type GuardedServiceDeps } from "./guarded-service.js";
 
 export function guardedRoutes(deps: GuardedServiceDeps) {

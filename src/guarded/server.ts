@@ -1,19 +1,22 @@
 // Wires the guarded store server: the document store and its service on a
-// host (database, migrations, pool, listener), its callers' authentication
-// (the lease server's authn module), and a client of the lease server's
-// CheckFence, which confirms every write that would raise a fence (every
-// write in live mode).
+// host (database, migrations, pool, listener), the one call policy with the
+// store's access rules (caller-auth.ts: the lease server's authentication and
+// account rule) behind the same Connect adapter as the lease server's, and a
+// client of the lease server's CheckFence, which confirms every write that
+// would raise a fence (every write in live mode).
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { createAuthenticator } from "../auth/authn.js";
+import { createCallObserver } from "../call/call-observer.js";
+import { clampTimeoutHeaders, createCallPolicy } from "../call/call-policy.js";
+import { policyInterceptor } from "../call/policy-interceptor.js";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
-import { createAuthenticator } from "../server/auth/authn.js";
-import { guardedStoreSets } from "../server/db/migrate.js";
-import { type RunningServer, startHost } from "../server/http/host.js";
-import { createLogger, type Logger } from "../server/observability/logger.js";
-import { errorCodeInterceptor } from "../server/rpc/error-codes.js";
-import { callerAuthInterceptor } from "./caller-auth.js";
+import { type RunningServer, startHost } from "../host/host.js";
+import { createLogger, type Logger } from "../log/logger.js";
+import { guardedStoreSets } from "../postgres/migrate.js";
+import { guardedAccess } from "./caller-auth.js";
 import { type GuardedConfig, readLeaseTokenFile } from "./config.js";
 import { createDocumentStore } from "./document-store.js";
 import { defaultGuardedLimits, type GuardedLimits } from "./guarded-service.js";
@@ -88,9 +91,21 @@ export async function startGuardedServer(
         ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
         : undefined;
       logger.info({ fenceMode: config.fenceMode, leaseUrl: config.leaseUrl }, "fencing");
+      // The lease server's call policy and Connect adapter: the same
+      // observation (request id, log line for every failure), authentication,
+      // error table and request id on errors. No /metrics here, no Watch.
+      const policy = createCallPolicy({
+        observer: createCallObserver({ logger, accessLogSample: 0 }),
+        access: guardedAccess(authenticator),
+      });
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
-        interceptors: [errorCodeInterceptor(), callerAuthInterceptor(authenticator)],
+        interceptors: [policyInterceptor(policy)],
+        http: (next) => (req, res) => {
+          // Before connect-node reads them, as on the lease server.
+          clampTimeoutHeaders(req.headers);
+          next(req, res);
+        },
         readMaxBytes: requestBound(limits),
         close: async () => session.abort(),
       };

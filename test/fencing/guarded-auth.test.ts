@@ -11,18 +11,25 @@ import os from "node:os";
 import path from "node:path";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { ConfigError } from "../../src/config/settings.js";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
-import { ConfigError } from "../../src/server/config/settings.js";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import { startGuardedServer as startGuardedWithLogger } from "../../src/guarded/server.js";
+import type { SessionKey } from "../../src/lease/types.js";
+import { createLogger } from "../../src/log/logger.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { useTestDatabase } from "../support/fixture.js";
-import { grpcClient, guardedConnectClient, guardedGrpcClient } from "../support/server.js";
+import {
+  grpcClient,
+  guardedConnectClient,
+  guardedGrpcClient,
+  testGuardedArgs,
+} from "../support/server.js";
 import { startTcpProxy, type TcpProxy } from "../support/tcp-proxy.js";
 import { bearer, createTestKeys, type TestKeys } from "../support/tokens.js";
 
-const { db, startServer, startGuardedServer } = useTestDatabase();
+const { db, defer, startServer, startGuardedServer } = useTestDatabase();
 const maxToken = 9_223_372_036_854_775_807n;
 const text = (s: string) => new TextEncoder().encode(s);
 const read = (b: Uint8Array) => new TextDecoder().decode(b);
@@ -133,6 +140,84 @@ describe("guarded store callers", () => {
     }
     expect(read((await client.get({ key, name: "notes" }, alice)).value)).toBe("alice's");
     expect((await client.list({ key }, alice)).highestToken).toBe(token);
+  });
+
+  it("calls go through the lease server's call policy: the request id comes back on a served call and on a refused one, sent or generated (gRPC and Connect)", async () => {
+    const { key, token } = await grant("alice");
+    const alice = bearer(await keys.token("alice"));
+    const mallory = bearer(await keys.token("mallory"));
+    for (const client of [guardedGrpcClient(store.url), guardedConnectClient(store.url)]) {
+      const servedId = `req-${randomUUID()}`;
+      let answered: string | null = null;
+      await client.put(
+        { key, name: "ids", value: text("x"), fencingToken: token },
+        {
+          headers: { ...alice.headers, "x-request-id": servedId },
+          onHeader: (h) => {
+            answered = h.get("x-request-id");
+          },
+        },
+      );
+      expect(answered).toBe(servedId);
+
+      const refusedId = `req-${randomUUID()}`;
+      const denied = await refusal(
+        client.get(
+          { key, name: "ids" },
+          { headers: { ...mallory.headers, "x-request-id": refusedId } },
+        ),
+      );
+      expect(denied.code).toBe(Code.PermissionDenied);
+      expect(denied.metadata.get("x-request-id")).toBe(refusedId);
+      // No id sent: the policy makes one, as on the lease server.
+      const anonymous = await refusal(client.list({ key }));
+      expect(anonymous.code).toBe(Code.Unauthenticated);
+      expect(anonymous.metadata.get("x-request-id")).toMatch(/^[0-9a-f-]{36}$/);
+    }
+  });
+
+  it("a refused call writes one log line, as on the lease server: request id, method, account and code, never the token", async () => {
+    const lines: string[] = [];
+    const file = path.join(tokenDir, `${randomUUID()}.jwt`);
+    await writeFile(file, `${await keys.token("guarded-store", { scope: "leasehold:fence" })}\n`);
+    const config = parseGuardedConfig(
+      [
+        ...testGuardedArgs,
+        ...["--database-url", db.url, "--lease-url", leaseServer.url, "--lease-token-file", file],
+        ...keys.args,
+      ],
+      {},
+    );
+    const logged = await startGuardedWithLogger(
+      config,
+      createLogger({
+        level: "info",
+        destination: { write: (line: string) => void lines.push(line) },
+      }),
+    );
+    defer(() => logged.close());
+    const { key } = await grant("alice");
+    const token = await keys.token("mallory");
+    const requestId = `req-${randomUUID()}`;
+    const denied = await refusal(
+      guardedGrpcClient(logged.url).get(
+        { key, name: "n" },
+        { headers: { ...bearer(token).headers, "x-request-id": requestId } },
+      ),
+    );
+    expect(denied.code).toBe(Code.PermissionDenied);
+    const ours = lines
+      .map((l) => JSON.parse(l) as Record<string, unknown>)
+      .filter((l) => l.requestId === requestId);
+    expect(ours).toEqual([
+      expect.objectContaining({
+        msg: "rpc",
+        method: "leasehold.guarded.v1.GuardedStoreService/Get",
+        account: "mallory",
+        code: "permission_denied",
+      }),
+    ]);
+    expect(lines.join("")).not.toContain(token);
   });
 });
 

@@ -16,7 +16,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
 import { defaultGuardedLimits } from "../../src/guarded/guarded-service.js";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import type { SessionKey } from "../../src/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
 import { useTestDatabase } from "../support/fixture.js";

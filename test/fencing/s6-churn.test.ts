@@ -7,10 +7,10 @@
 
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
+import { LeaseNotHeldError } from "../../src/lease/errors.js";
+import type { LeaseStore, SessionKey } from "../../src/lease/types.js";
+import type { Sql } from "../../src/postgres/pool.js";
 import { createLeaseStore } from "../../src/server/db/lease-store.js";
-import type { Sql } from "../../src/server/db/pool.js";
-import { LeaseNotHeldError } from "../../src/server/lease/errors.js";
-import type { LeaseStore, SessionKey } from "../../src/server/lease/types.js";
 import { useTestDatabase } from "../support/fixture.js";
 import { freshKey } from "../support/leases.js";
 import { waitFor } from "../support/wait.js";

@@ -6,7 +6,7 @@
 import { Code, ConnectError } from "@connectrpc/connect";
 import { beforeAll, describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import type { SessionKey } from "../../src/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import { useTestDatabase } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";

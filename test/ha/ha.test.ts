@@ -23,7 +23,7 @@ import { Code, ConnectError } from "@connectrpc/connect";
 import postgres from "postgres";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMs, LeaseholdError } from "../../src/client/index.js";
-import { openDatabase } from "../../src/server/db/pool.js";
+import { openDatabase } from "../../src/postgres/pool.js";
 import {
   type CheckResult,
   checkHistory,

@@ -19,8 +19,8 @@ import path from "node:path";
 import { setTimeout as sleep } from "node:timers/promises";
 import { promisify } from "node:util";
 import postgres from "postgres";
-import { freePort } from "../../src/server/db/embedded-postgres.js";
-import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
+import { freePort } from "../../src/postgres/embedded-postgres.js";
+import { allMigrationSets, migrate } from "../../src/postgres/migrate.js";
 import {
   repoRoot,
   type ServerProcess,

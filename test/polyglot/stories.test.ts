@@ -16,8 +16,8 @@ import {
 } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import { fenceClaimHeaders } from "../../src/guarded/headers.js";
 import { fencedCallKey, fencingInterceptor } from "../../src/guarded/interceptor.js";
-import { type Listener, listen } from "../../src/server/http/listener.js";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import { type Listener, listen } from "../../src/host/listener.js";
+import type { SessionKey } from "../../src/lease/types.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { TestDatabase } from "../support/db.js";
 import { useTestDatabase } from "../support/fixture.js";

@@ -7,7 +7,7 @@ import { type ChildProcessWithoutNullStreams, spawn } from "node:child_process";
 import { once } from "node:events";
 import path from "node:path";
 import { createInterface } from "node:readline";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import type { SessionKey } from "../../src/lease/types.js";
 import { repoRoot } from "../support/server-process.js";
 
 export type Language = "python" | "go";

@@ -5,9 +5,9 @@
 
 import { randomUUID } from "node:crypto";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { DatabaseUnavailableError } from "../../src/server/lease/errors.js";
-import type { LeaseChange } from "../../src/server/lease/lease-change.js";
-import type { LeaseStore, Scope, SessionKey } from "../../src/server/lease/types.js";
+import { DatabaseUnavailableError } from "../../src/lease/errors.js";
+import type { LeaseChange } from "../../src/lease/lease-change.js";
+import type { LeaseStore, Scope, SessionKey } from "../../src/lease/types.js";
 import {
   createExpiryTracker,
   type ExpiryTracker,

@@ -5,9 +5,9 @@
 
 import { randomUUID } from "node:crypto";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { DatabaseUnavailableError, ResourceExhaustedError } from "../../src/server/lease/errors.js";
-import { changeFromLease } from "../../src/server/lease/lease-change.js";
-import type { LeaseRecord, LeaseStore } from "../../src/server/lease/types.js";
+import { DatabaseUnavailableError, ResourceExhaustedError } from "../../src/lease/errors.js";
+import { changeFromLease } from "../../src/lease/lease-change.js";
+import type { LeaseRecord, LeaseStore } from "../../src/lease/types.js";
 import {
   createKeepAliveHub,
   type KeepAliveAnswer,

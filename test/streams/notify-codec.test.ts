@@ -7,8 +7,8 @@
 
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import type { ChangeType, LeaseChange } from "../../src/server/lease/lease-change.js";
-import { defaultLimits } from "../../src/server/lease/limits.js";
+import type { ChangeType, LeaseChange } from "../../src/lease/lease-change.js";
+import { defaultLimits } from "../../src/lease/limits.js";
 import {
   decodeMessage,
   encodeChanges,

@@ -4,8 +4,8 @@
 // tested in test/renew-many.test.ts.
 
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { DatabaseUnavailableError } from "../../src/server/lease/errors.js";
-import type { LeaseRecord, LeaseStore, RenewItem } from "../../src/server/lease/types.js";
+import { DatabaseUnavailableError } from "../../src/lease/errors.js";
+import type { LeaseRecord, LeaseStore, RenewItem } from "../../src/lease/types.js";
 import { createRenewalBatcher } from "../../src/server/streams/renewal-batcher.js";
 import { type MemoryStreaming, memoryStreaming, observe } from "../support/memory-streaming.js";
 

@@ -6,8 +6,8 @@
 
 import { randomUUID } from "node:crypto";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { DatabaseUnavailableError } from "../../src/server/lease/errors.js";
-import type { AcquireInput, AcquireResult, LeaseStore } from "../../src/server/lease/types.js";
+import { DatabaseUnavailableError } from "../../src/lease/errors.js";
+import type { AcquireInput, AcquireResult, LeaseStore } from "../../src/lease/types.js";
 import {
   createExpiryTracker,
   type ExpiryTracker,

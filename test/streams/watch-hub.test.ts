@@ -7,8 +7,8 @@
 
 import { randomUUID } from "node:crypto";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { changeFromLease, type LeaseChange } from "../../src/server/lease/lease-change.js";
-import type { LeaseRecord, Scope } from "../../src/server/lease/types.js";
+import { changeFromLease, type LeaseChange } from "../../src/lease/lease-change.js";
+import type { LeaseRecord, Scope } from "../../src/lease/types.js";
 import {
   createExpiryTracker,
   type ExpiryTracker,

@@ -5,7 +5,7 @@
 import { randomBytes } from "node:crypto";
 import postgres, { type TransactionSql } from "postgres";
 import { inject } from "vitest";
-import { openDatabase, type Sql } from "../../src/server/db/pool.js";
+import { openDatabase, type Sql } from "../../src/postgres/pool.js";
 import { startTcpProxy, type TcpProxy } from "./tcp-proxy.js";
 
 export interface TestDatabase {

@@ -18,8 +18,8 @@ import {
   type LeaseClient as LibraryClient,
 } from "../../src/client/index.js";
 import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
+import type { Logger } from "../../src/log/logger.js";
 import type { ServerConfig } from "../../src/server/config/server-config.js";
-import type { Logger } from "../../src/server/observability/logger.js";
 import type { LeaseServer, LeaseServerExtensions, RunningServer } from "../../src/server/server.js";
 import { createTestDatabase, type TestDatabase } from "./db.js";
 import {

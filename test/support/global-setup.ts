@@ -10,8 +10,8 @@ import {
   type EmbeddedDatabase,
   makeDataParent,
   startEmbeddedPostgres,
-} from "../../src/server/db/embedded-postgres.js";
-import { allMigrationSets, migrate } from "../../src/server/db/migrate.js";
+} from "../../src/postgres/embedded-postgres.js";
+import { allMigrationSets, migrate } from "../../src/postgres/migrate.js";
 import { ensureBuild } from "./ensure-build.js";
 
 declare module "vitest" {

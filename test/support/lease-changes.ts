@@ -1,7 +1,7 @@
 // A committed lease change built in memory, for the tests of the change path
 // that need no database (the payload codec, the watch order guard).
 
-import type { ChangeType, LeaseChange } from "../../src/server/lease/lease-change.js";
+import type { ChangeType, LeaseChange } from "../../src/lease/lease-change.js";
 
 /** A change of session acct/s by the run with fencing token `token`. */
 export function leaseChange(

@@ -1,8 +1,8 @@
 // Small helpers shared by lease tests.
 
 import { randomUUID } from "node:crypto";
-import type { Sql } from "../../src/server/db/pool.js";
-import type { SessionKey } from "../../src/server/lease/types.js";
+import type { SessionKey } from "../../src/lease/types.js";
+import type { Sql } from "../../src/postgres/pool.js";
 import { type OpenTransaction, openTransaction, type TestDatabase } from "./db.js";
 
 let counter = 0;

@@ -10,9 +10,8 @@
 // concurrency between connections, lock timeouts, SQL. Ordering of text is
 // by code unit (PostgreSQL's "C" collation); use ASCII ids of one shape.
 
-import type { LossCause } from "../../src/protocol/errors.js";
-import { endedLeaseNotReacquired } from "../../src/server/lease/errors.js";
-import { keyString } from "../../src/server/lease/lease-change.js";
+import { endedLeaseNotReacquired } from "../../src/lease/errors.js";
+import { keyString } from "../../src/lease/lease-change.js";
 import type {
   AcquireResult,
   EndedLease,
@@ -23,7 +22,8 @@ import type {
   Scope,
   SessionKey,
   SessionRow,
-} from "../../src/server/lease/types.js";
+} from "../../src/lease/types.js";
+import type { LossCause } from "../../src/protocol/errors.js";
 
 /** The "database clock" of a memory store, in microseconds since the epoch. */
 export interface Clock {

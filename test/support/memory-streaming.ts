@@ -5,9 +5,9 @@
 // server puts between them. Call it after vi.useFakeTimers().
 
 import { randomUUID } from "node:crypto";
-import type { LeaseChange } from "../../src/server/lease/lease-change.js";
-import type { LeaseRecord, LeaseStore, SessionKey } from "../../src/server/lease/types.js";
-import { createLogger } from "../../src/server/observability/logger.js";
+import type { LeaseChange } from "../../src/lease/lease-change.js";
+import type { LeaseRecord, LeaseStore, SessionKey } from "../../src/lease/types.js";
+import { createLogger } from "../../src/log/logger.js";
 import { type ChangeFeed, createChangeFeed } from "../../src/server/streams/change-feed.js";
 import { withPublishing } from "../../src/server/streams/publishing-store.js";
 import { freshKey } from "./leases.js";

@@ -9,8 +9,8 @@ import { LeaseService } from "../../src/gen/leasehold/v1/lease_pb.js";
 import { parseGuardedConfig } from "../../src/guarded/config.js";
 import type { GuardedLimits } from "../../src/guarded/guarded-service.js";
 import { startGuardedServer } from "../../src/guarded/server.js";
+import { createLogger, type Logger } from "../../src/log/logger.js";
 import { parseServerConfig, type ServerConfig } from "../../src/server/config/server-config.js";
-import { createLogger, type Logger } from "../../src/server/observability/logger.js";
 import {
   type LeaseServer,
   type LeaseServerExtensions,

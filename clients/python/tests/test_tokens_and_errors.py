@@ -32,7 +32,7 @@ from leasehold.errors import from_status
 from support import Server, TcpProxy, fresh_session, lease_server, wait_for
 
 ACCOUNT = "acct-py"
-# The server accepts a token this long past its exp (src/server/auth/authn.ts).
+# The server accepts a token this long past its exp (src/auth/authn.ts).
 SERVER_CLOCK_TOLERANCE = 5.0
 
 Clients = Callable[..., LeaseClient]

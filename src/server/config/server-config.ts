@@ -4,15 +4,20 @@
 // the flag and the rule.
 
 import { fileURLToPath } from "node:url";
-import { defaultLimits, type Limits } from "../lease/limits.js";
 import {
   type HostConfig,
   type HostDefaults,
   hostSettings,
   parseHostConfig,
-} from "./host-config.js";
-import { checkExposure, type OpsConfig, opsSettings, parseOpsConfig } from "./ops-config.js";
-import { ConfigError, readSettings, type Setting } from "./settings.js";
+} from "../../config/host-config.js";
+import {
+  checkExposure,
+  type OpsConfig,
+  opsSettings,
+  parseOpsConfig,
+} from "../../config/ops-config.js";
+import { ConfigError, readSettings, type Setting } from "../../config/settings.js";
+import { defaultLimits, type Limits } from "../../lease/limits.js";
 import { parseStreamTuning, type StreamTuning, streamSettings } from "./stream-config.js";
 import { parseTracingConfig, type TracingConfig, tracingSettings } from "./tracing-config.js";
 

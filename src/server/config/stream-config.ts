@@ -2,7 +2,7 @@
 // published to other instances, the two batching ticks, and the period of
 // the safety re-check. `parseServerConfig` merges them with the others.
 
-import { ConfigError, type SettingsReader } from "./settings.js";
+import { ConfigError, type SettingsReader } from "../../config/settings.js";
 
 /** Timing of KeepAlive batching, notifications and the re-check. */
 export interface StreamTuning {

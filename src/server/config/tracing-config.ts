@@ -8,7 +8,7 @@
 // sampler, batching and resource variables are read by the SDK packages
 // themselves (observability/tracing.ts).
 
-import { ConfigError, type SettingsReader } from "./settings.js";
+import { ConfigError, type SettingsReader } from "../../config/settings.js";
 
 /** An exporter spans go to. */
 export type TraceExporterKind = "otlp-http-protobuf" | "otlp-http-json" | "console";

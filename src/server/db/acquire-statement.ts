@@ -28,9 +28,9 @@
 // the quota still succeeds.
 
 import type postgres from "postgres";
-import type { ExpiredLease, LeaseRecord } from "../lease/types.js";
+import type { ExpiredLease, LeaseRecord } from "../../lease/types.js";
+import type { Sql } from "../../postgres/pool.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
-import type { Sql } from "./pool.js";
 
 export interface AcquireItem {
   accountId: string;

@@ -20,9 +20,9 @@
 // S8: rows are locked in key order with SKIP LOCKED unless `wait`: a row
 //     another transaction holds is answered `busy` and tried alone.
 
-import type { EndedLease, GrantVersion } from "../lease/types.js";
+import type { EndedLease, GrantVersion } from "../../lease/types.js";
+import type { Sql } from "../../postgres/pool.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
-import type { Sql } from "./pool.js";
 
 export interface EndItem {
   accountId: string;

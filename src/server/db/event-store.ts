@@ -2,9 +2,9 @@
 // session's events, newest first, paged by event id on the
 // (account_id, session_id, id) index.
 
-import type { EventRecord, EventStore } from "../lease/types.js";
-import { classifyDatabaseError } from "./database-errors.js";
-import type { Sql } from "./pool.js";
+import type { EventRecord, EventStore } from "../../lease/types.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
 
 export function createEventStore(sql: Sql): EventStore {
   return {

@@ -3,8 +3,8 @@
 // `remaining` computed from the statement's one clock reading (S9).
 
 import type postgres from "postgres";
-import type { LeaseRecord } from "../lease/types.js";
-import type { Sql } from "./pool.js";
+import type { LeaseRecord } from "../../lease/types.js";
+import type { Sql } from "../../postgres/pool.js";
 
 /**
  * The lease columns of table alias `t`, relative to `lease_clock.observed_at`

@@ -1,9 +1,9 @@
 // Counting valid leases, in total, for the `leases held` gauge. (The
 // per-account quota is counted inside the acquire statement.)
 
-import type { LeaseCounts } from "../lease/types.js";
-import { classifyDatabaseError } from "./database-errors.js";
-import type { Sql } from "./pool.js";
+import type { LeaseCounts } from "../../lease/types.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
 
 export function createLeaseCounts(sql: Sql): LeaseCounts {
   const run = async (statement: () => Promise<{ n: number }[]>) => {

@@ -1,4 +1,4 @@
-// The lease store on PostgreSQL (DESIGN §3): the LeaseStore of lease/types.ts.
+// The lease store on PostgreSQL (DESIGN §3): the LeaseStore of src/lease/types.ts.
 // Every statement reads the database clock once, in a materialized
 // `lease_clock` CTE, and decides with that instant (S9). Statements run in
 // autocommit: no transaction spans a holder's work.
@@ -15,12 +15,11 @@
 // stuck transaction; a deadlock) is decided row by row the same way, so only
 // the stuck key fails.
 
-import { LimitName } from "../../protocol/errors.js";
 import {
   DatabaseUnavailableError,
   endedLeaseNotReacquired,
   ResourceExhaustedError,
-} from "../lease/errors.js";
+} from "../../lease/errors.js";
 import type {
   AcquireInput,
   AcquireResult,
@@ -33,13 +32,14 @@ import type {
   RenewResult,
   SessionKey,
   SessionRow,
-} from "../lease/types.js";
+} from "../../lease/types.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
+import { LimitName } from "../../protocol/errors.js";
 import { acquireMany, acquireOne } from "./acquire-statement.js";
-import { classifyDatabaseError } from "./database-errors.js";
 import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
 import { createGroupCommit, type GroupCommitStats, type StatementTracer } from "./group-commit.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
-import type { Sql } from "./pool.js";
 import { renewMany, renewOne } from "./renew-statement.js";
 
 export interface LeaseStoreOptions {

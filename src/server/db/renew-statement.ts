@@ -13,9 +13,9 @@
 //     transaction (a stuck one) is left out instead of stalling the batch,
 //     answered `busy`, and the caller retries it alone, with waiting.
 
-import type { LeaseRecord, RenewItem, RenewManyResult } from "../lease/types.js";
+import type { LeaseRecord, RenewItem, RenewManyResult } from "../../lease/types.js";
+import type { Sql } from "../../postgres/pool.js";
 import { leaseColumns } from "./lease-columns.js";
-import type { Sql } from "./pool.js";
 
 // A renewed row's key and run are the request's (the guard matched them
 // exactly; run ids reach the store lower-cased, as PostgreSQL prints a

@@ -11,11 +11,11 @@
 // old row is deleted only once its expiry, which is never before its last
 // grant, lies `tombstoneHorizonMs` in the past, so that statement would have
 // run for longer than the horizon; statement_timeout, at most a tenth of the
-// horizon (ops-config.ts), cancels it long before.
+// horizon (src/config/ops-config.ts), cancels it long before.
 
-import type { Logger } from "../observability/logger.js";
-import { classifyDatabaseError } from "./database-errors.js";
-import type { Sql } from "./pool.js";
+import type { Logger } from "../../log/logger.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
 
 // Shared by every Leasehold process; distinct from the migration lock.
 const retentionLockKey = 7_140_241_817_205_312n;

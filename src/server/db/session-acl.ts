@@ -1,8 +1,8 @@
 // The session_acl table (DESIGN §7, the acl-table session authorizer): one
 // primary-key lookup per check.
 
-import { classifyDatabaseError } from "./database-errors.js";
-import type { Sql } from "./pool.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
 
 export function createSessionAclTable(sql: Sql) {
   return {

@@ -4,7 +4,7 @@
 // orchestrators poll (Check) or hold (Watch); statuses are that protocol's.
 
 import { HealthCheckResponse_ServingStatus as ServingStatus } from "../../gen/grpc/health/v1/health_pb.js";
-import type { Logger } from "./logger.js";
+import type { Logger } from "../../log/logger.js";
 
 export { ServingStatus };
 

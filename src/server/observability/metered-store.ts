@@ -1,8 +1,8 @@
 // The lease store with its outcomes counted for /metrics: a decorator, so
 // the store itself stays free of instrumentation.
 
-import { ResourceExhaustedError } from "../lease/errors.js";
-import type { LeaseStore } from "../lease/types.js";
+import { ResourceExhaustedError } from "../../lease/errors.js";
+import type { LeaseStore } from "../../lease/types.js";
 import type { LeaseMetrics } from "./metrics.js";
 
 export function withMetrics(store: LeaseStore, metrics: LeaseMetrics): LeaseStore {

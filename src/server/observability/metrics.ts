@@ -5,8 +5,8 @@
 import type http from "node:http";
 import type http2 from "node:http2";
 import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from "prom-client";
+import type { Logger } from "../../log/logger.js";
 import type { LossCause } from "../../protocol/errors.js";
-import type { Logger } from "./logger.js";
 
 export interface LeaseMetrics {
   readonly registry: Registry;
@@ -32,7 +32,7 @@ export interface LeaseMetrics {
 
 export interface MetricsOptions {
   poolSize: number;
-  /** The pool's counter, made before the registry (createSyncReplicationCancelledCounter). */
+  /** The pool's counter, made before the registry (src/postgres/pool.ts). */
   syncReplicationCancelled?: Counter;
   /** Counts valid leases; called at most once per `heldCacheMs` per scrape. */
   countHeld: () => Promise<number>;
@@ -127,19 +127,6 @@ export function createMetrics(options: MetricsOptions): LeaseMetrics {
     }),
     lost: (reason) => losses.inc({ reason }),
   };
-}
-
-/**
- * Cancelled waits for the synchronous standby, counted by the pool's notice
- * handler (db/pool.ts). The pool opens before the server's registry exists,
- * so the counter starts in no registry and createMetrics adds it.
- */
-export function createSyncReplicationCancelledCounter(): Counter {
-  return new Counter({
-    name: "leasehold_db_sync_replication_cancelled_total",
-    help: "commits whose wait for the synchronous standby was cancelled (committed on the primary, maybe not on the standby)",
-    registers: [],
-  });
 }
 
 /** What the notification channel reports of itself (notifier.ts's stats). */

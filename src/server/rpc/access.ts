@@ -10,11 +10,12 @@
 // It throws domain errors; the error table gives them their codes.
 
 import type { DescMessage } from "@bufbuild/protobuf";
-import type { Authenticator, Principal } from "../auth/authn.js";
-import type { SessionAction, SessionAuthorizer } from "../auth/session-authorizer.js";
-import { PermissionDeniedError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { checkId } from "../lease/validation.js";
+import type { Authenticator, Principal } from "../../auth/authn.js";
+import type { SessionAction, SessionAuthorizer } from "../../auth/session-authorizer.js";
+import type { Access } from "../../call/access.js";
+import { PermissionDeniedError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { checkId } from "../../lease/validation.js";
 
 /** Every method of LeaseService and the session action it performs. */
 const actions: Record<string, SessionAction> = {
@@ -48,30 +49,6 @@ export interface AccessOptions {
   /** The scope that opens CheckFence on every account (and nothing else). */
   fenceScope: string;
   limits: Limits;
-}
-
-export interface Access {
-  /** Whether calls of this service are checked at all. */
-  protects(serviceName: string): boolean;
-  /**
-   * The caller of a call of `methodName`, from its authorization header;
-   * undefined in development mode. Refuses a bad token and a method the
-   * caller's scopes do not open.
-   */
-  caller(methodName: string, authorization: string | null): Promise<Principal | undefined>;
-  /**
-   * Checks one request message of the call: its account, then the session
-   * authorizer. Returns the principal the call acts as (an anonymous one for
-   * the request's account in development mode). `decided` remembers a
-   * stream's session decisions for a while.
-   */
-  check(
-    methodName: string,
-    input: DescMessage,
-    message: object,
-    caller: Principal | undefined,
-    decided?: Map<string, number>,
-  ): Principal | undefined | Promise<Principal | undefined>;
 }
 
 export function createAccess(options: AccessOptions): Access {

@@ -1,7 +1,7 @@
 // History and Revoke: the audit trail of a session, and the audited admin
 // end of a valid lease (S3 allows no other way to end another run's lease).
 // Validation and mapping only; SQL lives in db/. Errors are mapped to codes
-// once, by the error interceptor (error-codes.ts).
+// once, by the call policy (src/call/error-codes.ts).
 
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
@@ -14,11 +14,11 @@ import {
   RevokeResponseSchema,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { InvalidArgumentError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { eventPageToken } from "../lease/page-token.js";
-import type { EventRecord, EventStore, LeaseStore } from "../lease/types.js";
-import { checkKey, checkPageSize, checkText } from "../lease/validation.js";
+import { InvalidArgumentError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { eventPageToken } from "../../lease/page-token.js";
+import type { EventRecord, EventStore, LeaseStore } from "../../lease/types.js";
+import { checkKey, checkPageSize, checkText } from "../../lease/validation.js";
 import { leaseToProto, timestampFromMicros } from "./convert.js";
 
 export interface AuditServiceDeps {

@@ -2,12 +2,7 @@
 // since the epoch, so Timestamps keep the database's full precision.
 
 import { create } from "@bufbuild/protobuf";
-import {
-  type Duration,
-  DurationSchema,
-  type Timestamp,
-  TimestampSchema,
-} from "@bufbuild/protobuf/wkt";
+import { type Duration, DurationSchema } from "@bufbuild/protobuf/wkt";
 import {
   type Event,
   EventSchema,
@@ -16,19 +11,12 @@ import {
   LeaseSchema,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord } from "../lease/types.js";
+import type { ChangeType, LeaseChange } from "../../lease/lease-change.js";
+import type { LeaseRecord } from "../../lease/types.js";
+import { timestampFromMicros } from "../../protocol/timestamps.js";
 
-export function timestampFromMicros(us: bigint): Timestamp {
-  const seconds = us / 1_000_000n;
-  let rest = us % 1_000_000n;
-  let s = seconds;
-  if (rest < 0n) {
-    rest += 1_000_000n;
-    s -= 1n;
-  }
-  return create(TimestampSchema, { seconds: s, nanos: Number(rest) * 1000 });
-}
+// In src/protocol, shared with the guarded store; the services here take it from this module.
+export { timestampFromMicros };
 
 export function durationFromMicros(us: bigint): Duration {
   return create(DurationSchema, {

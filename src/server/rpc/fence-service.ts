@@ -4,9 +4,9 @@
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
 import { CheckFenceResponseSchema, type LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
-import type { Limits } from "../lease/limits.js";
-import type { LeaseStore } from "../lease/types.js";
-import { checkFencingToken, checkKey } from "../lease/validation.js";
+import type { Limits } from "../../lease/limits.js";
+import type { LeaseStore } from "../../lease/types.js";
+import { checkFencingToken, checkKey } from "../../lease/validation.js";
 
 export interface FenceServiceDeps {
   store: LeaseStore;

@@ -25,9 +25,14 @@ import {
   type HandlerContext,
 } from "@connectrpc/connect";
 import { parseTimeout } from "@connectrpc/connect/protocol-grpc";
+import {
+  type CallPolicy,
+  clampGrpcTimeout,
+  maxTimeoutMs,
+  type PolicyCall,
+} from "../../call/call-policy.js";
+import { policyText } from "../../call/error-texts.js";
 import { requestIdHeader } from "../../protocol/headers.js";
-import { type CallPolicy, clampGrpcTimeout, maxTimeoutMs, type PolicyCall } from "./call-policy.js";
-import { policyText } from "./error-texts.js";
 import {
   encodeFrame,
   errorTrailers,

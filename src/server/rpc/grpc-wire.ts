@@ -7,13 +7,13 @@ import type http2 from "node:http2";
 import { create, type DescMessage, fromBinary, type Message, toBinary } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
+import { policyText } from "../../call/error-texts.js";
 import {
   encodeFrame as encodeMessageFrame,
   FrameDecoder,
   FrameError,
   type FrameSink,
 } from "../../protocol/grpc-frame.js";
-import { policyText } from "./error-texts.js";
 
 export const grpcContentType = "application/grpc+proto";
 

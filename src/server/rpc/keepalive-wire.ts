@@ -16,8 +16,8 @@
 // test/keepalive-wire.test.ts holds the bytes to protobuf-es's with property tests.
 
 import { KeepAliveResponseSchema } from "../../gen/leasehold/v1/lease_pb.js";
+import type { LeaseRecord } from "../../lease/types.js";
 import { frameHeaderBytes, writeFrameHeader } from "../../protocol/grpc-frame.js";
-import type { LeaseRecord } from "../lease/types.js";
 import type { KeepAliveAnswer } from "../streams/keepalive.js";
 import { encodeFrame } from "./grpc-wire.js";
 import { keepAliveAnswer } from "./stream-service.js";

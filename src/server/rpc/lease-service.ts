@@ -1,6 +1,6 @@
 // The bridge between Connect and the lease domain: validates requests, calls
 // the store, maps results to messages. No SQL; domain errors are thrown as
-// they are and mapped to codes once, by the error interceptor (error-codes.ts).
+// they are and mapped to codes once, by the call policy (src/call/error-codes.ts).
 
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
@@ -13,10 +13,10 @@ import {
   ReleaseResponseSchema,
   RenewResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { LeaseNotHeldError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import { sessionPageToken } from "../lease/page-token.js";
-import type { LeaseStore } from "../lease/types.js";
+import { LeaseNotHeldError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import { sessionPageToken } from "../../lease/page-token.js";
+import type { LeaseStore } from "../../lease/types.js";
 import {
   checkId,
   checkKey,
@@ -26,7 +26,7 @@ import {
   checkText,
   checkTtl,
   checkWait,
-} from "../lease/validation.js";
+} from "../../lease/validation.js";
 import type { Waiters } from "../streams/waiters.js";
 import { leaseToProto } from "./convert.js";
 

@@ -17,17 +17,17 @@
 // snapshot instead of the changes it missed).
 
 import { Code, ConnectError } from "@connectrpc/connect";
+import { policyText } from "../../call/error-texts.js";
 import {
   type KeepAliveRequest,
   type WatchRequest,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
+import type { LeaseChange } from "../../lease/lease-change.js";
+import type { Limits } from "../../lease/limits.js";
 import { readKeepAliveRequest } from "../../protocol/wire-reader.js";
-import type { LeaseChange } from "../lease/lease-change.js";
-import type { Limits } from "../lease/limits.js";
 import type { KeepAliveHub } from "../streams/keepalive.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
-import { policyText } from "./error-texts.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
 import { encodeKeepAliveAnswers } from "./keepalive-wire.js";

@@ -19,11 +19,17 @@ import {
   type WatchResponse,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
+import { InvalidArgumentError } from "../../lease/errors.js";
+import type { Limits } from "../../lease/limits.js";
+import type { LeaseStore, Scope } from "../../lease/types.js";
+import {
+  checkId,
+  checkKey,
+  checkOptionalTtl,
+  checkRunId,
+  checkText,
+} from "../../lease/validation.js";
 import { lossReasonFromCause } from "../../protocol/loss-reason.js";
-import { InvalidArgumentError } from "../lease/errors.js";
-import type { Limits } from "../lease/limits.js";
-import type { LeaseStore, Scope } from "../lease/types.js";
-import { checkId, checkKey, checkOptionalTtl, checkRunId, checkText } from "../lease/validation.js";
 import type {
   KeepAliveAnswer,
   KeepAliveHub,

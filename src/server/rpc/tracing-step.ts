@@ -9,8 +9,8 @@
 
 import { codeToString } from "@connectrpc/connect/protocol-connect";
 import { type Span, SpanStatusCode } from "@opentelemetry/api";
+import type { PolicyCallInfo, PolicyStep } from "../../call/call-policy.js";
 import type { Tracing } from "../observability/tracing.js";
-import type { PolicyCallInfo, PolicyStep } from "./call-policy.js";
 
 interface Traced {
   span: Span;

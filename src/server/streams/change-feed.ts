@@ -8,10 +8,10 @@
 // announced interest in (a Watch with include_renewals), so the batched
 // renewal path stays free of notifications when nobody asked.
 
-import { keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { Scope } from "../lease/types.js";
+import { keyString, type LeaseChange } from "../../lease/lease-change.js";
+import type { Scope } from "../../lease/types.js";
+import type { Logger } from "../../log/logger.js";
 import { outsideCalls } from "../observability/call-trace.js";
-import type { Logger } from "../observability/logger.js";
 import type { Notifier } from "./notifier.js";
 import type { NotifierMessage } from "./notify-codec.js";
 

@@ -6,9 +6,15 @@
 // reading also catches a release or revoke whose notification was lost, so a
 // lost notification delays a watcher by at most one TTL.
 
-import { endsLease, keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord, LeaseStore, Scope, ScopeReading, SessionKey } from "../lease/types.js";
-import type { Logger } from "../observability/logger.js";
+import { endsLease, keyString, type LeaseChange } from "../../lease/lease-change.js";
+import type {
+  LeaseRecord,
+  LeaseStore,
+  Scope,
+  ScopeReading,
+  SessionKey,
+} from "../../lease/types.js";
+import type { Logger } from "../../log/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 
 export interface ExpiryTracker {

@@ -17,10 +17,10 @@
 // with RESOURCE_EXHAUSTED. Closing a stream releases nothing: its leases run
 // to their deadlines unless renewed elsewhere or released.
 
+import { ResourceExhaustedError } from "../../lease/errors.js";
+import { keyString, type LeaseChange, runKey } from "../../lease/lease-change.js";
+import type { LeaseRecord, SessionKey } from "../../lease/types.js";
 import { LimitName, type LossCause } from "../../protocol/errors.js";
-import { ResourceExhaustedError } from "../lease/errors.js";
-import { keyString, type LeaseChange, runKey } from "../lease/lease-change.js";
-import type { LeaseRecord, SessionKey } from "../lease/types.js";
 import type { ChangeFeed } from "./change-feed.js";
 import { type RenewalBatcher, RenewalUndecidedError } from "./renewal-batcher.js";
 import { createStreamLeases, type StreamLeases } from "./stream-limits.js";

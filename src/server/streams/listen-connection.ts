@@ -14,8 +14,8 @@
 // connection is replaced.
 
 import postgres from "postgres";
-import { classifyDatabaseError } from "../db/database-errors.js";
-import type { Logger } from "../observability/logger.js";
+import type { Logger } from "../../log/logger.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
 
 export interface ListenStats {
   /** Times the LISTEN connection was lost (closed, or a ping did not come back). */

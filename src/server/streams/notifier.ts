@@ -5,8 +5,8 @@
 // (listen-connection.ts); notify-codec.ts is what the payloads say. This
 // module puts the three together for the change feed.
 
-import type { LeaseChange } from "../lease/lease-change.js";
-import type { Logger } from "../observability/logger.js";
+import type { LeaseChange } from "../../lease/lease-change.js";
+import type { Logger } from "../../log/logger.js";
 import { createListenConnection, type ListenStats } from "./listen-connection.js";
 import {
   type ControlMessage,

@@ -11,8 +11,8 @@
 //   {"v":1,"s":source,"h":1}
 //   {"v":1,"s":source,"p":nonce}
 
-import type { ChangeType, LeaseChange } from "../lease/lease-change.js";
-import type { Scope } from "../lease/types.js";
+import type { ChangeType, LeaseChange } from "../../lease/lease-change.js";
+import type { Scope } from "../../lease/types.js";
 
 export const notificationChannel = "leasehold_changes";
 

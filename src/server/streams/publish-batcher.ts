@@ -14,10 +14,10 @@
 // re-check); see docs/streams.md.
 
 import postgres from "postgres";
-import { classifyDatabaseError } from "../db/database-errors.js";
-import { reconnectDelaySeconds } from "../db/pool.js";
-import type { LeaseChange } from "../lease/lease-change.js";
-import type { Logger } from "../observability/logger.js";
+import type { LeaseChange } from "../../lease/lease-change.js";
+import type { Logger } from "../../log/logger.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import { reconnectDelaySeconds } from "../../postgres/pool.js";
 import { encodeChanges, notificationChannel } from "./notify-codec.js";
 
 export interface PublishStats {

@@ -3,8 +3,8 @@
 // never runs inside the writing transaction (DESIGN §3), and no service can
 // forget it.
 
-import { changeFromLease } from "../lease/lease-change.js";
-import type { LeaseStore } from "../lease/types.js";
+import { changeFromLease } from "../../lease/lease-change.js";
+import type { LeaseStore } from "../../lease/types.js";
 import type { ChangeFeed } from "./change-feed.js";
 
 export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore {

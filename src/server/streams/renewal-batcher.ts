@@ -33,11 +33,11 @@
 // KeepAlive streams (and Renew calls) whose renewals it decides; the trace
 // context is taken when a renewal is submitted. Off, `tracer` is undefined.
 
+import { DatabaseUnavailableError } from "../../lease/errors.js";
+import { runKey } from "../../lease/lease-change.js";
+import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../../lease/types.js";
 import type { LossCause } from "../../protocol/errors.js";
 import type { StatementTracer } from "../db/group-commit.js";
-import { DatabaseUnavailableError } from "../lease/errors.js";
-import { runKey } from "../lease/lease-change.js";
-import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../lease/types.js";
 
 /**
  * One renewal could not be decided: its row stayed locked by another

@@ -1,44 +1,10 @@
-// Limits of long-lived streams (DESIGN §7): open Watch streams per account
-// on this instance, and distinct leases per KeepAlive stream. Both answer
-// RESOURCE_EXHAUSTED with the limit's name, so a client knows which flag an
-// operator would raise. Counting is per instance: N instances allow N times
-// the number of watchers, which bounds each instance's memory, the point.
+// The limit of a KeepAlive stream (DESIGN §7): distinct leases per stream.
+// It answers RESOURCE_EXHAUSTED with the limit's name, so a client knows
+// which flag an operator would raise. The per-account Watch quota is the call
+// policy's (src/call/account-slots.ts).
 
+import { ResourceExhaustedError } from "../../lease/errors.js";
 import { LimitName } from "../../protocol/errors.js";
-import { ResourceExhaustedError } from "../lease/errors.js";
-
-export interface AccountSlots {
-  /** Takes a slot for `account`, or throws; call the returned function once to give it back. */
-  enter(account: string): () => void;
-  /** Slots in use by `account`. */
-  used(account: string): number;
-}
-
-export function createAccountSlots(max: number, what: string, limit: LimitName): AccountSlots {
-  const counts = new Map<string, number>();
-  return {
-    enter: (account) => {
-      const n = counts.get(account) ?? 0;
-      if (n >= max) {
-        throw new ResourceExhaustedError(
-          `the account already has ${n} ${what} open on this server, the limit (--${limit}) is ${max}`,
-          limit,
-          max,
-        );
-      }
-      counts.set(account, n + 1);
-      let left = false;
-      return () => {
-        if (left) return;
-        left = true;
-        const now = (counts.get(account) ?? 1) - 1;
-        if (now === 0) counts.delete(account);
-        else counts.set(account, now);
-      };
-    },
-    used: (account) => counts.get(account) ?? 0,
-  };
-}
 
 /** The leases one KeepAlive stream carries, bounded. Keys are opaque strings. */
 export interface StreamLeases {

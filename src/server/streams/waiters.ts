@@ -11,10 +11,10 @@
 // conditional UPSERT picks exactly one winner per release (S2). Losers keep
 // their place and wait for the next end of the lease.
 
-import { LeaseNotHeldError } from "../lease/errors.js";
-import { endsLease, keyString } from "../lease/lease-change.js";
-import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../lease/types.js";
-import type { Logger } from "../observability/logger.js";
+import { LeaseNotHeldError } from "../../lease/errors.js";
+import { endsLease, keyString } from "../../lease/lease-change.js";
+import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../../lease/types.js";
+import type { Logger } from "../../log/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
 

@@ -14,9 +14,9 @@
 // the consumer loses intermediate transitions but never the current state,
 // and server memory stays bounded (docs/streams.md).
 
-import { endsLease, keyString, type LeaseChange } from "../lease/lease-change.js";
-import type { LeaseRecord, LeaseStore, Scope, SessionRow } from "../lease/types.js";
-import type { Logger } from "../observability/logger.js";
+import { endsLease, keyString, type LeaseChange } from "../../lease/lease-change.js";
+import type { LeaseRecord, LeaseStore, Scope, SessionRow } from "../../lease/types.js";
+import type { Logger } from "../../log/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
 

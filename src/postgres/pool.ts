@@ -3,7 +3,8 @@
 // transaction can hold a lease row (or a pool slot) for long.
 
 import postgres from "postgres";
-import type { Logger } from "../observability/logger.js";
+import { Counter } from "prom-client";
+import type { Logger } from "../log/logger.js";
 
 export type Sql = postgres.Sql<{ bigint: bigint }>;
 
@@ -27,6 +28,19 @@ export interface DatabaseNotices {
   logger: Logger;
   /** Incremented per cancelled wait for a synchronous standby (see below). */
   syncReplicationCancelled: { inc(): void };
+}
+
+/**
+ * Cancelled waits for the synchronous standby, counted by the pool's notice
+ * handler (below). The pool opens before the server's registry exists,
+ * so the counter starts in no registry and the lease server's metrics add it.
+ */
+export function createSyncReplicationCancelledCounter(): Counter {
+  return new Counter({
+    name: "leasehold_db_sync_replication_cancelled_total",
+    help: "commits whose wait for the synchronous standby was cancelled (committed on the primary, maybe not on the standby)",
+    registers: [],
+  });
 }
 
 /**

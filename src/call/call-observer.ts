@@ -10,8 +10,7 @@ import { randomUUID } from "node:crypto";
 import { Code, type ConnectError } from "@connectrpc/connect";
 import { codeToString } from "@connectrpc/connect/protocol-connect";
 import type { Principal } from "../auth/authn.js";
-import type { Logger } from "../observability/logger.js";
-import type { LeaseMetrics } from "../observability/metrics.js";
+import type { Logger } from "../log/logger.js";
 
 const requestIdPattern = /^[A-Za-z0-9._:-]{1,128}$/;
 
@@ -30,9 +29,18 @@ export interface CallObserver {
   begin(service: string, method: string, requestIdHeader: string | null): ObservedCall;
 }
 
+/** The histogram a call's latency is observed in, labelled by method and code. */
+export interface CallMetrics {
+  rpcDuration: { labels(method: string, code: string): { observe(seconds: number): void } };
+}
+
 export interface CallObserverOptions {
   logger: Logger;
-  metrics: LeaseMetrics;
+  /**
+   * The call latency histogram, by method and code (the lease server's
+   * leasehold_rpc_duration_seconds). A server without /metrics passes none.
+   */
+  metrics?: CallMetrics;
   /** Share of successful calls logged, 0 to 1; failures are always logged. */
   accessLogSample: number;
 }
@@ -42,6 +50,7 @@ export function createCallObserver(options: CallObserverOptions): CallObserver {
   // One histogram child per method and code: labelled lookups hash their labels on every call.
   const histograms = new Map<string, { observe(seconds: number): void }>();
   const histogram = (method: string, code: string) => {
+    if (!metrics) return undefined;
     const k = `${method} ${code}`;
     let h = histograms.get(k);
     if (!h) {
@@ -65,7 +74,7 @@ export function createCallObserver(options: CallObserverOptions): CallObserver {
           ended = true;
           const seconds = (performance.now() - started) / 1000;
           const codeName = code === undefined ? "ok" : codeToString(code);
-          histogram(method, codeName).observe(seconds);
+          histogram(method, codeName)?.observe(seconds);
           const failed = code !== undefined;
           if (!failed && (accessLogSample <= 0 || Math.random() >= accessLogSample)) return;
           const principal = call.principal;

@@ -6,7 +6,7 @@
 
 import { Code, ConnectError, type Interceptor, type StreamRequest } from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
-import { requestIdHeader } from "../../protocol/headers.js";
+import { requestIdHeader } from "../protocol/headers.js";
 import type { CallPolicy, PolicyCall } from "./call-policy.js";
 import { policyText } from "./error-texts.js";
 

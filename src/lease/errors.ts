@@ -1,7 +1,7 @@
 // Domain errors of the lease service. They carry no transport types: the
 // one table that turns them into wire codes is rpc/error-codes.ts.
 
-import type { AuthFailure, LimitName, NotHeldCause } from "../../protocol/errors.js";
+import type { AuthFailure, LimitName, NotHeldCause } from "../protocol/errors.js";
 
 /** A request field broke a rule. The message names the field and the rule. */
 export class InvalidArgumentError extends Error {

@@ -10,11 +10,11 @@ import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@conne
 import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
 import type { Counter } from "prom-client";
 import type { HostConfig } from "../config/host-config.js";
-import { type EmbeddedDatabase, startEmbeddedPostgres } from "../db/embedded-postgres.js";
-import { type MigrationSet, migrate } from "../db/migrate.js";
-import { openDatabase, type Sql } from "../db/pool.js";
-import type { Logger } from "../observability/logger.js";
-import { createSyncReplicationCancelledCounter } from "../observability/metrics.js";
+import type { Logger } from "../log/logger.js";
+import { type EmbeddedDatabase, startEmbeddedPostgres } from "../postgres/embedded-postgres.js";
+import { type MigrationSet, migrate } from "../postgres/migrate.js";
+import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from "../postgres/pool.js";
+
 import { type Listener, listen, type StreamHandler } from "./listener.js";
 import { createRpcEntry } from "./rpc-entry.js";
 

@@ -15,7 +15,7 @@ import { readdir, readFile } from "node:fs/promises";
 import { fileURLToPath } from "node:url";
 import postgres from "postgres";
 
-export const migrationsDir = fileURLToPath(new URL("../../../migrations/", import.meta.url));
+export const migrationsDir = fileURLToPath(new URL("../../migrations/", import.meta.url));
 
 /** The migration sets, in the order a server that needs several applies them. */
 export type MigrationSet = "lease" | "fence" | "guarded";

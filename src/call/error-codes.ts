@@ -1,16 +1,15 @@
 // The one home of error codes: the table from domain errors to Connect codes,
-// messages and details, and the interceptor that applies it to every call,
-// once. Handlers and inner interceptors throw domain errors as they are.
+// messages and details, which the call policy (call-policy.ts) applies to
+// every call, once. Handlers and policy steps throw domain errors as they are.
 // There are no user-defined codes: every answer uses the fixed gRPC set.
 
 import { create } from "@bufbuild/protobuf";
-import { Code, ConnectError, type Interceptor } from "@connectrpc/connect";
+import { Code, ConnectError } from "@connectrpc/connect";
 import {
   BadRequest_FieldViolationSchema,
   BadRequestSchema,
   ErrorInfoSchema,
-} from "../../gen/google/rpc/error_details_pb.js";
-import { ErrorMetadata, ErrorReason, errorDomain } from "../../protocol/errors.js";
+} from "../gen/google/rpc/error_details_pb.js";
 import {
   DatabaseTimeoutError,
   DatabaseUnavailableError,
@@ -22,6 +21,7 @@ import {
   StaleFencingTokenError,
   UnauthenticatedError,
 } from "../lease/errors.js";
+import { ErrorMetadata, ErrorReason, errorDomain } from "../protocol/errors.js";
 import { requestParseErrorAsInvalidArgument } from "./parse-errors.js";
 
 function errorInfo(reason: string, metadata: Record<string, string>) {
@@ -93,31 +93,4 @@ export function toConnectError(error: unknown): ConnectError {
     return new ConnectError(error.message, Code.DeadlineExceeded);
   }
   return new ConnectError("internal error", Code.Internal, undefined, undefined, error);
-}
-
-/**
- * Maps whatever a call throws to its code: a unary handler's error, and an
- * error raised while a stream's messages are read (validation, a request
- * that is not protobuf) or produced. Runs inside the request observer, so the
- * log and metrics see the code the client gets.
- */
-export function errorCodeInterceptor(): Interceptor {
-  return (next) => async (req) => {
-    let res: Awaited<ReturnType<typeof next>>;
-    try {
-      res = await next(req);
-    } catch (error) {
-      throw toConnectError(error);
-    }
-    if (!res.stream) return res;
-    const source = res.message;
-    async function* mapped() {
-      try {
-        yield* source;
-      } catch (error) {
-        throw toConnectError(error);
-      }
-    }
-    return { ...res, message: mapped() };
-  };
 }

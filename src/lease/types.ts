@@ -3,7 +3,7 @@
 // against. No I/O here: the PostgreSQL implementation is db/lease-store.ts,
 // the decorators (publishing, quota, metrics) wrap the interface.
 
-import type { LossCause, NotHeldCause } from "../../protocol/errors.js";
+import type { LossCause, NotHeldCause } from "../protocol/errors.js";
 
 export interface SessionKey {
   accountId: string;

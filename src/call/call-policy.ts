@@ -1,8 +1,8 @@
-// The one call policy of the lease server: what every LeaseService call goes
-// through, whichever path serves it (the Connect adapter's interceptor,
-// policy-interceptor.ts, for Connect, gRPC-Web and connect-node's gRPC; the
-// native gRPC path, grpc-native.ts and native-streams.ts). Written once, in
-// order:
+// The one call policy of the lease server and the guarded store: what every
+// call goes through, whichever path serves it (the Connect adapter's
+// interceptor, policy-interceptor.ts, for Connect, gRPC-Web and connect-node's
+// gRPC; the lease server's native gRPC path, src/server/rpc/grpc-native.ts and
+// native-streams.ts). Written once, in order:
 //
 //   begin    observation (call-observer.ts: request id, latency, log line);
 //            the steps' begin (tracing starts the call's span here,
@@ -13,7 +13,7 @@
 //            another message; extra steps
 //   message  each request message: refused once the token has expired
 //            (nothing is renewed after that), the account and the session
-//            authorizer (access.ts), extra steps
+//            authorizer (the server's Access, access.ts), extra steps
 //   watch    the per-account Watch quota, given back when the call ends
 //   end      error mapping (error-codes.ts) with the request id, observation
 //            recorded, end hooks run
@@ -27,11 +27,11 @@
 
 import type { DescMessage, DescMethod, DescService } from "@bufbuild/protobuf";
 import type { Code, ConnectError } from "@connectrpc/connect";
-import { requestIdHeader } from "../../protocol/headers.js";
 import type { Principal } from "../auth/authn.js";
 import { UnauthenticatedError } from "../lease/errors.js";
-import type { AccountSlots } from "../streams/stream-limits.js";
+import { requestIdHeader } from "../protocol/headers.js";
 import type { Access } from "./access.js";
+import type { AccountSlots } from "./account-slots.js";
 import type { CallObserver, ObservedCall } from "./call-observer.js";
 import { toConnectError } from "./error-codes.js";
 import { policyText } from "./error-texts.js";
@@ -115,8 +115,8 @@ export interface PolicyCall extends PolicyCallInfo {
 export interface CallPolicyOptions {
   observer: CallObserver;
   access: Access;
-  /** Open Watch streams per account on this instance. */
-  watchSlots: AccountSlots;
+  /** Open Watch streams per account on this instance; none for a server without Watch. */
+  watchSlots?: AccountSlots;
   /** Steps run after the built-in ones, in order. */
   steps?: readonly PolicyStep[];
 }
@@ -183,7 +183,7 @@ class Call implements PolicyCall {
     init: Parameters<CallPolicy["begin"]>[0],
     private readonly observed: ObservedCall,
     private readonly access: Access,
-    private readonly watchSlots: AccountSlots,
+    private readonly watchSlots: AccountSlots | undefined,
     private readonly steps: Steps,
   ) {
     this.service = init.service.typeName;
@@ -278,7 +278,7 @@ class Call implements PolicyCall {
 
   enterWatch(account: string): void {
     // A call that already ended takes nothing (a check it awaited came back late).
-    if (this.finished) return;
+    if (this.finished || !this.watchSlots) return;
     const leave = this.watchSlots.enter(account);
     this.onEnd(leave);
   }

@@ -1,0 +1,32 @@
+// What the call policy (call-policy.ts) asks of a server's access rules: which
+// services it guards, who the caller is, and whether each request message may
+// be served for them. The lease server's rules are in src/server/rpc/access.ts,
+// the guarded store's in src/guarded/caller-auth.ts. Implementations throw
+// domain errors; the error table gives them their codes.
+
+import type { DescMessage } from "@bufbuild/protobuf";
+import type { Principal } from "../auth/authn.js";
+
+export interface Access {
+  /** Whether calls of this service are checked at all. */
+  protects(serviceName: string): boolean;
+  /**
+   * The caller of a call of `methodName`, from its authorization header;
+   * undefined in development mode. Refuses a bad token and a method the
+   * caller's scopes do not open.
+   */
+  caller(methodName: string, authorization: string | null): Promise<Principal | undefined>;
+  /**
+   * Checks one request message of the call: its account, then the session
+   * authorizer. Returns the principal the call acts as (an anonymous one for
+   * the request's account in development mode). `decided` remembers a
+   * stream's session decisions for a while.
+   */
+  check(
+    methodName: string,
+    input: DescMessage,
+    message: object,
+    caller: Principal | undefined,
+    decided?: Map<string, number>,
+  ): Principal | undefined | Promise<Principal | undefined>;
+}
