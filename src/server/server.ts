@@ -10,6 +10,7 @@
 // waiting Acquire); authentication; the interceptors; the routes.
 
 import { randomUUID } from "node:crypto";
+import { Code, ConnectError } from "@connectrpc/connect";
 import type { TracerProvider } from "@opentelemetry/api";
 import { createAuthenticator } from "../auth/authn.js";
 import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-authorizer.js";
@@ -244,8 +245,18 @@ async function buildLeaseServer(
     recheckIntervalMs: tuning.recheckIntervalMs,
   });
   const stopStreaming = async () => {
-    keepAlive.close();
-    watch.close();
+    // A stream still open now (the listener's grace ran out, or it was
+    // opened as the server stopped) ends as a shutdown ends every stream:
+    // UNAVAILABLE, so that its client moves to another instance.
+    const reason =
+      shutdownSignal.reason instanceof ConnectError
+        ? shutdownSignal.reason
+        : new ConnectError(
+            "the server is shutting down: reconnect to another instance",
+            Code.Unavailable,
+          );
+    keepAlive.close(reason);
+    watch.close(reason);
     waiters.close();
     batcher.close();
     tracker.close();

@@ -22,7 +22,6 @@ let mem: MemoryStreaming;
 let hub: KeepAliveHub;
 /** Items the store was asked to renew, over all statements. */
 let renewedRuns: string[];
-const stop = new AbortController();
 
 function startHub(
   options: { maxLeasesPerStream?: number; maxPendingAnswers?: number; store?: LeaseStore } = {},
@@ -44,18 +43,35 @@ function startHub(
   return hub;
 }
 
-/** A session whose answers are collected as they come, and whether it failed. */
-function openSession() {
+/**
+ * A session piped into an outlet that collects its answers, and how it
+ * ended. `reading: false` plays a client that stops reading: each write
+ * fills its buffer, and `readMore` drains it once.
+ */
+function openSession(options: { reading?: boolean } = {}) {
   const session = hub.open();
   const answers: KeepAliveAnswer[] = [];
-  const reading = (async () => {
-    for await (const answer of session.answers(stop.signal)) answers.push(answer);
-  })();
-  const outcome = reading.then(
-    () => ({ ended: true, error: undefined as unknown }),
-    (error: unknown) => ({ ended: true, error }),
-  );
-  return { session, answers, outcome };
+  let drain: (() => void) | undefined;
+  let ended: (outcome: { ended: true; error: unknown }) => void = () => {};
+  const outcome = new Promise<{ ended: true; error: unknown }>((resolve) => {
+    ended = resolve;
+  });
+  session.pipe({
+    write: (batch) => {
+      answers.push(...batch);
+      return options.reading ?? true;
+    },
+    onDrain: (listener) => {
+      drain = listener;
+    },
+    end: (error) => ended({ ended: true, error }),
+  });
+  const readMore = () => {
+    const d = drain;
+    drain = undefined;
+    d?.();
+  };
+  return { session, answers, outcome, readMore };
 }
 
 const request = (lease: LeaseRecord, ttlMs?: number) => ({
@@ -82,7 +98,7 @@ beforeEach(() => {
   renewedRuns = [];
 });
 afterEach(() => {
-  hub?.close();
+  hub?.close(new Error("the test is over"));
   vi.useRealTimers();
 });
 
@@ -189,23 +205,24 @@ describe("KeepAlive hub", () => {
     expect(kinds(answers)).toEqual(["lease", "lost:expired"]);
   });
 
-  it("bounded backlog: a client that stops reading is cut off with RESOURCE_EXHAUSTED", async () => {
+  it("bounded backlog: a client that stops reading is cut off with RESOURCE_EXHAUSTED, told when it reads again", async () => {
     startHub({ maxPendingAnswers: 3 });
-    const session = hub.open();
-    const leases = [await mem.grant(), await mem.grant(), await mem.grant(), await mem.grant()];
+    const { session, answers, outcome, readMore } = openSession({ reading: false });
+    const leases = [];
+    for (let i = 0; i < 5; i++) leases.push(await mem.grant());
     for (const lease of leases) await renew(session, lease);
-    const error = await (async () => {
-      try {
-        for await (const _ of session.answers(stop.signal)) {
-          // Reads nothing: the stream already failed.
-        }
-      } catch (e) {
-        return e;
-      }
-    })();
+    expect(hub.stats.overflows).toBe(1);
+    // The first answer was written before the client stopped reading.
+    expect(kinds(answers)).toEqual(["lease"]);
+    const ended = await Promise.race([outcome, Promise.resolve("not yet")]);
+    expect(ended).toBe("not yet");
+    readMore();
+    const { error } = await outcome;
     expect(error).toBeInstanceOf(ResourceExhaustedError);
     expect(String(error)).toMatch(/3 answers its client has not read/);
-    expect(hub.stats.overflows).toBe(1);
+    // What was queued was dropped, not written.
+    expect(kinds(answers)).toEqual(["lease"]);
+    expect(hub.stats.streams).toBe(0);
     // Its leases are not released: they run to their deadlines.
     for (const lease of leases) expect(await mem.store.get(lease)).toBeDefined();
   });
@@ -246,6 +263,39 @@ describe("KeepAlive hub", () => {
     await vi.advanceTimersByTimeAsync(tickMs);
     expect(await outcome).toEqual({ ended: true, error: undefined });
     expect(kinds(answers)).toEqual(["lease"]);
+  });
+
+  it("the hub's close ends every stream with its reason, one not yet piped as soon as it is; nothing is released", async () => {
+    startHub();
+    const { session, outcome } = openSession();
+    const lease = await mem.grant();
+    await renew(session, lease);
+    const unpiped = hub.open();
+    const reason = new Error("the server is shutting down");
+    hub.close(reason);
+    expect((await outcome).error).toBe(reason);
+    expect(hub.stats.streams).toBe(0);
+    const late = new Promise<unknown>((resolve) =>
+      unpiped.pipe({ write: () => true, onDrain: () => {}, end: resolve }),
+    );
+    expect(await late).toBe(reason);
+    expect((await mem.store.get(lease))?.runId).toBe(lease.runId);
+  });
+
+  it("closing a stream (its call ended) tells its outlet nothing and stops its answers", async () => {
+    startHub();
+    const { session, answers, outcome } = openSession();
+    const lease = await mem.grant();
+    await renew(session, lease);
+    session.submit(request(lease));
+    session.close();
+    await vi.advanceTimersByTimeAsync(tickMs);
+    mem.feed.deliverLocal(changeFromLease("released", lease));
+    await delivered();
+    expect(kinds(answers)).toEqual(["lease"]);
+    expect(hub.stats.streams).toBe(0);
+    const ended = await Promise.race([outcome, Promise.resolve("still open")]);
+    expect(ended).toBe("still open");
   });
 
   it("a database that cannot decide fails the stream; closing a stream releases nothing", async () => {

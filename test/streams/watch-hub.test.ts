@@ -7,6 +7,7 @@
 
 import { randomUUID } from "node:crypto";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
+import { DatabaseUnavailableError } from "../../src/lease/errors.js";
 import { changeFromLease, type LeaseChange } from "../../src/lease/lease-change.js";
 import type { LeaseRecord, Scope } from "../../src/lease/types.js";
 import {
@@ -28,7 +29,6 @@ const bufferLength = 4;
 let mem: MemoryStreaming;
 let tracker: ExpiryTracker;
 let hub: WatchHub;
-const stop = new AbortController();
 
 beforeEach(async () => {
   vi.useFakeTimers();
@@ -47,7 +47,7 @@ beforeEach(async () => {
   hub.start();
 });
 afterEach(() => {
-  hub.close();
+  hub.close(new Error("the test is over"));
   tracker.close();
   vi.useRealTimers();
 });
@@ -55,26 +55,35 @@ afterEach(() => {
 /** Lets every change, timer due now and reading run. */
 const settle = () => vi.advanceTimersByTimeAsync(0);
 
-/** A watcher whose messages are collected as they are read, or only when `read` is called. */
+/**
+ * A watcher piped into an outlet that collects its messages. `reading:
+ * false` plays a client that stops reading: each write fills its buffer,
+ * and `readMore` drains it once.
+ */
 function watch(scope: Scope, options: { includeRenewals?: boolean; reading?: boolean } = {}) {
   const watcher = hub.open(scope, { includeRenewals: options.includeRenewals ?? false });
   const messages: WatchMessage[] = [];
-  const it = watcher.messages(stop.signal);
-  const read = async () => {
-    const next = await it.next();
-    if (!next.done) messages.push(next.value);
-    return next.value as WatchMessage;
+  let drain: (() => void) | undefined;
+  const outcome: { ended?: { error: unknown } } = {};
+  watcher.pipe({
+    write: (batch) => {
+      messages.push(...batch);
+      return options.reading ?? true;
+    },
+    onDrain: (listener) => {
+      drain = listener;
+    },
+    end: (error) => {
+      outcome.ended = { error };
+    },
+  });
+  const readMore = async () => {
+    const d = drain;
+    drain = undefined;
+    d?.();
+    await settle();
   };
-  if (options.reading ?? true) {
-    void (async () => {
-      for (;;) {
-        const next = await it.next();
-        if (next.done) return;
-        messages.push(next.value);
-      }
-    })();
-  }
-  return { watcher, messages, read };
+  return { watcher, messages, readMore, outcome };
 }
 
 const shown = (messages: WatchMessage[]) =>
@@ -156,19 +165,24 @@ describe("Watch hub", () => {
 
   it("a consumer that falls behind gets, once its buffer is full, a fresh snapshot instead of the changes it missed", async () => {
     const accountId = `acct-${randomUUID()}`;
-    const { messages, read } = watch({ accountId, sessionId: "" }, { reading: false });
-    await read();
+    const { messages, readMore } = watch({ accountId, sessionId: "" }, { reading: false });
+    await settle();
     expect(shown(messages)).toEqual(["snapshot:"]);
     const leases: LeaseRecord[] = [];
     for (let i = 0; i <= bufferLength; i++) {
       leases.push(await mem.grant({ key: { accountId, sessionId: `s${i}` } }));
     }
+    await settle();
     expect(hub.stats.overflows).toBe(1);
-    await read();
-    expect(shown(messages)[1]).toBe(`snapshot:${leases.map((l) => l.fencingToken).join(",")}`);
+    expect(shown(messages)).toEqual(["snapshot:"]);
+    await readMore();
+    expect(shown(messages)).toEqual([
+      "snapshot:",
+      `snapshot:${leases.map((l) => l.fencingToken).join(",")}`,
+    ]);
     // After the snapshot, changes flow again.
     await mem.store.release(leases[0] as LeaseRecord, leases[0]?.runId ?? "");
-    await read();
+    await readMore();
     expect(shown(messages)[2]).toBe(`released:${leases[0]?.fencingToken}`);
   });
 
@@ -216,63 +230,140 @@ describe("Watch hub", () => {
   });
 
   it("the re-check reaches every watcher of a large account, in slices that let the event loop turn", async () => {
-    const account = `acct-${randomUUID()}`;
-    // Rows already there, and seen by every watcher's first snapshot.
-    for (let i = 0; i < 4; i++) {
-      await mem.raw.acquire({
+    // A hub that writes to every ready watcher in one turn: what spreads
+    // the writes over turns here is the re-check's own slicing.
+    const wide = createWatchHub({
+      store: mem.store,
+      feed: mem.feed,
+      tracker,
+      logger: mem.logger,
+      bufferLength,
+      recheckIntervalMs,
+      recheckGraceMs,
+      watchersPerTurn: Number.POSITIVE_INFINITY,
+    });
+    wide.start();
+    try {
+      const account = `acct-${randomUUID()}`;
+      // Rows already there, and seen by every watcher's first snapshot.
+      for (let i = 0; i < 4; i++) {
+        await mem.raw.acquire({
+          accountId: account,
+          sessionId: `seen-${i}`,
+          runId: randomUUID(),
+          ttlMs: 600_000,
+          holder: "x",
+        });
+      }
+      // 3,000 watchers × 5 rows is more than one slice of the comparison.
+      // Each notes the turn of the event loop in which it was written to.
+      let turn = 0;
+      const wroteAt: (number | undefined)[] = [];
+      const last: (WatchMessage | undefined)[] = [];
+      for (let i = 0; i < 3_000; i++) {
+        wide.open({ accountId: account, sessionId: "" }, { includeRenewals: false }).pipe({
+          write: (batch) => {
+            wroteAt[i] = turn;
+            last[i] = batch.at(-1);
+            return true;
+          },
+          onDrain: () => {},
+          end: () => {},
+        });
+      }
+      const written = () => wroteAt.filter((t) => t !== undefined).length;
+      await settle();
+      expect(written()).toBe(3_000);
+      wroteAt.length = 0;
+      const lost = await mem.raw.acquire({
         accountId: account,
-        sessionId: `seen-${i}`,
+        sessionId: "missed",
         runId: randomUUID(),
         ttlMs: 600_000,
         holder: "x",
       });
-    }
-    // 3,000 watchers × 5 rows is more than one slice of the comparison.
-    // Each notes the turn of the event loop in which it was told to read.
-    let turn = 0;
-    const toldAt: (number | undefined)[] = [];
-    const watchers = Array.from({ length: 3_000 }, (_, i) => {
-      const w = hub.open({ accountId: account, sessionId: "" }, { includeRenewals: false });
-      w.listen(() => {
-        toldAt[i] = turn;
-      });
-      return w;
-    });
-    await Promise.all(watchers.map((w) => w.take()));
-    toldAt.length = 0;
-    const lost = await mem.raw.acquire({
-      accountId: account,
-      sessionId: "missed",
-      runId: randomUUID(),
-      ttlMs: 600_000,
-      holder: "x",
-    });
-    if (!lost.acquired) throw new Error("the key must be free");
-    await vi.advanceTimersByTimeAsync(recheckIntervalMs + recheckGraceMs - 1);
-    const nextTurn = () => {
-      turn++;
-      if (toldAt.filter((t) => t !== undefined).length < watchers.length) setImmediate(nextTurn);
-    };
-    setImmediate(nextTurn);
-    await vi.advanceTimersByTimeAsync(1);
-    await vi.waitFor(() => expect(toldAt.filter((t) => t !== undefined)).toHaveLength(3_000));
-    // The last watcher was told turns after the first.
-    expect(Math.max(...(toldAt as number[]))).toBeGreaterThan(Math.min(...(toldAt as number[])));
-    // And each reads a fresh snapshot with the grant it missed.
-    for (const w of watchers) {
-      const [m] = await w.take();
-      expect(m?.kind === "snapshot" && m.leases.map((l) => l.sessionId)).toContain("missed");
+      if (!lost.acquired) throw new Error("the key must be free");
+      await vi.advanceTimersByTimeAsync(recheckIntervalMs + recheckGraceMs - 1);
+      const nextTurn = () => {
+        turn++;
+        if (written() < 3_000) setImmediate(nextTurn);
+      };
+      setImmediate(nextTurn);
+      await vi.advanceTimersByTimeAsync(1);
+      await vi.waitFor(() => expect(written()).toBe(3_000));
+      // The last watcher was written to turns after the first.
+      const turns = wroteAt as number[];
+      expect(Math.max(...turns)).toBeGreaterThan(Math.min(...turns));
+      // And each was sent a fresh snapshot with the grant it missed.
+      for (const m of last) {
+        expect(m?.kind === "snapshot" && m.leases.map((l) => l.sessionId)).toContain("missed");
+      }
+    } finally {
+      wide.close(new Error("the test is over"));
     }
   });
 
-  it("closing a watcher ends its messages and gives back what it held", async () => {
+  it("closing a watcher (its call ended) tells its outlet nothing, stops its messages and gives back what it held", async () => {
     const key = freshKey("close");
-    const { watcher, read } = watch(key, { reading: false, includeRenewals: true });
-    await read();
+    const { watcher, messages, outcome } = watch(key, { includeRenewals: true });
+    await settle();
+    expect(shown(messages)).toEqual(["snapshot:"]);
     expect(mem.feed.renewalsWanted(key)).toBe(true);
     watcher.close();
-    expect(await read()).toBeUndefined();
+    await mem.grant({ key });
+    await settle();
+    expect(shown(messages)).toEqual(["snapshot:"]);
+    expect(outcome.ended).toBeUndefined();
     expect(hub.stats.watchers).toBe(0);
     expect(mem.feed.renewalsWanted(key)).toBe(false);
+  });
+
+  it("the hub's close ends every watcher with its reason, one not yet piped as soon as it is", async () => {
+    const key = freshKey("hub-close");
+    const { outcome } = watch(key);
+    await settle();
+    const unpiped = hub.open(key, { includeRenewals: false });
+    const reason = new Error("the server is shutting down");
+    hub.close(reason);
+    expect(outcome.ended?.error).toBe(reason);
+    expect(hub.stats.watchers).toBe(0);
+    let late: unknown;
+    unpiped.pipe({
+      write: () => true,
+      onDrain: () => {},
+      end: (error) => {
+        late = error;
+      },
+    });
+    expect(late).toBe(reason);
+  });
+
+  it("a snapshot that cannot be read ends the watcher with the database's error", async () => {
+    const down = new DatabaseUnavailableError("the database is restarting");
+    const broken = createWatchHub({
+      store: {
+        ...mem.store,
+        readScopes: async () => {
+          throw down;
+        },
+      },
+      feed: mem.feed,
+      tracker,
+      logger: mem.logger,
+      bufferLength,
+      recheckIntervalMs,
+    });
+    let ended: { error: unknown } | undefined;
+    broken.open(freshKey("broken"), { includeRenewals: false }).pipe({
+      write: () => true,
+      onDrain: () => {},
+      end: (error) => {
+        ended = { error };
+      },
+    });
+    await settle();
+    expect(ended?.error).toBe(down);
+    expect(broken.stats.watchers).toBe(0);
+    broken.close(new Error("the test is over"));
   });
 });

@@ -1,20 +1,21 @@
 // KeepAlive and Watch on the native gRPC path (grpc-native.ts), over the same
-// hubs as the Connect path (stream-service.ts) and with the same validation
-// and conversion. What differs is how messages move:
+// hubs as the Connect path (stream-service.ts), with the same validation and
+// conversion, and the same loop: each hub's `pipe` decides what is written
+// when, how a stream ends, and waits while its client does not read. What
+// this file adds is how messages move on and off an HTTP/2 stream:
 //
 // - KeepAlive: request frames are read and submitted as they arrive, with
 //   no promise per message once the caller's session decisions are known;
-//   the answers of one renewal batch are taken in one pass and encoded
+//   the answers of one renewal batch arrive in one write and are encoded
 //   straight into one buffer (keepalive-wire.ts).
 // - Watch: an event is encoded once, and the same bytes are written to every
-//   watcher's stream. Watchers ready to write are served in slices, each
-//   followed by a turn of the event loop, so that thousands of watchers of
-//   one account do not stall it.
+//   watcher's stream.
 //
-// Both respect the stream's flow control: while a client does not read, its
-// answers wait in the hub, whose bounds apply as on the Connect path (a
-// KeepAlive stream ends with RESOURCE_EXHAUSTED, a watcher gets a fresh
-// snapshot instead of the changes it missed).
+// An outlet's write returns false when the HTTP/2 stream's buffer is full,
+// and its drain is the stream's: while a client does not read, its messages
+// wait in the hub, whose bounds apply as on the Connect path (a KeepAlive
+// stream ends with RESOURCE_EXHAUSTED, a watcher gets a fresh snapshot
+// instead of the changes it missed).
 
 import { Code, ConnectError } from "@connectrpc/connect";
 import { policyText } from "../../call/error-texts.js";
@@ -26,7 +27,8 @@ import {
 import type { LeaseChange } from "../../lease/lease-change.js";
 import type { Limits } from "../../lease/limits.js";
 import { readKeepAliveRequest } from "../../protocol/wire-reader.js";
-import type { KeepAliveHub } from "../streams/keepalive.js";
+import type { KeepAliveAnswer, KeepAliveHub } from "../streams/keepalive.js";
+import type { Outlet } from "../streams/outlet.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
@@ -39,16 +41,10 @@ export interface NativeStreamsOptions {
   limits: Limits;
 }
 
-// Answers taken from a KeepAlive session per write.
-const answersPerWrite = 512;
-// Watchers written to before the fan-out yields to the event loop.
-const watchersPerSlice = 256;
-
 export function nativeStreams(options: NativeStreamsOptions): {
   KeepAlive: NativeStreamHandler;
   Watch: NativeStreamHandler;
 } {
-  const schedule = createSliceScheduler(watchersPerSlice);
   // Events are shared by every watcher of their scope: encoded once, kept as
   // long as some watcher still has the change queued.
   const eventFrames = new WeakMap<LeaseChange, Buffer>();
@@ -63,41 +59,23 @@ export function nativeStreams(options: NativeStreamsOptions): {
   };
   return {
     KeepAlive: (call) => serveKeepAlive(call, options),
-    Watch: (call) => serveWatch(call, options, schedule, frameOf),
+    Watch: (call) => serveWatch(call, options, frameOf),
+  };
+}
+
+/** The outlet of a native call: frames written to its stream, its end the call's. */
+function callOutlet<T>(call: NativeCall, encode: (messages: readonly T[]) => Buffer): Outlet<T> {
+  return {
+    write: (messages) => call.write(encode(messages)),
+    onDrain: (listener) => call.onDrain(listener),
+    end: (error) => call.end(error),
   };
 }
 
 function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   const session = options.keepAlive.open();
   const reader = call.reader<KeepAliveRequest>(readKeepAliveRequest);
-  let blocked = false;
-
   const fail = (error: unknown) => session.fail(error);
-  const flush = () => {
-    while (!blocked && !call.ended) {
-      const { answers, failure, finished } = session.take(answersPerWrite);
-      if (failure) {
-        session.close();
-        call.end(failure.error);
-        return;
-      }
-      if (answers.length > 0) {
-        if (!call.write(encodeKeepAliveAnswers(answers))) {
-          blocked = true;
-          call.onDrain(() => {
-            blocked = false;
-            flush();
-          });
-        }
-      }
-      if (finished) {
-        session.close();
-        call.end();
-        return;
-      }
-      if (answers.length < answersPerWrite) return;
-    }
-  };
 
   // Requests are handled in order. While one waits on an asynchronous check
   // (the caller's authentication at first, then the session authorizer for a
@@ -159,7 +137,7 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   // valid token ends at once, as on the Connect path.
   call.authenticate().then(
     () => {
-      session.listen(flush);
+      session.pipe(callOutlet<KeepAliveAnswer>(call, encodeKeepAliveAnswers));
       release();
     },
     (error: unknown) => {
@@ -191,7 +169,6 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
 function serveWatch(
   call: NativeCall,
   options: NativeStreamsOptions,
-  schedule: (flush: () => void) => void,
   frameOf: (message: WatchMessage) => Buffer,
 ): void {
   const reader = call.reader<WatchRequest>();
@@ -227,70 +204,13 @@ function serveWatch(
       call.onCancel(close);
       call.policy.onEnd(close);
       call.stream.once("close", close);
-
-      let busy = false;
-      let blocked = false;
-      const write = (messages: WatchMessage[]) => {
-        if (messages.length === 0 || call.ended) return;
-        const frames = messages.map(frameOf);
-        if (!call.write(frames.length === 1 ? (frames[0] as Buffer) : Buffer.concat(frames))) {
-          blocked = true;
-          call.onDrain(() => {
-            blocked = false;
-            schedule(flush);
-          });
-        }
-      };
-      const flush = () => {
-        if (busy || blocked || call.ended) return;
-        const taken = watcher.take();
-        if (taken instanceof Promise) {
-          busy = true;
-          taken.then(
-            (messages) => {
-              busy = false;
-              write(messages);
-              schedule(flush);
-            },
-            (error: unknown) => {
-              close();
-              call.end(error);
-            },
-          );
-          return;
-        }
-        write(taken);
-      };
-      watcher.listen(() => schedule(flush));
+      watcher.pipe(
+        callOutlet<WatchMessage>(call, (messages) =>
+          messages.length === 1
+            ? frameOf(messages[0] as WatchMessage)
+            : Buffer.concat(messages.map(frameOf)),
+        ),
+      );
     })().catch((error: unknown) => call.end(error));
   });
-}
-
-/**
- * Runs scheduled work in slices of `slice` callbacks, with a turn of the
- * event loop between slices. A callback scheduled twice before it runs runs once.
- */
-function createSliceScheduler(slice: number): (work: () => void) => void {
-  const queue = new Set<() => void>();
-  let scheduled = false;
-  const run = () => {
-    scheduled = false;
-    let n = 0;
-    for (const work of queue) {
-      queue.delete(work);
-      work();
-      if (++n >= slice) break;
-    }
-    if (queue.size > 0 && !scheduled) {
-      scheduled = true;
-      setImmediate(run);
-    }
-  };
-  return (work) => {
-    queue.add(work);
-    if (!scheduled) {
-      scheduled = true;
-      setImmediate(run);
-    }
-  };
 }

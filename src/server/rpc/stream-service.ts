@@ -4,7 +4,8 @@
 // domain errors are mapped to codes once, by the error interceptor.
 
 import { create } from "@bufbuild/protobuf";
-import { Code, ConnectError, type HandlerContext, type ServiceImpl } from "@connectrpc/connect";
+import { Code, ConnectError, type ServiceImpl } from "@connectrpc/connect";
+import { policyText } from "../../call/error-texts.js";
 import {
   HandoffRequestedSchema,
   type KeepAliveRequest,
@@ -35,6 +36,7 @@ import type {
   KeepAliveHub,
   KeepAliveRequest as KeepAliveHubRequest,
 } from "../streams/keepalive.js";
+import type { Outlet } from "../streams/outlet.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import { changeToEvent, leaseToProto, timestampFromMicros } from "./convert.js";
 
@@ -49,16 +51,82 @@ export interface StreamServiceDeps {
 type Impl = ServiceImpl<typeof LeaseService>;
 
 /**
- * Ends a stream the way its context ended: with the reason the server gave
- * (UNAVAILABLE at shutdown, DEADLINE_EXCEEDED), or quietly when the client
+ * How a stream ends when its context ended: with the reason the server gave
+ * (UNAVAILABLE at shutdown, DEADLINE_EXCEEDED), or CANCELLED when the client
  * went away.
  */
-function throwIfAborted(ctx: HandlerContext) {
-  if (!ctx.signal.aborted) return;
-  const reason: unknown = ctx.signal.reason;
-  throw reason instanceof ConnectError
+function abortReason(signal: AbortSignal): ConnectError {
+  const reason: unknown = signal.reason;
+  return reason instanceof ConnectError
     ? reason
-    : new ConnectError("the call was cancelled", Code.Canceled);
+    : new ConnectError(policyText.cancelled, Code.Canceled);
+}
+
+/**
+ * A hub stream's messages as the async iterable a Connect handler returns:
+ * `pipe` starts the hub's loop into an outlet whose writes this reads. The
+ * consumer is drained (it has room again) once it has taken everything
+ * written, so at most one write waits here while connect-node cannot send.
+ * Ends as the hub ends the stream (with its error, after what was written),
+ * or when `signal` aborts (with its reason); `close` then stops the hub's
+ * side.
+ */
+export async function* piped<T>(
+  signal: AbortSignal,
+  pipe: (outlet: Outlet<T>) => void,
+  close: () => void,
+): AsyncGenerator<T> {
+  let queue: readonly T[] = [];
+  let next = 0;
+  let ended: { error: unknown } | undefined;
+  let drain: (() => void) | undefined;
+  let wake: (() => void) | undefined;
+  const wakeUp = () => {
+    const w = wake;
+    wake = undefined;
+    w?.();
+  };
+  const outlet: Outlet<T> = {
+    write(messages) {
+      queue = next < queue.length ? [...queue.slice(next), ...messages] : messages;
+      next = 0;
+      wakeUp();
+      return false;
+    },
+    onDrain(listener) {
+      drain = listener;
+    },
+    end(error) {
+      ended = { error };
+      wakeUp();
+    },
+  };
+  signal.addEventListener("abort", wakeUp);
+  try {
+    pipe(outlet);
+    for (;;) {
+      if (signal.aborted) throw abortReason(signal);
+      if (next < queue.length) {
+        yield queue[next++] as T;
+        continue;
+      }
+      if (ended) {
+        if (ended.error !== undefined) throw ended.error;
+        return;
+      }
+      const drained = drain;
+      drain = undefined;
+      drained?.();
+      if (next < queue.length || ended) continue;
+      await new Promise<void>((resolve) => {
+        wake = resolve;
+      });
+    }
+  } finally {
+    signal.removeEventListener("abort", wakeUp);
+    // Releases nothing: a KeepAlive stream's leases run to their deadlines.
+    close();
+  }
 }
 
 export function createStreamService(
@@ -69,17 +137,16 @@ export function createStreamService(
   return {
     async *keepAlive(requests, ctx) {
       const session = deps.keepAlive.open();
-      const reading = (async () => {
+      void (async () => {
         for await (const req of requests) session.submit(keepAliveRequest(req, limits));
         session.endRequests();
       })().catch((error: unknown) => session.fail(error));
-      try {
-        for await (const answer of session.answers(ctx.signal)) yield keepAliveAnswer(answer);
-        throwIfAborted(ctx);
-      } finally {
-        // Releases nothing: the stream's leases run to their deadlines.
-        session.close();
-        void reading;
+      for await (const answer of piped<KeepAliveAnswer>(
+        ctx.signal,
+        (outlet) => session.pipe(outlet),
+        () => session.close(),
+      )) {
+        yield keepAliveAnswer(answer);
       }
     },
 
@@ -87,11 +154,12 @@ export function createStreamService(
       const watcher = deps.watch.open(watchScope(req, limits), {
         includeRenewals: req.includeRenewals,
       });
-      try {
-        for await (const message of watcher.messages(ctx.signal)) yield watchMessage(message);
-        throwIfAborted(ctx);
-      } finally {
-        watcher.close();
+      for await (const message of piped<WatchMessage>(
+        ctx.signal,
+        (outlet) => watcher.pipe(outlet),
+        () => watcher.close(),
+      )) {
+        yield watchMessage(message);
       }
     },
 

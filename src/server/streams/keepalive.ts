@@ -22,6 +22,7 @@ import { keyString, type LeaseChange, runKey } from "../../lease/lease-change.js
 import type { LeaseRecord, SessionKey } from "../../lease/types.js";
 import { LimitName, type LossCause } from "../../protocol/errors.js";
 import type { ChangeFeed } from "./change-feed.js";
+import type { Outlet } from "./outlet.js";
 import { type RenewalBatcher, RenewalUndecidedError } from "./renewal-batcher.js";
 import { createStreamLeases, type StreamLeases } from "./stream-limits.js";
 
@@ -49,24 +50,16 @@ export interface KeepAliveSession {
   endRequests(): void;
   /** Ends the stream with this error. */
   fail(error: unknown): void;
-  /** The answers, until the requests end, the stream fails or `signal` aborts. */
-  answers(signal: AbortSignal): AsyncGenerator<KeepAliveAnswer>;
   /**
-   * The other way to consume answers (the native gRPC path): `ready` is
-   * called, at most once per turn of the event loop's microtasks, whenever
-   * answers wait, the stream failed or it finished; `take` then collects them.
+   * The one way to read the stream: its answers go to `outlet` as they are
+   * decided (those of one renewal batch in one write), until the stream
+   * ends. It ends OK once the requests ended and every one is answered and
+   * written; with its error when it fails (its undelivered answers dropped;
+   * told when the consumer has room); with the hub's reason when the hub
+   * closes (at once). Called once.
    */
-  listen(ready: () => void): void;
-  /**
-   * Takes up to `max` waiting answers. `failure` is set once the stream
-   * failed (its answers are dropped); `finished` once the requests ended and
-   * every one is answered and taken.
-   */
-  take(max: number): {
-    answers: KeepAliveAnswer[];
-    failure?: { error: unknown };
-    finished: boolean;
-  };
+  pipe(outlet: Outlet<KeepAliveAnswer>): void;
+  /** The call ended (its client left, a deadline, its token expired): stops without a word to the outlet. */
   close(): void;
 }
 
@@ -74,7 +67,8 @@ export interface KeepAliveHub {
   open(): KeepAliveSession;
   readonly stats: { streams: number; overflows: number };
   start(): void;
-  close(): void;
+  /** Ends every stream with `reason` (the server is shutting down). */
+  close(reason: unknown): void;
 }
 
 export interface KeepAliveOptions {
@@ -92,14 +86,20 @@ interface Run {
   token: bigint;
 }
 
+// Answers handed to the outlet per write.
+const answersPerWrite = 512;
+
 class Session implements KeepAliveSession {
   private queue: KeepAliveAnswer[] = [];
   private inFlight = 0;
   private requestsEnded = false;
   private failure: { error: unknown } | undefined;
-  private wake: (() => void) | undefined;
-  private ready: (() => void) | undefined;
-  private readyScheduled = false;
+  private outlet: Outlet<KeepAliveAnswer> | undefined;
+  /** The outlet's last write returned false: wait for its drain. */
+  private blocked = false;
+  private flushScheduled = false;
+  /** Set when the hub closed the stream before it was piped. */
+  private closedWith: { reason: unknown } | undefined;
   private closed = false;
   /** Runs this stream renews, by key and run. */
   readonly runs = new Map<string, Run>();
@@ -114,6 +114,7 @@ class Session implements KeepAliveSession {
       register(keyString: string, s: Session): void;
       unregister(keyString: string, s: Session): void;
       overflowed(): void;
+      closed(s: Session): void;
     },
   ) {
     this.leases = createStreamLeases(options.maxLeasesPerStream);
@@ -262,33 +263,57 @@ class Session implements KeepAliveSession {
   }
 
   private notify() {
-    const wake = this.wake;
-    this.wake = undefined;
-    wake?.();
-    if (this.ready && !this.readyScheduled) {
-      // Every answer of one renewal batch arrives in the same turn: one call
-      // of `ready` takes them all, so a stream writes them at once.
-      this.readyScheduled = true;
-      queueMicrotask(() => {
-        this.readyScheduled = false;
-        if (!this.closed) this.ready?.();
-      });
+    if (!this.outlet || this.flushScheduled || this.closed) return;
+    // Every answer of one renewal batch arrives in the same turn: one flush
+    // takes them all, so a stream writes them at once.
+    this.flushScheduled = true;
+    queueMicrotask(() => {
+      this.flushScheduled = false;
+      this.flush();
+    });
+  }
+
+  pipe(outlet: Outlet<KeepAliveAnswer>) {
+    if (this.outlet) throw new Error("a KeepAlive session is piped once");
+    this.outlet = outlet;
+    if (this.closedWith) outlet.end(this.closedWith.reason);
+    else this.notify();
+  }
+
+  private flush() {
+    const outlet = this.outlet;
+    if (!outlet) return;
+    while (!this.blocked && !this.closed) {
+      // A failure is told once the consumer reads again: its answers were
+      // dropped, and ending the call now would stop reading requests the
+      // client already sent.
+      if (this.failure) {
+        this.finish(this.failure.error);
+        return;
+      }
+      const all = this.queue.length <= answersPerWrite;
+      const answers = all ? this.queue : this.queue.slice(0, answersPerWrite);
+      this.queue = all ? [] : this.queue.slice(answersPerWrite);
+      if (answers.length > 0 && !outlet.write(answers)) {
+        this.blocked = true;
+        outlet.onDrain(() => {
+          this.blocked = false;
+          this.flush();
+        });
+      }
+      if (this.requestsEnded && this.inFlight === 0 && this.queue.length === 0) {
+        this.finish();
+        return;
+      }
+      if (answers.length < answersPerWrite) return;
     }
   }
 
-  listen(ready: () => void) {
-    this.ready = ready;
-    this.notify();
-  }
-
-  take(max: number) {
-    if (this.failure) return { answers: [], failure: this.failure, finished: false };
-    const answers = this.queue.length <= max ? this.queue : this.queue.slice(0, max);
-    this.queue = this.queue.length <= max ? [] : this.queue.slice(max);
-    return {
-      answers,
-      finished: this.requestsEnded && this.inFlight === 0 && this.queue.length === 0,
-    };
+  /** Ends the stream: the session is closed, then the outlet told. */
+  private finish(error?: unknown) {
+    const outlet = this.outlet;
+    this.close();
+    outlet?.end(error);
   }
 
   endRequests() {
@@ -297,27 +322,21 @@ class Session implements KeepAliveSession {
   }
 
   fail(error: unknown) {
-    if (this.failure) return;
+    if (this.failure || this.closed) return;
     this.failure = { error };
     this.queue = [];
     this.notify();
   }
 
-  async *answers(signal: AbortSignal): AsyncGenerator<KeepAliveAnswer> {
-    const aborted = new Promise<void>((resolve) => {
-      if (signal.aborted) resolve();
-      else signal.addEventListener("abort", () => resolve(), { once: true });
-    });
-    while (!signal.aborted && !this.closed) {
-      if (this.failure) throw this.failure.error;
-      const next = this.queue.shift();
-      if (next) {
-        yield next;
-        continue;
-      }
-      if (this.requestsEnded && this.inFlight === 0) return;
-      await Promise.race([new Promise<void>((resolve) => (this.wake = resolve)), aborted]);
+  /** The hub closes: the stream ends with `reason`, now or when it is piped. */
+  end(reason: unknown) {
+    if (this.closed) return;
+    if (this.outlet) {
+      this.finish(reason);
+      return;
     }
+    this.closedWith = { reason };
+    this.close();
   }
 
   close() {
@@ -328,7 +347,7 @@ class Session implements KeepAliveSession {
     }
     this.runs.clear();
     this.queue = [];
-    this.notify();
+    this.registry.closed(this);
   }
 }
 
@@ -353,6 +372,9 @@ export function createKeepAliveHub(options: KeepAliveOptions): KeepAliveHub {
     overflowed() {
       stats.overflows += 1;
     },
+    closed(s: Session) {
+      if (sessions.delete(s)) stats.streams -= 1;
+    },
   };
   const sessions = new Set<Session>();
   return {
@@ -361,11 +383,6 @@ export function createKeepAliveHub(options: KeepAliveOptions): KeepAliveHub {
       const s = new Session(options, registry);
       sessions.add(s);
       stats.streams += 1;
-      const close = s.close.bind(s);
-      s.close = () => {
-        if (sessions.delete(s)) stats.streams -= 1;
-        close();
-      };
       return s;
     },
     start() {
@@ -375,9 +392,9 @@ export function createKeepAliveHub(options: KeepAliveOptions): KeepAliveHub {
         if (set) for (const s of [...set]) s.onChange(change);
       });
     },
-    close() {
+    close(reason) {
       unsubscribe?.();
-      for (const s of [...sessions]) s.close();
+      for (const s of [...sessions]) s.end(reason);
     },
   };
 }

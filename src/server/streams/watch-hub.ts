@@ -19,23 +19,24 @@ import type { LeaseRecord, LeaseStore, Scope, SessionRow } from "../../lease/typ
 import type { Logger } from "../../log/logger.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
+import { createSliceScheduler, type Outlet } from "./outlet.js";
 
 export type WatchMessage =
   | { kind: "snapshot"; leases: LeaseRecord[]; atUs: bigint }
   | { kind: "change"; change: LeaseChange };
 
 export interface Watcher {
-  /** The watcher's messages: a snapshot first. Ends when `signal` aborts. */
-  messages(signal: AbortSignal): AsyncGenerator<WatchMessage>;
   /**
-   * The other way to consume messages (the native gRPC path): `ready` is
-   * called (synchronously, from the fan-out) whenever messages may wait;
-   * `take` then collects them. Do not call `take` again before a returned
-   * promise (a snapshot being read) settles.
+   * The one way to read a watcher: its messages go to `outlet` — a snapshot
+   * first, then the changes, and a fresh snapshot whenever one is due (the
+   * buffer overflowed while the consumer did not read, a missed change was
+   * found) — until the hub closes (the outlet ends with its reason) or a
+   * snapshot cannot be read (with that error). Writes are paced by the hub:
+   * the watchers of one change are served in slices, with a turn of the
+   * event loop between them. Called once.
    */
-  listen(ready: () => void): void;
-  /** The waiting messages: a fresh snapshot when one is due (read from the database), else the changes. */
-  take(): WatchMessage[] | Promise<WatchMessage[]>;
+  pipe(outlet: Outlet<WatchMessage>): void;
+  /** The call ended (its client left, a deadline, its token expired): stops without a word to the outlet. */
   close(): void;
 }
 
@@ -43,7 +44,8 @@ export interface WatchHub {
   open(scope: Scope, options: { includeRenewals: boolean }): Watcher;
   readonly stats: { watchers: number; overflows: number; resnapshots: number };
   start(): void;
-  close(): void;
+  /** Ends every watcher with `reason` (the server is shutting down). */
+  close(reason: unknown): void;
 }
 
 export interface WatchHubOptions {
@@ -57,6 +59,8 @@ export interface WatchHubOptions {
   recheckIntervalMs: number;
   /** How long a difference found by the re-check may take to arrive as a change. */
   recheckGraceMs?: number;
+  /** Watchers written to before the fan-out lets the event loop turn (default 256). */
+  watchersPerTurn?: number;
 }
 
 interface KeyState {
@@ -138,9 +142,15 @@ class WatcherImpl implements Watcher {
   queue: LeaseChange[] = [];
   needsSnapshot = true;
   readonly guard = new OrderGuard();
-  private wake: (() => void) | undefined;
-  private ready: (() => void) | undefined;
+  private outlet: Outlet<WatchMessage> | undefined;
+  /** A snapshot is being read. */
+  private busy = false;
+  /** The outlet's last write returned false: wait for its drain. */
+  private blocked = false;
+  /** Set when the hub closed the watcher before it was piped. */
+  private closedWith: { reason: unknown } | undefined;
   closed = false;
+  private readonly flushBound = () => this.flush();
 
   constructor(
     readonly scope: Scope,
@@ -148,6 +158,7 @@ class WatcherImpl implements Watcher {
     private readonly hub: {
       bufferLength: number;
       read(scope: Scope): Promise<{ rows: SessionRow[]; observedAtUs: bigint }>;
+      schedule(work: () => void): void;
       detach(w: WatcherImpl): void;
       overflowed(): void;
       resnapshotted(): void;
@@ -159,7 +170,7 @@ class WatcherImpl implements Watcher {
     if (change.type === "renewed" && !this.includeRenewals) return;
     if (this.needsSnapshot) {
       // A snapshot is due; it will show this committed change.
-      this.notify();
+      this.ready();
       return;
     }
     if (this.queue.length >= this.hub.bufferLength) {
@@ -169,37 +180,63 @@ class WatcherImpl implements Watcher {
     } else {
       this.queue.push(change);
     }
-    this.notify();
+    this.ready();
   }
 
   resnapshot() {
     if (this.closed) return;
     this.needsSnapshot = true;
     this.queue = [];
-    this.notify();
+    this.ready();
   }
 
-  private notify() {
-    const wake = this.wake;
-    this.wake = undefined;
-    wake?.();
-    this.ready?.();
+  private ready() {
+    if (this.outlet && !this.closed) this.hub.schedule(this.flushBound);
   }
 
-  listen(ready: () => void) {
-    this.ready = ready;
-    ready();
+  pipe(outlet: Outlet<WatchMessage>) {
+    if (this.outlet) throw new Error("a watcher is piped once");
+    this.outlet = outlet;
+    if (this.closedWith) outlet.end(this.closedWith.reason);
+    else this.ready();
   }
 
-  take(): WatchMessage[] | Promise<WatchMessage[]> {
-    if (this.closed) return [];
-    if (this.needsSnapshot) return this.snapshot().then((m) => [m]);
+  private flush() {
+    const outlet = this.outlet;
+    if (!outlet || this.busy || this.blocked || this.closed) return;
+    if (this.needsSnapshot) {
+      this.busy = true;
+      this.snapshot().then(
+        (message) => {
+          this.busy = false;
+          this.write(outlet, [message]);
+          // Changes that arrived while the snapshot was read follow it.
+          this.ready();
+        },
+        (error: unknown) => {
+          this.busy = false;
+          this.finish(error);
+        },
+      );
+      return;
+    }
     const messages: WatchMessage[] = [];
     for (const change of this.queue) {
       if (this.guard.accept(change)) messages.push({ kind: "change", change });
     }
     this.queue = [];
-    return messages;
+    this.write(outlet, messages);
+  }
+
+  private write(outlet: Outlet<WatchMessage>, messages: WatchMessage[]) {
+    if (messages.length === 0 || this.closed) return;
+    if (!outlet.write(messages)) {
+      this.blocked = true;
+      outlet.onDrain(() => {
+        this.blocked = false;
+        this.ready();
+      });
+    }
   }
 
   private async snapshot(): Promise<WatchMessage> {
@@ -215,30 +252,30 @@ class WatcherImpl implements Watcher {
     };
   }
 
-  async *messages(signal: AbortSignal): AsyncGenerator<WatchMessage> {
-    const aborted = new Promise<void>((resolve) => {
-      if (signal.aborted) resolve();
-      else signal.addEventListener("abort", () => resolve(), { once: true });
-    });
-    while (!signal.aborted && !this.closed) {
-      if (this.needsSnapshot) {
-        yield await this.snapshot();
-        continue;
-      }
-      const change = this.queue.shift();
-      if (change) {
-        if (this.guard.accept(change)) yield { kind: "change", change };
-        continue;
-      }
-      await Promise.race([new Promise<void>((resolve) => (this.wake = resolve)), aborted]);
+  /** Ends the stream: the watcher is closed, then the outlet told. */
+  private finish(error: unknown) {
+    if (this.closed) return;
+    const outlet = this.outlet;
+    this.close();
+    outlet?.end(error);
+  }
+
+  /** The hub closes: the stream ends with `reason`, now or when it is piped. */
+  end(reason: unknown) {
+    if (this.closed) return;
+    if (this.outlet) {
+      this.finish(reason);
+      return;
     }
+    this.closedWith = { reason };
+    this.close();
   }
 
   close() {
     if (this.closed) return;
     this.closed = true;
+    this.queue = [];
     this.hub.detach(this);
-    this.notify();
   }
 }
 
@@ -280,6 +317,9 @@ export function createWatchHub(options: WatchHubOptions): WatchHub {
 
   const hubForWatchers = {
     bufferLength: options.bufferLength,
+    // One change reaches every watcher of its scope in the same turn:
+    // thousands of writes at once would stall the event loop.
+    schedule: createSliceScheduler(options.watchersPerTurn ?? 256),
     read: async (scope: Scope) => {
       const reading = await store.readScopes([scope]);
       tracker.observe(reading);
@@ -388,10 +428,10 @@ export function createWatchHub(options: WatchHubOptions): WatchHub {
       recheckTimer = setInterval(() => void recheck(), options.recheckIntervalMs);
       recheckTimer.unref();
     },
-    close() {
+    close(reason) {
       if (recheckTimer) clearInterval(recheckTimer);
       for (const stop of stops) stop();
-      for (const w of [...releases.keys()]) w.close();
+      for (const w of [...releases.keys()]) w.end(reason);
     },
   };
 }
