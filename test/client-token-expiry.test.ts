@@ -110,7 +110,7 @@ describe("a KeepAlive stream ended by its token's expiry", () => {
       .catch((e: unknown) => e);
     expect(error).toBeInstanceOf(LeaseLostError);
     const lost = error as LeaseLostError;
-    expect(lost.lossReason).toBe("renewal_failed");
+    expect(lost.lossReason).toBe("token_expired");
     expect(lost.message).toMatch(/token expired, and a fixed token cannot be renewed/);
     expect(lost.cause).toBeInstanceOf(UnauthenticatedError);
     expect((lost.cause as UnauthenticatedError).failure).toBe("expired");

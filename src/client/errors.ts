@@ -26,10 +26,14 @@ export {
 
 /**
  * Why `runExclusive` aborted its work's signal: a cause the server reported,
- * `"deadline"` when the local deadline passed without a confirmed renewal, or
- * `"renewal_failed"` when the server refused to renew for another reason.
+ * `"deadline"` when the local deadline passed without a confirmed renewal,
+ * `"token_expired"` when the server ended the KeepAlive stream because the
+ * client's fixed token expired (a fixed token cannot be renewed; the cause
+ * is an UnauthenticatedError with failure `expired`; a token function
+ * avoids it), or `"renewal_failed"` when the server refused to renew for
+ * another reason.
  */
-export type LeaseLossReason = LossCause | "deadline" | "renewal_failed";
+export type LeaseLossReason = LossCause | "deadline" | "token_expired" | "renewal_failed";
 
 /**
  * Base class of every error this client throws. `code` is the gRPC/Connect

@@ -66,8 +66,12 @@ export interface KeepAliveTarget {
   onLost(cause: LossCause | undefined): void;
   /** Someone asked this run to finish and release. */
   onHandoffRequested(request: HandoffRequested): void;
-  /** The stream failed in a way retrying cannot fix (e.g. PERMISSION_DENIED). */
-  onFailed(error: LeaseholdError): void;
+  /**
+   * The stream failed in a way retrying cannot fix: `token_expired` when the
+   * server ended it because the client's fixed token expired (a fixed token
+   * cannot be renewed), `renewal_failed` otherwise (e.g. PERMISSION_DENIED).
+   */
+  onFailed(error: LeaseholdError, reason: "token_expired" | "renewal_failed"): void;
 }
 
 /** The handle of a registered lease. */
@@ -454,10 +458,10 @@ class KeepAliveLane {
     stream.endpoint.close();
     const final = this.finalError(error);
     if (final) {
-      error = final;
+      error = final.error;
       const failed = [...this.entries.values()];
       this.forgetAll();
-      for (const entry of failed) entry.target.onFailed(error);
+      for (const entry of failed) entry.target.onFailed(error, final.reason);
       this.options.onEvent?.({
         type: "keepalive-failed",
         baseUrl: stream.endpoint.baseUrl,
@@ -499,17 +503,24 @@ class KeepAliveLane {
    * stream is worth reopening. The server ends a stream when its token
    * expires: with a token function the reopened stream carries a fresh
    * token, and the leases go on; a fixed token cannot be renewed, so they
-   * are lost, with a reason that says why.
+   * are lost, with the reason `token_expired` and an error that says why.
    */
-  private finalError(error: LeaseholdError): LeaseholdError | undefined {
+  private finalError(
+    error: LeaseholdError,
+  ): { error: LeaseholdError; reason: "token_expired" | "renewal_failed" } | undefined {
     if (!definitiveCodes.has(error.code)) return undefined;
-    if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") return error;
+    if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") {
+      return { error, reason: "renewal_failed" };
+    }
     if (typeof this.options.transport.token === "function") return undefined;
-    return new UnauthenticatedError(
-      "the token expired, and a fixed token cannot be renewed: pass a token function (token: () => …) to keep leases past a token's expiry",
-      error.code,
-      { cause: error, reason: error.reason, metadata: { ...error.metadata } },
-    );
+    return {
+      error: new UnauthenticatedError(
+        "the token expired, and a fixed token cannot be renewed: pass a token function (token: () => …) to keep leases past a token's expiry",
+        error.code,
+        { cause: error, reason: error.reason, metadata: { ...error.metadata } },
+      ),
+      reason: "token_expired",
+    };
   }
 
   private shutdown(): void {

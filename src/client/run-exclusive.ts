@@ -262,7 +262,7 @@ export async function runExclusive<T>(
       handoffs.push(request);
       for (const listener of handoffListeners) listener(request);
     },
-    onFailed: (error) => lose("renewal_failed", `renewals failed: ${error.message}`, error),
+    onFailed: (error, reason) => lose(reason, `renewals failed: ${error.message}`, error),
   });
   const renewTimer = setInterval(() => registration.renew(), timing.renewIntervalMs);
   function stopKeepingAlive() {
