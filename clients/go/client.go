@@ -77,7 +77,7 @@ func WithDialOptions(opts ...grpc.DialOption) Option {
 
 // WithToken sets a static bearer token (a JWT). A stream the server ends
 // because that token expired cannot be reopened: its leases are lost with
-// reason LossUnauthenticated. Use WithTokenFunc for tokens that expire.
+// reason LossTokenExpired. Use WithTokenFunc for tokens that expire.
 func WithToken(token string) Option {
 	return func(c *config) {
 		c.token = func(context.Context) (string, error) { return token, nil }

@@ -63,19 +63,22 @@ var (
 
 // LossReason says why a lease was lost: a cause the server reported
 // (expired, released, taken_over, revoked, not_found), or one the client
-// decided: deadline, renewal_failed, unauthenticated.
+// decided: deadline, renewal_failed, token_expired.
 type LossReason string
 
 // Loss reasons.
 const (
-	LossExpired         LossReason = "expired"
-	LossReleased        LossReason = "released"
-	LossTakenOver       LossReason = "taken_over"
-	LossRevoked         LossReason = "revoked"
-	LossNotFound        LossReason = "not_found"
-	LossDeadline        LossReason = "deadline"
-	LossRenewalFailed   LossReason = "renewal_failed"
-	LossUnauthenticated LossReason = "unauthenticated"
+	LossExpired       LossReason = "expired"
+	LossReleased      LossReason = "released"
+	LossTakenOver     LossReason = "taken_over"
+	LossRevoked       LossReason = "revoked"
+	LossNotFound      LossReason = "not_found"
+	LossDeadline      LossReason = "deadline"
+	LossRenewalFailed LossReason = "renewal_failed"
+	// LossTokenExpired: the server ended the stream because the client's
+	// static token (WithToken) expired, and a static token cannot be
+	// refreshed. The TypeScript and Python clients name it the same.
+	LossTokenExpired LossReason = "token_expired"
 )
 
 // serverError is the part every error from a server answer shares: its

@@ -483,12 +483,18 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 	if code == codes.Unauthenticated {
 		// The server ends a stream whose token has expired. A token
 		// function gives a fresh one on the next open; a static token
-		// cannot, and neither can a function that keeps failing.
+		// cannot (its expiry is LossTokenExpired, as in the TypeScript and
+		// Python clients; any other refusal is LossRenewalFailed), and
+		// neither can a function that keeps failing.
 		if c.cfg.token == nil || c.cfg.staticToken {
-			return loseAll(LossUnauthenticated, "the server refused the bearer token ("+authCause(err)+"); a static token cannot be refreshed: use WithTokenFunc")
+			reason := LossRenewalFailed
+			if authFailure(lerr) == "expired" {
+				reason = LossTokenExpired
+			}
+			return loseAll(reason, "the server refused the bearer token ("+authCause(err)+"); a static token cannot be refreshed: use WithTokenFunc")
 		}
 		if ln.authRetries >= 3 {
-			return loseAll(LossUnauthenticated, "the server refused every fresh bearer token ("+authCause(err)+")")
+			return loseAll(LossRenewalFailed, "the server refused every fresh bearer token ("+authCause(err)+")")
 		}
 		ln.authRetries++
 		if len(ln.entries) > 0 && !ch.closed {

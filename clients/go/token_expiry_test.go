@@ -30,6 +30,9 @@ import (
 // itself at its token's expiry.
 type expiringServer struct {
 	leasev1.UnimplementedLeaseServiceServer
+	// cause is the ErrorInfo cause the stream ends with ("expired" unless a
+	// test asks for another).
+	cause  string
 	mu     sync.Mutex
 	tokens []string
 }
@@ -58,8 +61,8 @@ func (s *expiringServer) KeepAlive(stream grpc.BidiStreamingServer[leasev1.KeepA
 			return err
 		}
 	}
-	st, _ := status.New(codes.Unauthenticated, "token expired").WithDetails(&errdetails.ErrorInfo{
-		Reason: leasehold.ReasonUnauthenticated, Domain: leasehold.ErrorDomain, Metadata: map[string]string{"cause": "expired"},
+	st, _ := status.New(codes.Unauthenticated, "token refused: "+s.cause).WithDetails(&errdetails.ErrorInfo{
+		Reason: leasehold.ReasonUnauthenticated, Domain: leasehold.ErrorDomain, Metadata: map[string]string{"cause": s.cause},
 	})
 	return st.Err()
 }
@@ -71,11 +74,17 @@ func (s *expiringServer) streams() []string {
 }
 
 func startExpiring(t *testing.T) (*expiringServer, string) {
+	return startRefusing(t, "expired")
+}
+
+// startRefusing starts an expiringServer whose streams end UNAUTHENTICATED
+// with the given cause.
+func startRefusing(t *testing.T, cause string) (*expiringServer, string) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	es := &expiringServer{}
+	es := &expiringServer{cause: cause}
 	gs := grpc.NewServer()
 	leasev1.RegisterLeaseServiceServer(gs, es)
 	go func() { _ = gs.Serve(l) }()
@@ -124,10 +133,27 @@ func TestStreamEndedForAnExpiredStaticTokenLosesTheLease(t *testing.T) {
 	}
 	waitDone(t, lease.Context(), 10*time.Second, "lease context")
 	lost := lostCause(t, lease)
-	if lost.Reason != leasehold.LossUnauthenticated || !strings.Contains(lost.Message, "expired") || !strings.Contains(lost.Message, "static token") {
+	if lost.Reason != leasehold.LossTokenExpired || !strings.Contains(lost.Message, "expired") || !strings.Contains(lost.Message, "static token") {
 		t.Fatalf("loss %q: %s", lost.Reason, lost.Message)
 	}
 	if err := lease.Release(context.Background()); err == nil {
 		t.Fatal("Release after the loss was sent")
+	}
+}
+
+// Only a static token's expiry is token_expired (as in the TypeScript and
+// Python clients): a stream that ends UNAUTHENTICATED for another cause
+// loses the lease with renewal_failed.
+func TestStreamRefusingAStaticTokenForAnotherCauseLosesTheLeaseAsRenewalFailed(t *testing.T) {
+	_, addr := startRefusing(t, "bad_signature")
+	c := dial(t, []string{addr}, leasehold.WithToken("static"))
+	lease, err := c.Hold(context.Background(), freshKey(t), holdOptions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitDone(t, lease.Context(), 10*time.Second, "lease context")
+	lost := lostCause(t, lease)
+	if lost.Reason != leasehold.LossRenewalFailed || !strings.Contains(lost.Message, "bad_signature") {
+		t.Fatalf("loss %q: %s; want renewal_failed, naming the cause bad_signature", lost.Reason, lost.Message)
 	}
 }

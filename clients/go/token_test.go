@@ -57,7 +57,7 @@ func TestStaticExpiredTokenLosesTheLease(t *testing.T) {
 	}
 	waitDone(t, lease.Context(), 15*time.Second, "lease context once the token expired")
 	lost := lostCause(t, lease)
-	if lost.Reason != leasehold.LossUnauthenticated || !strings.Contains(lost.Message, "static token") || !strings.Contains(lost.Message, "expired") {
-		t.Fatalf("loss %q: %s; want unauthenticated, naming the expired static token", lost.Reason, lost.Message)
+	if lost.Reason != leasehold.LossTokenExpired || !strings.Contains(lost.Message, "static token") || !strings.Contains(lost.Message, "expired") {
+		t.Fatalf("loss %q: %s; want token_expired, naming the expired static token", lost.Reason, lost.Message)
 	}
 }
