@@ -32,8 +32,10 @@ import {
 } from "@connectrpc/connect-node";
 import { SpanKind } from "@opentelemetry/api";
 import {
+  AlwaysOffSampler,
   BasicTracerProvider,
   InMemorySpanExporter,
+  ParentBasedSampler,
   type ReadableSpan,
   SimpleSpanProcessor,
 } from "@opentelemetry/sdk-trace-base";
@@ -41,6 +43,7 @@ import { beforeAll, describe, expect, it } from "vitest";
 import { ConfigError } from "../src/config/settings.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
+import { createTracing } from "../src/server/observability/tracing.js";
 import type { LeaseServer } from "../src/server/server.js";
 import { seconds } from "./support/calls.js";
 import { openTransaction } from "./support/db.js";
@@ -232,7 +235,10 @@ for (const mode of ["native", "connect"] as const) {
         });
         await client.get({ key: { accountId: account, sessionId: `library-${mode}` } });
         const span = await waitFor(
-          () => finished().find((s) => s.spanContext().traceId === traceId),
+          () =>
+            finished().find(
+              (s) => s.spanContext().traceId === traceId && s.kind === SpanKind.SERVER,
+            ),
           { what: `${protocol}: the span of the library's Get in trace ${traceId}` },
         );
         expect(span.name).toBe("leasehold.v1.LeaseService/Get");
@@ -285,8 +291,9 @@ for (const mode of ["native", "connect"] as const) {
         "db.operation.batch.size": 2,
       });
       expect(batch.kind).toBe(SpanKind.CLIENT);
-      // A root of its own: it belongs to no one caller's trace.
-      expect(batch.parentSpanContext).toBeUndefined();
+      // In the first call's trace (so a parent-based sampler keeps it), linked to both.
+      expect(batch.parentSpanContext?.spanId).toBe(b.spanContext().spanId);
+      expect(batch.spanContext().traceId).toBe(b.spanContext().traceId);
       const alone = await statementLinking("acquire leases", [a]);
       expect(alone.links).toHaveLength(1);
     });
@@ -319,6 +326,40 @@ it("a waiting Acquire woken by another call's Release is not part of that call's
     s.links.some((l) => l.context.spanId === release.spanContext().spanId),
   );
   expect(linkedToRelease.map((s) => s.name)).toEqual(["release leases"]);
+});
+
+it("a statement that decided a sampled call is kept by a sampler that samples no root (parentbased, root off)", async () => {
+  // The sampling docs/operations.md suggests, at its extreme: only callers'
+  // sampled traces are kept. Their calls' statements must be kept with them.
+  const sampledOnly = new InMemorySpanExporter();
+  const tracing = createTracing({
+    exporters: [],
+    provider: new BasicTracerProvider({
+      sampler: new ParentBasedSampler({ root: new AlwaysOffSampler() }),
+      spanProcessors: [new SimpleSpanProcessor(sampledOnly)],
+    }),
+  });
+  const traceId = "4bf92f3577b34da6a3ce929d0e0e4736";
+  const headers: Record<string, string> = { traceparent: `00-${traceId}-00f067aa0ba902b7-01` };
+  const call = tracing.startCall(
+    "leasehold.v1.LeaseService/Acquire",
+    (n) => headers[n] ?? null,
+    {},
+  );
+  expect(call.isRecording()).toBe(true);
+  const link = tracing.within(call, () => tracing.statements.link());
+  expect(link?.spanId).toBe(call.spanContext().spanId);
+  await tracing.statements.statement("acquire", link ? [link] : [], 1, async () => 1);
+  call.end();
+  const statement = sampledOnly.getFinishedSpans().find((s) => s.name === "acquire leases");
+  expect(statement, "the statement span was sampled").toBeDefined();
+  expect(statement?.spanContext().traceId).toBe(traceId);
+  expect(statement?.links.map((l) => l.context.spanId)).toEqual([call.spanContext().spanId]);
+  // A call without a traceparent is a root the sampler drops: nothing is linked to it.
+  const unsampled = tracing.startCall("leasehold.v1.LeaseService/Get", () => null, {});
+  expect(unsampled.isRecording()).toBe(false);
+  expect(tracing.within(unsampled, () => tracing.statements.link())).toBeUndefined();
+  await tracing.shutdown();
 });
 
 it("with tracing off, no span is made on any path, and no statement span", async () => {

@@ -1,5 +1,5 @@
 // The Connect adapter of the call policy (call-policy.ts): one interceptor,
-// the only one the lease server's router has, that runs the policy around
+// the only one the lease server's and the guarded store's routers have, that runs the policy around
 // every call connect-node serves — Connect, gRPC-Web, and gRPC when the
 // native path is off (--grpc-path connect). It moves messages in and out;
 // every rule lives in the policy.

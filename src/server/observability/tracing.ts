@@ -11,8 +11,12 @@
 // processor its OTEL_BSP_* settings; the resource OTEL_SERVICE_NAME and
 // OTEL_RESOURCE_ATTRIBUTES (service.name defaults to "leasehold").
 //
-// A statement decides calls of many callers, so it cannot be a child of one
-// of them: it is a root span with a link to each call. To make the links,
+// A statement decides calls of many callers: it links to each call, and is
+// the child of the first of them. Not a root span: a root is sampled on its
+// own (under parentbased_traceidratio, at the ratio), so most sampled calls
+// would lose the statement that decided them; a child of a sampled call is
+// kept by any sampler that follows its parent. Only sampled calls are linked
+// (`within` enters no context for a call the sampler left out). To make the links,
 // the call's span context travels with its request into the batch: the
 // adapters run each call's handler inside `within` (an AsyncLocalStorage,
 // used only when tracing is on), and the group commit reads it when a
@@ -30,6 +34,7 @@ import {
   SpanStatusCode,
   type TextMapGetter,
   type TracerProvider,
+  trace,
 } from "@opentelemetry/api";
 import { W3CTraceContextPropagator } from "@opentelemetry/core";
 import { OTLPTraceExporter as OtlpJsonExporter } from "@opentelemetry/exporter-trace-otlp-http";
@@ -102,13 +107,13 @@ export function createTracing(options: TracingOptions): Tracing {
   const statements: StatementTracing = {
     link: currentCall,
     async statement(operation, links, rows, run) {
-      // A root span: it decides calls of many traces, each one linked.
+      const spanLinks = links.map((context) => ({ context: context as SpanContext }));
+      const first = spanLinks[0]?.context;
       const span = tracer.startSpan(
         `${operation} leases`,
         {
           kind: SpanKind.CLIENT,
-          root: true,
-          links: links.map((context) => ({ context: context as SpanContext })),
+          links: spanLinks,
           attributes: {
             "db.system.name": "postgresql",
             "db.collection.name": "leases",
@@ -116,7 +121,7 @@ export function createTracing(options: TracingOptions): Tracing {
             "db.operation.batch.size": rows,
           },
         },
-        ROOT_CONTEXT,
+        first ? trace.setSpanContext(ROOT_CONTEXT, first) : ROOT_CONTEXT,
       );
       try {
         return await run();

@@ -1,7 +1,7 @@
 // The bridge between Connect and the streaming parts of the lease domain:
 // KeepAlive, Watch and RequestHandoff. Validates and converts; the behaviour
 // lives in streams/ (keepalive.ts, watch-hub.ts, the publishing store), and
-// domain errors are mapped to codes once, by the error interceptor.
+// domain errors are mapped to codes once, by the call policy's error table.
 
 import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ServiceImpl } from "@connectrpc/connect";

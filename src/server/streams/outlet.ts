@@ -35,13 +35,17 @@ export function createSliceScheduler(slice: number): (work: () => void) => void 
   let scheduled = false;
   const run = () => {
     let n = 0;
-    for (const work of queue) {
-      queue.delete(work);
-      work();
-      if (++n >= slice) break;
+    try {
+      for (const work of queue) {
+        queue.delete(work);
+        work();
+        if (++n >= slice) break;
+      }
+    } finally {
+      // A throwing write must not leave every later fan-out unscheduled.
+      if (queue.size > 0) setImmediate(run);
+      else scheduled = false;
     }
-    if (queue.size > 0) setImmediate(run);
-    else scheduled = false;
   };
   return (work) => {
     queue.add(work);

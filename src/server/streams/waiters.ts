@@ -15,6 +15,7 @@ import { LeaseNotHeldError } from "../../lease/errors.js";
 import { endsLease, keyString } from "../../lease/lease-change.js";
 import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../../lease/types.js";
 import type { Logger } from "../../log/logger.js";
+import { outsideCalls } from "../observability/call-trace.js";
 import type { ChangeFeed } from "./change-feed.js";
 import type { ExpiryTracker } from "./expiry-tracker.js";
 
@@ -101,7 +102,10 @@ export function createWaiters(options: WaitersOptions): Waiters {
       q.again = true;
       return;
     }
-    void attempt(k, q);
+    // Outside whatever call's code runs now (a waiter's own call, or the
+    // call that armed the expiry tracker's timer): the attempt is for the
+    // queue's head, so its statement must not be linked to that call's span.
+    outsideCalls(() => void attempt(k, q), undefined);
   }
 
   async function attempt(k: string, q: KeyQueue): Promise<void> {
