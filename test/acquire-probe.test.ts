@@ -59,6 +59,20 @@ function freshItems(n: number) {
 }
 
 describe("the ended-run probe of an acquire reads the requesting runs' grants only", () => {
+  it("the counter these tests read moves: a lookup of one recorded grant reads its index entry", async () => {
+    // Without this, a counter that never moved would pass the bounds below.
+    const [grant] = await one<{ sessionId: string; runId: string }[]>`
+      SELECT session_id, run_id FROM lease_events WHERE account_id = 'history' LIMIT 1`;
+    if (!grant) throw new Error("no history");
+    const before = await grantsIndexReads();
+    const [found] = await one<{ n: number }[]>`
+      SELECT count(*)::int AS n FROM lease_events
+      WHERE account_id = 'history' AND session_id = ${grant.sessionId}
+        AND type = 'acquired' AND run_id = ${grant.runId}::uuid`;
+    expect(found?.n).toBe(1);
+    expect((await grantsIndexReads()) - before).toBeGreaterThanOrEqual(1);
+  });
+
   it("S4: a batched acquire of 16 new runs reads no other run's grants, on a history without statistics", async () => {
     // Several statements: the planner's choice may change once a statement is prepared.
     for (let round = 0; round < 8; round++) {
