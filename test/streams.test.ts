@@ -76,6 +76,7 @@ for (const mode of ["native", "connect"] as const) {
           if (s) expect((await answerFor(s, l.runId)).result.case).toBe("lease");
         }
         const statements = server.streaming.batcher.stats.statements - before;
+        expect(statements).toBeGreaterThan(0);
         expect(statements).toBeLessThan(leases.length / 10);
         for (const s of streams) s.abort();
       });

@@ -282,8 +282,9 @@ func (c *Client) log(level slog.Level, msg string, args ...any) {
 }
 
 // failsOver: the instance did not answer (refused, reset or closed
-// connection); every unary call of LeaseService is idempotent (Acquire by
-// its client-chosen run id), so the next instance may be asked.
+// connection), so the next instance may be asked; an Acquire asked again
+// keeps its client-chosen run id, so it cannot be granted twice. Each
+// address is tried once (docs/clients.md).
 func failsOver(err error) bool {
 	return status.Code(err) == codes.Unavailable
 }

@@ -29,14 +29,17 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
       const answer = call.end(error);
       return answer ?? ConnectError.from(error);
     };
-    const cancelled = new ConnectError(policyText.cancelled, Code.Canceled);
+    // Made only for a stream that ends cancelled: a unary call never needs it.
+    let cancelledOnce: ConnectError | undefined;
+    const cancelled = () =>
+      (cancelledOnce ??= new ConnectError(policyText.cancelled, Code.Canceled));
     if (req.stream) {
       // A client that leaves, a deadline or a shutdown aborts the call, and
       // the stream may never be finished: it ends then, with the abort's
       // code, also while its checks are still awaited.
       const aborted = () => {
         const reason: unknown = req.signal.reason;
-        call.end(reason instanceof ConnectError ? reason : cancelled);
+        call.end(reason instanceof ConnectError ? reason : cancelled());
       };
       if (req.signal.aborted) aborted();
       else req.signal.addEventListener("abort", aborted, { once: true });
@@ -54,7 +57,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
         for await (const m of req.message) messages.push(m);
         for (const m of messages) await call.message(m);
         // Ended while its checks were awaited: no handler runs for it.
-        if (call.ended) throw cancelled;
+        if (call.ended) throw cancelled();
         res = await call.run(() =>
           next({ ...req, message: createAsyncIterable(messages) } as StreamRequest),
         );
@@ -80,7 +83,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
     }
     // The token's expiry ends the stream: the response fails with it, which
     // aborts the handler's signal (its hub subscription ends).
-    const source = untilExpired(res.message, call, req.signal, cancelled);
+    const source = untilExpired(res.message, call, req.signal, cancelled());
     async function* governed() {
       try {
         yield* source;
@@ -89,7 +92,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
         throw fail(error);
       } finally {
         // Ended by the client before the server finished.
-        call.end(cancelled);
+        call.end(cancelled());
       }
     }
     return { ...res, message: governed() };

@@ -130,6 +130,7 @@ interface Entry {
 
 /** Tells whoever waits on settled() that no renewal of the entry is on the way any more. */
 function settle(entry: Entry): void {
+  if (entry.onSettled.length === 0) return;
   const waiting = entry.onSettled;
   entry.onSettled = [];
   for (const resolve of waiting) resolve();

@@ -9,7 +9,7 @@ import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
-import { Code, ConnectError } from "@connectrpc/connect";
+import { Code } from "@connectrpc/connect";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ConfigError } from "../../src/config/settings.js";
 import { ErrorInfoSchema } from "../../src/gen/google/rpc/error_details_pb.js";
@@ -19,6 +19,7 @@ import type { SessionKey } from "../../src/lease/types.js";
 import { createLogger } from "../../src/log/logger.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
 import type { RunningServer } from "../../src/server/server.js";
+import { failure } from "../support/calls.js";
 import { useTestDatabase } from "../support/fixture.js";
 import {
   grpcClient,
@@ -46,13 +47,6 @@ beforeAll(async () => {
 afterAll(async () => {
   await rm(tokenDir, { recursive: true, force: true });
 });
-
-async function refusal(call: Promise<unknown>): Promise<ConnectError> {
-  return call.then(
-    () => expect.fail("expected the call to be refused"),
-    (e: unknown) => ConnectError.from(e),
-  );
-}
 
 /** A guarded store with the lease server's keys, presenting its own fence-scope token. */
 async function storeWithKeys(leaseUrl: string, extra: string[] = []): Promise<RunningServer> {
@@ -109,13 +103,13 @@ describe("guarded store callers", () => {
         () => client.list({ key }),
       ];
       for (const call of calls) {
-        const error = await refusal(call());
+        const error = await failure(call());
         expect(error.code).toBe(Code.Unauthenticated);
         expect(error.rawMessage).toMatch(/missing bearer token/);
       }
     }
     const forged = await keys.token("alice", { secret: new Uint8Array(32).fill(7) });
-    const error = await refusal(guardedGrpcClient(store.url).list({ key }, bearer(forged)));
+    const error = await failure(guardedGrpcClient(store.url).list({ key }, bearer(forged)));
     expect(error.code).toBe(Code.Unauthenticated);
     expect(await fenceRow(key)).toBeUndefined();
   });
@@ -134,7 +128,7 @@ describe("guarded store callers", () => {
         client.put({ key, name: "notes", value: text("mallory's"), fencingToken: token }, mallory),
     ];
     for (const call of calls) {
-      const error = await refusal(call());
+      const error = await failure(call());
       expect(error.code).toBe(Code.PermissionDenied);
       expect(error.rawMessage).toBe("key.account_id is not the account of the caller's token");
     }
@@ -161,7 +155,7 @@ describe("guarded store callers", () => {
       expect(answered).toBe(servedId);
 
       const refusedId = `req-${randomUUID()}`;
-      const denied = await refusal(
+      const denied = await failure(
         client.get(
           { key, name: "ids" },
           { headers: { ...mallory.headers, "x-request-id": refusedId } },
@@ -170,7 +164,7 @@ describe("guarded store callers", () => {
       expect(denied.code).toBe(Code.PermissionDenied);
       expect(denied.metadata.get("x-request-id")).toBe(refusedId);
       // No id sent: the policy makes one, as on the lease server.
-      const anonymous = await refusal(client.list({ key }));
+      const anonymous = await failure(client.list({ key }));
       expect(anonymous.code).toBe(Code.Unauthenticated);
       expect(anonymous.metadata.get("x-request-id")).toMatch(/^[0-9a-f-]{36}$/);
     }
@@ -199,7 +193,7 @@ describe("guarded store callers", () => {
     const { key } = await grant("alice");
     const token = await keys.token("mallory");
     const requestId = `req-${randomUUID()}`;
-    const denied = await refusal(
+    const denied = await failure(
       guardedGrpcClient(logged.url).get(
         { key, name: "n" },
         { headers: { ...bearer(token).headers, "x-request-id": requestId } },
@@ -233,7 +227,7 @@ describe("the fence rises only to granted tokens", () => {
     const alice = bearer(await keys.token("alice"));
     await client.put({ key, name: "doc", value: text("v1"), fencingToken: token }, alice);
 
-    const error = await refusal(
+    const error = await failure(
       client.put({ key, name: "doc", value: text("poison"), fencingToken: maxToken }, alice),
     );
     expect(error.code).toBe(Code.FailedPrecondition);
@@ -253,7 +247,7 @@ describe("the fence rises only to granted tokens", () => {
 
   it("S7: a never-written session cannot be poisoned either: its fence row is not even created", async () => {
     const { key } = await grant("alice");
-    const error = await refusal(
+    const error = await failure(
       guardedGrpcClient(store.url).put(
         { key, name: "doc", value: text("x"), fencingToken: maxToken },
         bearer(await keys.token("alice")),
@@ -279,7 +273,7 @@ describe("the fence rises only to granted tokens", () => {
 
     // The second run never wrote: its token would raise the fence, but a
     // newer grant exists.
-    const stale = await refusal(
+    const stale = await failure(
       client.put(
         { key: first.key, name: "doc", value: text("B"), fencingToken: second.token },
         alice,
@@ -325,7 +319,7 @@ describe("the lease server unreachable", () => {
 
     proxy.drop();
     try {
-      const error = await refusal(
+      const error = await failure(
         client.put(
           { key: first.key, name: "doc", value: text("B1"), fencingToken: second.token },
           alice,

@@ -107,7 +107,8 @@ export function createTracing(options: TracingOptions): Tracing {
   const statements: StatementTracing = {
     link: currentCall,
     async statement(operation, links, rows, run) {
-      const spanLinks = links.map((context) => ({ context: context as SpanContext }));
+      // One link per call: a KeepAlive stream's renewals in one batch share its context.
+      const spanLinks = [...new Set(links)].map((context) => ({ context: context as SpanContext }));
       const first = spanLinks[0]?.context;
       const span = tracer.startSpan(
         `${operation} leases`,

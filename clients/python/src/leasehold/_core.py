@@ -22,6 +22,7 @@ from typing import Protocol
 
 import grpc
 
+from ._common import seconds
 from ._gen.leasehold.v1 import lease_pb2
 from .errors import (
     LIMIT_EXCEEDED,
@@ -45,16 +46,6 @@ class LeaseTiming:
     renew_interval: float
 
 
-def _seconds(name: str, value: timedelta | float | None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a datetime.timedelta or seconds, got {value!r}")
-    return float(value)
-
-
 def lease_timing(
     ttl: timedelta | float,
     safety_margin: timedelta | float | None = None,
@@ -62,17 +53,17 @@ def lease_timing(
 ) -> LeaseTiming:
     """Fills in the defaults (margin TTL/10, renewals every third of TTL − margin)
     and checks that one slow answer cannot end a healthy hold."""
-    ttl_s = _seconds("ttl", ttl)
+    ttl_s = seconds("ttl", ttl)
     if ttl_s is None or not ttl_s > 0:
         raise ValueError(f"ttl must be a positive duration, got {ttl!r}")
-    margin = _seconds("safety_margin", safety_margin)
+    margin = seconds("safety_margin", safety_margin)
     if margin is None:
         margin = ttl_s * DEFAULT_MARGIN_FRACTION
     if not 0 <= margin < ttl_s:
         raise ValueError(
             f"safety_margin must be at least 0 and below ttl ({ttl_s}s), got {margin}s"
         )
-    interval = _seconds("renew_interval", renew_interval)
+    interval = seconds("renew_interval", renew_interval)
     if interval is None:
         interval = (ttl_s - margin) * DEFAULT_RENEW_FRACTION
     if not 0 < interval <= (ttl_s - margin) / 2:
