@@ -247,6 +247,23 @@ def attempt_plan(method: str, request: Any, count: int, start: int) -> list[int]
     return first + first if idempotent else first
 
 
+# Before an idempotent call's second round, which asks addresses already
+# tried: a connection reset under the first attempt may not yet be seen by
+# the channel, whose next call would then go out on the dead connection
+# (seen as "sendmsg: Broken pipe"). A pause of this length, as a gRPC retry
+# policy's backoff, lets it close the connection and dial again.
+SECOND_ROUND_PAUSE_S = 0.1
+
+
+def second_round_pause(position: int, count: int, remaining: float) -> float:
+    """Seconds to wait before the attempt at `position` of a plan over
+    `count` addresses: a pause at the start of the second round, within
+    what remains of the call's deadline; none otherwise."""
+    if position != count:
+        return 0.0
+    return max(0.0, min(SECOND_ROUND_PAUSE_S, remaining / 2))
+
+
 def unavailable_message(method: str, attempts: list[tuple[str, str]]) -> str:
     tried = "; ".join(f"{address}: {what}" for address, what in attempts)
     return f"{method}: no server instance could answer (tried {tried})"

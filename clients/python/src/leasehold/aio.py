@@ -194,8 +194,11 @@ class AsyncLeaseClient:
         deadline = time.monotonic() + limit
         last: grpc.RpcError | None = None
         plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
-        for index in plan:
+        for position, index in enumerate(plan):
             # Every attempt, a failover or a retry, shares the call's deadline.
+            pause = c.second_round_pause(position, len(self.addresses), deadline - time.monotonic())
+            if pause > 0:
+                await asyncio.sleep(pause)
             remaining = deadline - time.monotonic()
             if attempts and remaining <= 0:
                 break
