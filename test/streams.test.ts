@@ -243,6 +243,33 @@ for (const mode of ["native", "connect"] as const) {
         expect(await storedState(db.sql)).toEqual(before);
       });
 
+      it("bad input after the first answer ends the stream with INVALID_ARGUMENT, though its client is still sending", async () => {
+        // The status goes out in trailers while more of the client's renewals
+        // wait unread at the server: the stream is reset after the status,
+        // never in its place (the native path's reset, submitted while the
+        // trailers were still queued, made nghttp2 drop them).
+        const key = freshKey("bad-mid");
+        const a = await client.acquire({ key, ttl: ms(60_000) });
+        const runId = a.lease?.runId ?? "";
+        const good = frame(KeepAliveRequestSchema, { key, runId });
+        const bad = frame(KeepAliveRequestSchema, { key, runId: "not-a-uuid" });
+        for (const first of [good, undefined]) {
+          const raw = openRawCall(server.url, "/leasehold.v1.LeaseService/KeepAlive");
+          raw.read();
+          if (first) {
+            raw.send(first);
+            await raw.until((frames) => frames.length >= 1);
+          }
+          raw.send(Buffer.concat([bad, ...Array.from({ length: 500 }, () => good)]));
+          raw.send(Buffer.concat(Array.from({ length: 500 }, () => good)));
+          const ended = await raw.ended;
+          raw.close();
+          expect(ended.status).toBe(Code.InvalidArgument);
+          expect(ended.message).toContain("run_id");
+        }
+        expect((await client.get({ key })).lease?.runId).toBe(runId);
+      });
+
       it("a client that stops reading does not stall other streams; its own stream ends with RESOURCE_EXHAUSTED rather than grow; its lease stays", async () => {
         const stalledKey = freshKey("stall");
         const a = await client.acquire({ key: stalledKey, ttl: ms(60_000), holder: "stalled" });

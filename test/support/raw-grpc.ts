@@ -40,7 +40,11 @@ export function openRawCall(baseUrl: string, path: string): RawCall {
     te: "trailers",
   });
   stream.on("error", () => {});
+  // The status: in trailers, or in the response headers of a trailers-only answer.
   let trailers: http2.IncomingHttpHeaders | undefined;
+  stream.on("response", (headers) => {
+    if (headers["grpc-status"] !== undefined) trailers = headers;
+  });
   stream.on("trailers", (t) => {
     trailers = t;
   });

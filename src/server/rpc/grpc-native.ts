@@ -375,9 +375,18 @@ export class NativeCall {
   // it has read the trailers as a premature close (UNKNOWN) instead of the
   // status, so a client that stops sending when it sees the status is left
   // to end the stream itself.
+  //
+  // Armed on the next turn of the event loop, not now: the status is given
+  // to nghttp2 from inside its send or receive loop ('wantTrailers', a
+  // request's 'data'), and a reset submitted before that loop returns (by
+  // 'readable' on data already waiting, on the next tick) marks the stream
+  // closing before the status is packed: nghttp2 then drops the status and
+  // the client sees its stream end without one.
   private resetOnMoreData(): void {
-    this.stream.once("readable", () => {
-      if (!this.stream.closed) this.stream.close(http2.constants.NGHTTP2_NO_ERROR);
+    setImmediate(() => {
+      this.stream.once("readable", () => {
+        if (!this.stream.closed) this.stream.close(http2.constants.NGHTTP2_NO_ERROR);
+      });
     });
   }
 
