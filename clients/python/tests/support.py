@@ -182,17 +182,21 @@ class TcpProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            self.accepted += 1
             if self.mode == "drop":
                 _reset(client)
+                self.accepted += 1
                 continue
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
                 _reset(client)
+                self.accepted += 1
                 continue
+            # Counted once registered: a test that waits for a connection and
+            # then cuts must find it among the pairs cut() resets.
             with self._lock:
                 self._pairs.append((client, upstream))
+                self.accepted += 1
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
