@@ -154,8 +154,15 @@ export interface LeaseStore {
   revoke(key: SessionKey, reason: string): Promise<EndedLease | undefined>;
   /** Records a handoff request for the valid lease, which it leaves untouched (S3). */
   requestHandoff(key: SessionKey, requesterHolder: string, reason: string): Promise<HandoffResult>;
-  /** Every stored row (valid or tombstone) of the given scopes, in one reading. */
-  readScopes(scopes: readonly Scope[]): Promise<ScopeReading>;
+  /**
+   * Every stored row (valid or tombstone) of the given scopes, in one reading.
+   * With `awaitWriters`, a key's row that a transaction is writing is read
+   * once that transaction ends: its latest version, judged by the reading's
+   * clock (taken before the wait). A renewal reads its clock and then locks
+   * the row, so one that beat the deadline can commit after it; a reading
+   * that decides an expiry must not judge the version it replaces.
+   */
+  readScopes(scopes: readonly Scope[], options?: { awaitWriters?: boolean }): Promise<ScopeReading>;
   /** The valid lease of the key, if any. */
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */

@@ -30,9 +30,9 @@ async function startTracker(store?: LeaseStore) {
   tracker = createExpiryTracker({
     store: {
       ...base,
-      readScopes: (scopes) => {
+      readScopes: (scopes, options) => {
         if (started) readings.push(scopes.map(scopeOf));
-        return base.readScopes(scopes);
+        return base.readScopes(scopes, options);
       },
     },
     feed: mem.feed,

@@ -327,7 +327,7 @@ export function createLeaseStore(
         return { lease, eventId, atUs };
       }),
 
-    readScopes: (scopes) =>
+    readScopes: (scopes, options) =>
       run(async () => {
         const keys = scopes.filter((s) => s.sessionId !== "");
         const accounts = [
@@ -335,17 +335,22 @@ export function createLeaseStore(
         ];
         // Exact keys and whole accounts are matched separately so that a
         // key scope reads one index entry, not its account's whole range.
+        const keyed = sql`
+          SELECT l.* FROM leases l
+          JOIN unnest(${keys.map((k) => k.accountId)}::text[],
+                      ${keys.map((k) => k.sessionId)}::text[]) AS w(account_id, session_id)
+            ON l.account_id = w.account_id AND l.session_id = w.session_id`;
+        const accountWide = sql`
+          SELECT l.* FROM leases l WHERE l.account_id = ANY(${accounts}::text[])`;
+        // FOR SHARE waits for a writer of the row to commit and then reads
+        // its new version, judged by this reading's clock (taken first).
+        const matched = options?.awaitWriters
+          ? sql`keyed AS (${keyed} FOR SHARE OF l),
+                matched AS (SELECT * FROM keyed UNION ${accountWide})`
+          : sql`matched AS (${keyed} UNION ${accountWide})`;
         const rows = await sql<(Partial<SessionRow> & { observedAtUs: bigint })[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
-          matched AS (
-            SELECT l.* FROM leases l
-            JOIN unnest(${keys.map((k) => k.accountId)}::text[],
-                        ${keys.map((k) => k.sessionId)}::text[]) AS w(account_id, session_id)
-              ON l.account_id = w.account_id AND l.session_id = w.session_id
-            UNION
-            SELECT l.* FROM leases l
-            WHERE l.account_id = ANY(${accounts}::text[])
-          )
+          ${matched}
           SELECT (extract(epoch FROM lease_clock.observed_at) * 1000000)::bigint AS observed_at_us,
                  found.*
           FROM lease_clock

@@ -134,7 +134,7 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
         due = new Map();
         let reading: ScopeReading;
         try {
-          reading = await store.readScopes([...batch.values()]);
+          reading = await store.readScopes([...batch.values()], { awaitWriters: true });
         } catch (error) {
           logger.warn({ err: error, keys: batch.size }, "confirming deadlines failed; retrying");
           for (const key of batch.values()) {
