@@ -207,7 +207,8 @@ func (e *InvalidArgumentError) Is(target error) bool { return target == ErrInval
 
 // UnavailableError: no instance answered. Tried lists every attempt,
 // "address: what it did", in order: an idempotent call tries each address
-// twice.
+// twice. As the cause of a loss at the local deadline, it lists each
+// address the KeepAlive stream tried since its last confirmed renewal.
 type UnavailableError struct {
 	serverError
 	Tried []string

@@ -166,6 +166,61 @@ func TestInstanceStoppedMidHold(t *testing.T) {
 	}
 }
 
+// L2: the only instance is killed (SIGKILL) mid-hold. The stream keeps
+// reconnecting and every attempt is refused; the lease is lost at its local
+// deadline, not before, with reason deadline, and the loss names the
+// instance and what it did (connection refused), in its message and in its
+// cause, an *UnavailableError. Nothing is released after the loss.
+func TestOnlyInstanceGoneMidHold(t *testing.T) {
+	ctx := context.Background()
+	key := freshKey(t)
+	s := testenv.StartServer(t)
+	// Reconnects at most 200ms apart: many refused attempts before the deadline.
+	c := dial(t, []string{s.Addr}, leasehold.WithReconnectBackoff(20*time.Millisecond, 200*time.Millisecond))
+	lease, err := c.Hold(ctx, key, holdOptions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	granted := lease.Lease()
+	testenv.WaitFor(t, 10*time.Second, "a renewal on the stream", func() bool { return lease.Lease() != granted })
+	s.Kill()
+	killed := time.Now()
+	// No renewal can be confirmed from here on: this is the deadline.
+	remaining := lease.Remaining()
+	if remaining <= 0 {
+		t.Fatalf("the lease ended before its deadline: %v", lease.Err())
+	}
+	waitDone(t, lease.Context(), remaining+2*time.Second, "the loss at the local deadline")
+	if held := time.Since(killed); held < remaining {
+		t.Fatalf("lost %s after the kill, before its local deadline (%s)", held, remaining)
+	}
+	lost := lostCause(t, lease)
+	t.Logf("lost: %v", lost)
+	if lost.Reason != leasehold.LossDeadline {
+		t.Fatalf("loss reason %q, want deadline: %s", lost.Reason, lost.Message)
+	}
+	if !strings.Contains(lost.Message, s.Addr) || !strings.Contains(lost.Message, "connection refused") {
+		t.Fatalf("the loss does not name the instance and what it did: %s", lost.Message)
+	}
+	var unavailable *leasehold.UnavailableError
+	if !errors.As(lost, &unavailable) || !errors.Is(lost, leasehold.ErrUnavailable) {
+		t.Fatalf("the loss's cause is %v, want an *UnavailableError", errors.Unwrap(lost))
+	}
+	if len(unavailable.Tried) != 1 || !strings.HasPrefix(unavailable.Tried[0], s.Addr+": ") || !strings.Contains(unavailable.Tried[0], "connection refused") {
+		t.Fatalf("the cause names %q, want the one instance, refusing", unavailable.Tried)
+	}
+	if lease.Remaining() != 0 {
+		t.Fatalf("Remaining %s after the loss, want 0", lease.Remaining())
+	}
+	if err := lease.Release(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+		t.Fatalf("Release after the loss: %v, want the *LeaseLostError", err)
+	}
+	// The killed instance's database is the shared server's.
+	if n := countEvents(history(t, dial(t, []string{shared.Addr}), key), leasev1.EventType_EVENT_TYPE_RELEASED, lease.RunID()); n != 0 {
+		t.Fatalf("History shows %d releases of the lost run, want none", n)
+	}
+}
+
 func keepAliveStreams(t *testing.T, s *testenv.Server, code string) float64 {
 	labels := map[string]string{"method": "leasehold.v1.LeaseService/KeepAlive"}
 	if code != "" {
