@@ -143,8 +143,9 @@ type endpoint struct {
 
 // Dial makes a client of the instances at addrs ("host:port",
 // "http://host:port" or "https://host:port"), tried in order: a unary call
-// that finds an instance unavailable goes on to the next, and the KeepAlive
-// stream reconnects to the next one. Connections are made lazily; ctx only
+// that finds an instance unavailable goes on to the next (an idempotent one
+// then tries each once more), and the KeepAlive stream reconnects to the
+// next one. Connections are made lazily; ctx only
 // bounds Dial itself.
 func Dial(ctx context.Context, addrs []string, opts ...Option) (*Client, error) {
 	if err := ctx.Err(); err != nil {
@@ -281,17 +282,53 @@ func (c *Client) log(level slog.Level, msg string, args ...any) {
 	}
 }
 
-// failsOver: the instance did not answer (refused, reset or closed
-// connection), so the next instance may be asked; an Acquire asked again
-// keeps its client-chosen run id, so it cannot be granted twice. Each
-// address is tried once (docs/clients.md).
+// failsOver: the call reached no server that answered it: UNAVAILABLE
+// (refused, reset or closed connection), or ABORTED without an ErrorInfo (a
+// connection cut under the call; Leasehold's own ABORTED, a stale fencing
+// token, always carries one), as the Python client reads them. The next
+// instance may be asked, and an idempotent call each one again.
 func failsOver(err error) bool {
-	return status.Code(err) == codes.Unavailable
+	switch st := status.Convert(err); st.Code() {
+	case codes.Unavailable:
+		return true
+	case codes.Aborted:
+		return errorInfo(st) == nil
+	}
+	return false
 }
 
+// idempotentMethods change nothing when sent twice: reads, and writes keyed
+// by the caller's run id (S5: a Release can only end that run's own lease;
+// sent again after it succeeded it answers released=false). Revoke and
+// RequestHandoff are not among them: a second Revoke could end a lease
+// granted in between, a second RequestHandoff records a second request.
+// Acquire is idempotent only with a run id the client chose (same run id,
+// same token): Client.Acquire says so itself.
+var idempotentMethods = map[string]bool{
+	"Renew": true, "Release": true, "Get": true, "List": true, "History": true, "CheckFence": true,
+}
+
+// secondRoundPause comes before an idempotent call's second round, which
+// asks addresses already tried: a connection reset under the first attempt
+// may not yet be seen by the gRPC channel, whose next call would then go
+// out on the dead connection. A pause of this length, as a gRPC retry
+// policy's backoff, lets it close the connection and dial again (the
+// Python client's SECOND_ROUND_PAUSE_S).
+const secondRoundPause = 100 * time.Millisecond
+
 // unary runs call on the preferred instance, failing over to the others in
-// turn; the instance that answered is preferred next time.
+// turn; an idempotent method then tries each instance once more. The
+// instance that answered is preferred next time.
 func unary[T any](ctx context.Context, c *Client, method string, call func(context.Context, leasev1.LeaseServiceClient) (T, error)) (T, error) {
+	return unaryAttempts(ctx, c, method, idempotentMethods[method], call)
+}
+
+// unaryAttempts is unary with the method's idempotence given: each address
+// once from the preferred one and, when idempotent, each again after a
+// pause (a connection reset under a call fails that call once though the
+// same address answers the next one; with a single address there is
+// nowhere else to go). Every attempt shares the call's one deadline.
+func unaryAttempts[T any](ctx context.Context, c *Client, method string, idempotent bool, call func(context.Context, leasev1.LeaseServiceClient) (T, error)) (T, error) {
 	var zero T
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
@@ -299,10 +336,17 @@ func unary[T any](ctx context.Context, c *Client, method string, call func(conte
 		defer cancel()
 	}
 	n := len(c.endpoints)
+	attempts := n
+	if idempotent {
+		attempts = 2 * n
+	}
 	start := int(c.preferred.Load())
 	var tried []string
 	var last error
-	for i := range n {
+	for i := range attempts {
+		if i == n && !pauseWithin(ctx, secondRoundPause) {
+			break
+		}
 		index := (start + i) % n
 		ep := c.endpoints[index]
 		resp, err := call(ctx, ep.stub)
@@ -319,11 +363,34 @@ func unary[T any](ctx context.Context, c *Client, method string, call func(conte
 		}
 		tried = append(tried, fmt.Sprintf("%s: %s", ep.addr, status.Convert(err).Message()))
 		last = err
-		if i+1 < n {
+		if i+1 < attempts {
 			c.log(slog.LevelWarn, "leasehold: failover", "method", method, "addr", ep.addr, "err", err, "next", c.endpoints[(index+1)%n].addr)
 		}
 	}
-	return zero, &UnavailableError{serverError{status.Convert(last)}, tried}
+	// Every attempt failed without an answer: UNAVAILABLE, whatever the
+	// last one read as (an ABORTED cut).
+	st := status.Convert(last)
+	if st.Code() != codes.Unavailable {
+		st = status.New(codes.Unavailable, st.Message())
+	}
+	return zero, &UnavailableError{serverError{st}, tried}
+}
+
+// pauseWithin waits d, or half of what is left of ctx's deadline if that is
+// less; false when ctx ends first.
+func pauseWithin(ctx context.Context, d time.Duration) bool {
+	if deadline, ok := ctx.Deadline(); ok {
+		d = min(d, time.Until(deadline)/2)
+	}
+	if d > 0 {
+		t := time.NewTimer(d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+	}
+	return ctx.Err() == nil
 }
 
 // AcquireOptions of Client.Acquire.
@@ -358,7 +425,9 @@ func (c *Client) Acquire(ctx context.Context, key SessionKey, o AcquireOptions) 
 			defer cancel()
 		}
 	}
-	return unary(ctx, c, "Acquire", func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.AcquireResponse, error) {
+	// Sent again only with the client's run id: the same run id gets the
+	// same grant, where the server's own choice would make a second one.
+	return unaryAttempts(ctx, c, "Acquire", o.RunID != "", func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.AcquireResponse, error) {
 		return s.Acquire(ctx, req)
 	})
 }

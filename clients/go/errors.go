@@ -205,8 +205,10 @@ func (e *InvalidArgumentError) Error() string {
 // Is makes errors.Is(err, ErrInvalidArgument) true.
 func (e *InvalidArgumentError) Is(target error) bool { return target == ErrInvalidArgument }
 
-// UnavailableError: no instance answered. Tried lists every address tried
-// and what each did, in order.
+// UnavailableError: no instance answered. Tried lists every attempt,
+// "address: what it did", in order: an idempotent call tries each address
+// twice. As the cause of a loss at the local deadline, it lists each
+// address the KeepAlive stream tried since its last confirmed renewal.
 type UnavailableError struct {
 	serverError
 	Tried []string

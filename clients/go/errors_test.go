@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	leasehold "leasehold.dev/go"
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
@@ -81,10 +84,27 @@ func TestDocumentedErrors(t *testing.T) {
 	t.Run("UnavailableError names every address tried", func(t *testing.T) {
 		a, b := closedPort(t), closedPort(t)
 		u := dial(t, []string{a, b})
+		// Get is idempotent: each address is tried once more.
 		_, err := u.Get(ctx, key)
 		var ue *leasehold.UnavailableError
-		if !errors.Is(err, leasehold.ErrUnavailable) || !errors.As(err, &ue) || len(ue.Tried) != 2 || !strings.Contains(ue.Error(), a) || !strings.Contains(ue.Error(), b) {
+		if !errors.Is(err, leasehold.ErrUnavailable) || !errors.As(err, &ue) || status.Code(err) != codes.Unavailable {
 			t.Fatalf("%v", err)
+		}
+		var addrs []string
+		for _, attempt := range ue.Tried {
+			addr, what, _ := strings.Cut(attempt, ": ")
+			if what == "" {
+				t.Fatalf("attempt %q does not say what the address did", attempt)
+			}
+			addrs = append(addrs, addr)
+		}
+		if want := []string{a, b, a, b}; !slices.Equal(addrs, want) {
+			t.Fatalf("tried %q, want the addresses %q", ue.Tried, want)
+		}
+		// RequestHandoff is not idempotent: each address once.
+		_, _, err = u.RequestHandoff(ctx, key, "tests", "")
+		if !errors.As(err, &ue) || len(ue.Tried) != 2 {
+			t.Fatalf("RequestHandoff: %v, want each of the two addresses tried once", err)
 		}
 	})
 	t.Run("LateGrantError: an answer past its own deadline is released", func(t *testing.T) {

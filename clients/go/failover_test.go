@@ -3,6 +3,8 @@ package leasehold_test
 import (
 	"context"
 	"errors"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -61,6 +63,82 @@ func TestRetryAfterDroppedAnswerKeepsTheToken(t *testing.T) {
 	}
 }
 
+// S5 (an idempotent Release): with a single address, the proxy resets the
+// connection carrying the Release before the server sees it; the client
+// sends it again, to the same address, and it releases. History shows the
+// run released once.
+func TestReleaseWhoseConnectionIsResetIsSentAgain(t *testing.T) {
+	ctx := context.Background()
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr})
+	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{RunID: leasehold.NewRunID(), TTL: 30 * time.Second})
+	if err != nil || !granted.GetAcquired() {
+		t.Fatalf("acquire: %v %v", granted, err)
+	}
+	runID := granted.GetLease().GetRunId()
+	p.DropNextRequest()
+	released, err := c.Release(ctx, key, runID)
+	if err != nil || !released {
+		t.Fatalf("Release after a reset: released %v, %v", released, err)
+	}
+	if n := p.DroppedRequests(); n != 1 {
+		t.Fatalf("the proxy dropped %d requests, want 1", n)
+	}
+	direct := dial(t, []string{shared.Addr})
+	if got := eventTypes(history(t, direct, key), runID); !slices.Equal(got, []leasev1.EventType{leasev1.EventType_EVENT_TYPE_ACQUIRED, leasev1.EventType_EVENT_TYPE_RELEASED}) {
+		t.Fatalf("History of the run: %v, want ACQUIRED, RELEASED", got)
+	}
+	if held, err := direct.Get(ctx, key); err != nil || held != nil {
+		t.Fatalf("the session is still held: %v %v", held, err)
+	}
+}
+
+// Revoke is not idempotent (sent again, it could end a lease granted in
+// between): a reset under it is an *UnavailableError naming the one attempt,
+// and the call is not sent again; the lease is still held.
+func TestRevokeWhoseConnectionIsResetIsNotSentAgain(t *testing.T) {
+	ctx := context.Background()
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr}, leasehold.WithToken(token(time.Hour, "leasehold:admin")))
+	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{RunID: leasehold.NewRunID(), TTL: 30 * time.Second})
+	if err != nil || !granted.GetAcquired() {
+		t.Fatalf("acquire: %v %v", granted, err)
+	}
+	runID := granted.GetLease().GetRunId()
+	p.DropNextRequest()
+	_, err = c.Revoke(ctx, key, "test")
+	var unavailable *leasehold.UnavailableError
+	if !errors.As(err, &unavailable) {
+		t.Fatalf("Revoke after a reset: %v, want an *UnavailableError", err)
+	}
+	if len(unavailable.Tried) != 1 || !strings.HasPrefix(unavailable.Tried[0], p.Addr+": ") {
+		t.Fatalf("attempts %q, want one, to %s", unavailable.Tried, p.Addr)
+	}
+	if n := p.DroppedRequests(); n != 1 {
+		t.Fatalf("the proxy dropped %d requests, want 1", n)
+	}
+	held, err := c.Get(ctx, key)
+	if err != nil || held.GetRunId() != runID {
+		t.Fatalf("after the reset Revoke the session shows %v (%v), want run %s", held, err, runID)
+	}
+	if n := countEvents(history(t, c, key), leasev1.EventType_EVENT_TYPE_REVOKED, runID); n != 0 {
+		t.Fatalf("History shows %d revocations, want none", n)
+	}
+}
+
+// eventTypes is the run's events in History (newest first), oldest first.
+func eventTypes(events []*leasev1.Event, runID string) []leasev1.EventType {
+	var types []leasev1.EventType
+	for _, e := range slices.Backward(events) {
+		if e.GetRunId() == runID {
+			types = append(types, e.GetType())
+		}
+	}
+	return types
+}
+
 // An instance stopped mid-hold (SIGTERM: its streams end UNAVAILABLE): the
 // KeepAlive stream moves to the other instance and the lease is kept past
 // the deadline the stopped instance last confirmed.
@@ -85,6 +163,61 @@ func TestInstanceStoppedMidHold(t *testing.T) {
 	}
 	if err := lease.Release(context.Background()); err != nil {
 		t.Fatalf("release through the other instance: %v", err)
+	}
+}
+
+// L2: the only instance is killed (SIGKILL) mid-hold. The stream keeps
+// reconnecting and every attempt is refused; the lease is lost at its local
+// deadline, not before, with reason deadline, and the loss names the
+// instance and what it did (connection refused), in its message and in its
+// cause, an *UnavailableError. Nothing is released after the loss.
+func TestOnlyInstanceGoneMidHold(t *testing.T) {
+	ctx := context.Background()
+	key := freshKey(t)
+	s := testenv.StartServer(t)
+	// Reconnects at most 200ms apart: many refused attempts before the deadline.
+	c := dial(t, []string{s.Addr}, leasehold.WithReconnectBackoff(20*time.Millisecond, 200*time.Millisecond))
+	lease, err := c.Hold(ctx, key, holdOptions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	granted := lease.Lease()
+	testenv.WaitFor(t, 10*time.Second, "a renewal on the stream", func() bool { return lease.Lease() != granted })
+	s.Kill()
+	killed := time.Now()
+	// No renewal can be confirmed from here on: this is the deadline.
+	remaining := lease.Remaining()
+	if remaining <= 0 {
+		t.Fatalf("the lease ended before its deadline: %v", lease.Err())
+	}
+	waitDone(t, lease.Context(), remaining+2*time.Second, "the loss at the local deadline")
+	if held := time.Since(killed); held < remaining {
+		t.Fatalf("lost %s after the kill, before its local deadline (%s)", held, remaining)
+	}
+	lost := lostCause(t, lease)
+	t.Logf("lost: %v", lost)
+	if lost.Reason != leasehold.LossDeadline {
+		t.Fatalf("loss reason %q, want deadline: %s", lost.Reason, lost.Message)
+	}
+	if !strings.Contains(lost.Message, s.Addr) || !strings.Contains(lost.Message, "connection refused") {
+		t.Fatalf("the loss does not name the instance and what it did: %s", lost.Message)
+	}
+	var unavailable *leasehold.UnavailableError
+	if !errors.As(lost, &unavailable) || !errors.Is(lost, leasehold.ErrUnavailable) {
+		t.Fatalf("the loss's cause is %v, want an *UnavailableError", errors.Unwrap(lost))
+	}
+	if len(unavailable.Tried) != 1 || !strings.HasPrefix(unavailable.Tried[0], s.Addr+": ") || !strings.Contains(unavailable.Tried[0], "connection refused") {
+		t.Fatalf("the cause names %q, want the one instance, refusing", unavailable.Tried)
+	}
+	if lease.Remaining() != 0 {
+		t.Fatalf("Remaining %s after the loss, want 0", lease.Remaining())
+	}
+	if err := lease.Release(ctx); !errors.Is(err, leasehold.ErrLeaseLost) {
+		t.Fatalf("Release after the loss: %v, want the *LeaseLostError", err)
+	}
+	// The killed instance's database is the shared server's.
+	if n := countEvents(history(t, dial(t, []string{shared.Addr}), key), leasev1.EventType_EVENT_TYPE_RELEASED, lease.RunID()); n != 0 {
+		t.Fatalf("History shows %d releases of the lost run, want none", n)
 	}
 }
 

@@ -25,6 +25,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -71,6 +72,14 @@ type lane struct {
 	// UNAUTHENTICATED: a token function that keeps returning an expired
 	// token must not reconnect forever.
 	authRetries int
+	// What the lane's streams got from each address since a renewal was
+	// last confirmed, in the order the addresses first failed: what a loss
+	// at the local deadline reports.
+	failed []streamFailure
+}
+
+type streamFailure struct {
+	addr, what string
 }
 
 type keepAliveChannel struct {
@@ -139,6 +148,33 @@ func (r *registration) renew() {
 		return
 	}
 	r.p.lane.send(r.id)
+}
+
+// deadlineLoss is the message and cause of a loss at the local deadline.
+// When the lease's stream failed meanwhile, they name each address it
+// tried since the last confirmed renewal and what that address last did (a
+// refused connection, a stream ended, a renewal left unanswered), as the
+// Python client's message does; the cause is an *UnavailableError whose
+// Tried lists them.
+func (r *registration) deadlineLoss() (string, error) {
+	const msg = "the local deadline passed without a confirmed renewal"
+	if r == nil {
+		return msg, nil
+	}
+	ch := r.ch
+	ch.mu.Lock()
+	var tried []string
+	if ch.placed[r.id] == r.p {
+		for _, f := range r.p.lane.failed {
+			tried = append(tried, f.addr+": "+f.what)
+		}
+	}
+	ch.mu.Unlock()
+	if len(tried) == 0 {
+		return msg, nil
+	}
+	st := status.New(codes.Unavailable, "no server instance renewed the lease")
+	return msg + " (the KeepAlive stream failed: " + strings.Join(tried, "; ") + ")", &UnavailableError{serverError{st}, tried}
 }
 
 // remove stops keeping the lease alive.
@@ -411,7 +447,7 @@ func (ln *lane) dispatch(s *laneStream, resp *leasev1.KeepAliveResponse) callbac
 		if len(e.outstanding) > 0 {
 			sentAt, e.outstanding = e.outstanding[0], e.outstanding[1:]
 		}
-		ln.failures, ln.authRetries = 0, 0
+		ln.failures, ln.authRetries, ln.failed = 0, 0, nil
 		return callbacks{func() { e.lease.renewed(r.Lease, sentAt) }}
 	case *leasev1.KeepAliveResponse_Lost:
 		delete(ln.entries, id)
@@ -468,6 +504,7 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 		s.stall.Stop()
 	}
 	s.cancel()
+	ln.noteFailure(s.addr, status.Convert(err).Message())
 	lerr := fromStatus(err)
 	code := status.Code(err)
 	loseAll := func(reason LossReason, msg string) callbacks {
@@ -530,6 +567,18 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 	return nil
 }
 
+// noteFailure records what a stream to addr got, replacing what that
+// address did before. ch.mu is held.
+func (ln *lane) noteFailure(addr, what string) {
+	for i := range ln.failed {
+		if ln.failed[i].addr == addr {
+			ln.failed[i].what = what
+			return
+		}
+	}
+	ln.failed = append(ln.failed, streamFailure{addr, what})
+}
+
 func authCause(err error) string {
 	if cause := authFailure(fromStatus(err)); cause != "" {
 		return cause
@@ -541,6 +590,7 @@ func authCause(err error) string {
 // server ends the stream cleanly, and cuts it a second later if it does
 // not; at Client.Close it cuts at once. ch.mu is held.
 func (ln *lane) shutdown(now bool) {
+	ln.failed = nil
 	if ln.reconnect != nil {
 		ln.reconnect.Stop()
 		ln.reconnect = nil

@@ -263,8 +263,10 @@ func (l *Lease) checkDeadline() {
 		l.mu.Unlock()
 		return
 	}
+	reg := l.reg
 	l.mu.Unlock()
-	l.lose(LossDeadline, "the local deadline passed without a confirmed renewal", nil)
+	msg, cause := reg.deadlineLoss()
+	l.lose(LossDeadline, msg, cause)
 }
 
 func (l *Lease) renewLoop(stop <-chan struct{}, reg *registration) {

@@ -96,7 +96,7 @@ func bearer(ctx context.Context) context.Context {
 	return leasehold.WithBearer(ctx, token(time.Hour))
 }
 
-// history is the session's audit trail, oldest first.
+// history is the session's audit trail, newest first.
 func history(t *testing.T, c *leasehold.Client, key leasehold.SessionKey) []*leasev1.Event {
 	t.Helper()
 	events, _, err := c.History(context.Background(), key, 100, "")

@@ -11,7 +11,8 @@ import (
 // both directions (a frozen route: nothing arrives, nothing says so), on
 // connections open and to come; Cut closes every open connection (a cut
 // stream: the peer learns at once); DropAnswers swallows what the target
-// sends back; Delay holds each answer chunk for a while.
+// sends back; Delay holds each answer chunk for a while; DropNextRequest
+// resets the connection that carries the next call before the target sees it.
 type Proxy struct {
 	Addr     string
 	target   string
@@ -27,6 +28,9 @@ type Proxy struct {
 	dropped  int
 	closed   bool
 	wg       sync.WaitGroup
+
+	// Requests still to drop (DropNextRequest), and how many were.
+	dropRequests, droppedRequests int
 }
 
 // StartProxy listens on a free loopback port and forwards to target.
@@ -97,8 +101,20 @@ func (p *Proxy) pipe(from, to net.Conn, answers bool) {
 			if drop {
 				p.dropped += n
 			}
+			reset := !answers && p.dropRequests > 0 && n >= requestBytes
+			if reset {
+				p.dropRequests--
+				p.droppedRequests++
+			}
 			p.mu.Unlock()
 			if closed {
+				return
+			}
+			if reset {
+				// The deferred Close sends RST, not FIN: the client sees a
+				// reset connection; the target never sees the call's bytes.
+				resetOnClose(from)
+				resetOnClose(to)
 				return
 			}
 			if delay > 0 {
@@ -114,6 +130,34 @@ func (p *Proxy) pipe(from, to net.Conn, answers bool) {
 			return
 		}
 	}
+}
+
+// requestBytes: HTTP/2 frames a client sends on its own (PING 17 bytes,
+// WINDOW_UPDATE 13, SETTINGS ack 9) are shorter; a call's HEADERS and DATA
+// are longer (as in the Python client's test proxy).
+const requestBytes = 64
+
+func resetOnClose(c net.Conn) {
+	if tcp, ok := c.(*net.TCPConn); ok {
+		_ = tcp.SetLinger(0)
+	}
+}
+
+// DropNextRequest makes the next chunk a client sends that is long enough
+// to be a call (not a ping or a window update) reset its connection,
+// both ways, instead of reaching the target: the client sees the reset,
+// the server never sees the call.
+func (p *Proxy) DropNextRequest() {
+	p.mu.Lock()
+	p.dropRequests = 1
+	p.mu.Unlock()
+}
+
+// DroppedRequests is how many requests DropNextRequest has dropped.
+func (p *Proxy) DroppedRequests() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.droppedRequests
 }
 
 // Stall holds every byte from now on, until Resume.

@@ -207,6 +207,18 @@ func (s *Server) Stop() {
 	}
 }
 
+// Kill ends the server at once (SIGKILL: no stream is ended, the sockets
+// just close) and waits for it to exit.
+func (s *Server) Kill() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	_ = s.cmd.Process.Kill()
+	<-s.done
+}
+
 // Metric sums the samples of a Prometheus metric whose labels include want.
 func (s *Server) Metric(tb testing.TB, name string, want map[string]string) float64 {
 	tb.Helper()
