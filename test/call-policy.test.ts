@@ -12,7 +12,8 @@
 //   and no account slot behind.
 // - Native path: a refused KeepAlive stream sends its trailers and is reset;
 //   the server grants no more flow-control window to it; a pending check
-//   stops the server from reading further.
+//   stops the server from reading further (first shown: a stream the server
+//   reads is granted window, so the counter those bounds read does count).
 //
 // - The protocol matrix: the same calls over every protocol give the same
 //   answers, codes, details and metrics.
@@ -47,6 +48,7 @@ import {
   h2Frame,
   headerBlock,
   openRawH2,
+  type RawH2Connection,
   WINDOW_UPDATE,
 } from "./support/raw-http2.js";
 import { bearer, createTestKeys, type TestKeys } from "./support/tokens.js";
@@ -553,6 +555,81 @@ describe("native gRPC path: a refused stream stops reading", () => {
       .filter((f) => f.type === WINDOW_UPDATE && f.streamId === id)
       .reduce((n, f) => n + (f.payload.readUInt32BE(0) & 0x7fffffff), 0);
 
+  // Copies of one gRPC message filling `bytes`, in DATA frames of at most
+  // 16 KiB (a message may span two frames).
+  const copiesOf = (message: Uint8Array, streamId: number, bytes: number): Buffer[] => {
+    const all = Buffer.concat(
+      Array.from({ length: Math.floor(bytes / message.length) }, () => message),
+    );
+    const frames: Buffer[] = [];
+    for (let at = 0; at < all.length; at += 16_384) {
+      frames.push(h2Frame(FRAME.DATA, 0, streamId, all.subarray(at, at + 16_384)));
+    }
+    return frames;
+  };
+
+  // After `firstLength` bytes of stream 1's initial window were sent: three
+  // windows' worth of `message` copies, each sent once the server granted
+  // room for it (so the caller never sends beyond its window).
+  const sendThreeWindows = async (
+    h2: RawH2Connection,
+    firstLength: number,
+    message: Uint8Array,
+  ) => {
+    let granted = h2.initialWindow - firstLength;
+    let sent = 0;
+    for (let round = 0; round < 3; round += 1) {
+      const room = granted - sent;
+      for (const f of copiesOf(message, 1, room)) h2.send(f);
+      sent += room - (room % message.length);
+      await h2.barrier();
+      await h2.barrier();
+      granted = h2.initialWindow - firstLength + windowGranted(h2.frames, 1);
+      if (granted - sent < message.length) break;
+    }
+  };
+
+  /** The most window the server may grant a stream it has stopped reading (see the pending test). */
+  const pausedGrantBound = (firstLength: number) => 16_384 + firstLength;
+
+  const u32 = (n: number) => {
+    const b = Buffer.alloc(4);
+    b.writeUInt32BE(n);
+    return b;
+  };
+
+  it("the window counter these tests read moves: a KeepAlive stream the server reads is granted window as its caller sends, past the bound of a paused one", async () => {
+    // Without this, a counter that never moved (WINDOW_UPDATE frames never
+    // seen, or not summed) would pass the bounds of the tests below. The same
+    // steps as the pending test, with the authorization decided: the filler
+    // is more renewals of the same session, which need no further check.
+    const token = await keys.token(account);
+    const h2 = await openRawH2(servers.native.port);
+    try {
+      // Room for the server's answers (one per renewal): this caller reads all it is sent.
+      h2.send(h2Frame(WINDOW_UPDATE, 0, 0, u32(1 << 30)));
+      h2.send(
+        h2Frame(FRAME.HEADERS, FLAG.END_HEADERS, 1, keepAliveHeaders(servers.native.port, token)),
+      );
+      h2.send(h2Frame(WINDOW_UPDATE, 0, 1, u32(1 << 30)));
+      const renewal = frame(
+        (await import("../src/gen/leasehold/v1/lease_pb.js")).KeepAliveRequestSchema,
+        { key: { accountId: account, sessionId: "read" }, runId: randomUUID() },
+      );
+      h2.send(h2Frame(FRAME.DATA, 0, 1, renewal));
+      // Its answer: the session's authorization was decided (and the server reads on).
+      await h2.next((f) => f.type === FRAME.DATA && f.streamId === 1);
+      await sendThreeWindows(h2, renewal.length, renewal);
+      expect(
+        h2.frames.some((f) => f.type === FRAME.RST_STREAM && f.streamId === 1),
+        "the stream was reset",
+      ).toBe(false);
+      expect(windowGranted(h2.frames, 1)).toBeGreaterThan(pausedGrantBound(renewal.length));
+    } finally {
+      h2.close();
+    }
+  });
+
   it("a KeepAlive stream without a token gets its UNAUTHENTICATED trailers, then a reset; the window it was granted is never refilled", async () => {
     const h2 = await openRawH2(servers.native.port);
     try {
@@ -600,21 +677,11 @@ describe("native gRPC path: a refused stream stops reading", () => {
         },
         { what: "the renewal's authorization to wait for the lock" },
       );
-      // Three windows' worth, each sent once the server granted room for it.
-      let granted = h2.initialWindow - renewal.length;
-      let sent = 0;
-      for (let round = 0; round < 3; round += 1) {
-        const room = granted - sent;
-        for (const f of emptyMessages(1, room)) h2.send(f);
-        sent += room - (room % 5);
-        await h2.barrier();
-        await h2.barrier();
-        granted = h2.initialWindow - renewal.length + windowGranted(h2.frames, 1);
-        if (granted - sent < 5) break;
-      }
+      // Three windows' worth of empty messages (5 bytes each).
+      await sendThreeWindows(h2, renewal.length, Buffer.alloc(5));
       // What the server accepted while the check was pending: the initial
       // window and at most one readable buffer (16 KiB) more.
-      expect(windowGranted(h2.frames, 1)).toBeLessThanOrEqual(16_384 + renewal.length);
+      expect(windowGranted(h2.frames, 1)).toBeLessThanOrEqual(pausedGrantBound(renewal.length));
     } finally {
       h2.close();
       await lock.end();

@@ -16,6 +16,7 @@ import {
   LeaseService,
   LossReason,
   WatchRequestSchema,
+  type WatchResponse,
   WatchResponseSchema,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/lease/limits.js";
@@ -369,7 +370,7 @@ for (const mode of ["native", "connect"] as const) {
         watch.abort();
       });
 
-      it("a takeover after expiry shows EXPIRED of the old grant before ACQUIRED of the new", async () => {
+      it("S6: a takeover after expiry shows EXPIRED of the old grant before ACQUIRED of the new, and nothing of the old grant once the new one was shown", async () => {
         const key = freshKey("takeover");
         const watch = openWatch(client, key);
         await watch.reader.next((m) => m.kind.case === "snapshot");
@@ -377,29 +378,63 @@ for (const mode of ["native", "connect"] as const) {
         await watch.reader.next((m) => m.kind.case === "event");
         await untilExpired(db.sql, key);
         const b = await client.acquire({ key, ttl: ms(60_000) });
-        const events: [EventType, bigint][] = [];
-        // Events in order until the new grant's ACQUIRED. A fresh snapshot may
-        // come instead (the hub re-snapshots a watcher when its periodic
-        // re-check reads a change before its notification arrived): it then
-        // shows the new grant, and what came as events before it keeps its order.
-        for (;;) {
-          const m = await watch.reader.next(
-            (x) => x.kind.case === "event" || x.kind.case === "snapshot",
-          );
-          if (m.kind.case === "snapshot") {
-            expect(m.kind.value.leases.map((l) => l.fencingToken)).toEqual([b.lease?.fencingToken]);
-            break;
+        const oldToken = a.lease?.fencingToken ?? 0n;
+        const newToken = b.lease?.fencingToken ?? 0n;
+        expect(newToken).toBeGreaterThan(oldToken);
+        // What the watcher is shown: an event as [type, token], a snapshot as
+        // ["snapshot", ...the tokens of the leases it shows].
+        type Shown = (EventType | "snapshot" | bigint)[];
+        const shown = (m: WatchResponse): Shown | undefined =>
+          m.kind.case === "event"
+            ? [m.kind.value.type, m.kind.value.fencingToken]
+            : m.kind.case === "snapshot"
+              ? ["snapshot", ...m.kind.value.leases.map((l) => l.fencingToken)]
+              : undefined;
+        const next = async () => {
+          for (;;) {
+            const m = shown(await watch.reader.next());
+            if (m) return m;
           }
-          if (m.kind.case !== "event") continue;
-          events.push([m.kind.value.type, m.kind.value.fencingToken]);
-          if (m.kind.value.type === EventType.ACQUIRED) break;
+        };
+        // Until the watcher learns of the new grant: its ACQUIRED, or a fresh
+        // snapshot instead (the hub re-snapshots a watcher when its expiry
+        // timer or periodic re-check reads a grant before its notification
+        // arrived). Either way, what came before it is in order.
+        const before: Shown[] = [];
+        for (;;) {
+          const m = await next();
+          before.push(m);
+          if (m[0] === "snapshot" || m[0] === EventType.ACQUIRED) break;
         }
-        expect(events).toEqual(
-          [
-            [EventType.EXPIRED, a.lease?.fencingToken],
-            [EventType.ACQUIRED, b.lease?.fencingToken],
-          ].slice(0, events.length),
-        );
+        const learned = before.at(-1);
+        if (learned?.[0] === "snapshot") {
+          // The snapshot shows the new grant alone, after at most the old grant's EXPIRED.
+          expect(learned).toEqual(["snapshot", newToken]);
+          expect(before.slice(0, -1)).toEqual(
+            [[EventType.EXPIRED, oldToken]].slice(0, before.length - 1),
+          );
+        } else {
+          expect(before).toEqual([
+            [EventType.EXPIRED, oldToken],
+            [EventType.ACQUIRED, newToken],
+          ]);
+        }
+        // Once the new grant was shown, nothing about the old one may follow
+        // (the order guard drops the takeover's EXPIRED of it, or the timer's,
+        // when it comes late). The new grant's release is the barrier: what
+        // was published before it has reached the watcher by its RELEASED (or
+        // by a fresh snapshot showing the session free).
+        await client.release({ key, runId: b.lease?.runId ?? "" });
+        const after: Shown[] = [];
+        for (;;) {
+          const m = await next();
+          after.push(m);
+          if (m[0] === EventType.RELEASED || (m[0] === "snapshot" && m.length === 1)) break;
+        }
+        expect(
+          after.filter((m) => m.slice(1).some((token) => token !== newToken)),
+          "messages about another grant than the new one, after it was shown",
+        ).toEqual([]);
         watch.abort();
       });
 

@@ -155,7 +155,10 @@ describe("history checker", () => {
       revokedEvent(2, "A", 10, t0 + 100_000),
       acquiredEvent(3, "B", 11, t0 + 200_000),
     ];
-    expect(checkHistory(records, events).violations).toEqual([]);
+    const checked = checkHistory(records, events);
+    expect(checked.violations).toEqual([]);
+    // The revoke answered true is matched to the trail's REVOKED row of its lease.
+    expect(checked.revokesConfirmed).toBe(1);
     const renewedAfter = [...records, renewed("A", 10, t0 + 150_000, false)];
     expect(invariants(renewedAfter, events)).toEqual(["S4"]);
     const reacquiredAfter = [
@@ -173,6 +176,17 @@ describe("history checker", () => {
       { type: "revoke", client: 2, key, revoked: true, runId: "A", token: 10 },
     ];
     expect(invariants(records, [acquiredEvent(1, "A", 10, t0)])).toEqual(["audit"]);
+    // Unmatched, it is not counted as a lease Revoke ended; nor is a revoke of
+    // another grant of the key, nor one that found nothing to end.
+    expect(checkHistory(records, [acquiredEvent(1, "A", 10, t0)]).revokesConfirmed).toBe(0);
+    const otherGrant = [acquiredEvent(1, "A", 10, t0), revokedEvent(2, "A", 9, t0 + 100_000)];
+    expect(checkHistory(records, otherGrant).revokesConfirmed).toBe(0);
+    const nothing: HistoryRecord[] = [
+      grant("A", 10, t0),
+      { type: "revoke", client: 2, key, revoked: false },
+      { type: "revoke", client: 2, key },
+    ];
+    expect(checkHistory(nothing, [acquiredEvent(1, "A", 10, t0)]).revokesConfirmed).toBe(0);
     const told: HistoryRecord[] = [
       grant("A", 10, t0),
       {

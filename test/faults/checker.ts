@@ -162,6 +162,12 @@ export interface CheckResult {
   l2Checked: number;
   /** Grants in lease_events whose answer no client saw (lost on the way back). */
   unseenGrants: number;
+  /**
+   * Revokes answered `revoked: true` whose lease (run and token) lease_events
+   * records as revoked: the leases Revoke ended, as the checker saw them end.
+   * One answered without that record is an audit violation instead.
+   */
+  revokesConfirmed: number;
 }
 
 interface RunView {
@@ -201,6 +207,7 @@ export function checkHistory(
   );
   const revokedRuns = new Set(events.filter((e) => e.type === "revoked").map((e) => e.runId));
   const grantEnd = new Map(ends.map((e) => [`${e.runId}:${e.token}`, e]));
+  let revokesConfirmed = 0;
 
   for (const r of records) {
     if (r.type === "grant") {
@@ -275,8 +282,9 @@ export function checkHistory(
           `release of run ${r.runId} answered released=true but lease_events has no release`,
         );
       }
-    } else if (r.type === "revoke") {
-      if (r.revoked === true && !revokedGrants.has(`${r.runId}:${r.token}`)) {
+    } else if (r.type === "revoke" && r.revoked === true) {
+      if (revokedGrants.has(`${r.runId}:${r.token}`)) revokesConfirmed += 1;
+      else {
         flag(
           "audit",
           r.key,
@@ -527,6 +535,7 @@ export function checkHistory(
     l2WithinLatency,
     l2Checked,
     unseenGrants: acquiredByGrant.size - seenGrants,
+    revokesConfirmed,
   };
 }
 

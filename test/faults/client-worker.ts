@@ -455,13 +455,16 @@ async function rawRun(sessionId: string) {
 /**
  * The same run's Acquire again, recorded as a renewal when granted (it must
  * keep the token, and is judged against the run's end and deadline) and as
- * a failed renewal when refused. `known`: the answer was seen.
+ * a failed renewal when refused. `known`: the answer was seen. Its outcomes
+ * are counted under `label` (a late re-acquire of an ended run has its own,
+ * so the suite can tell its refusals apart).
  */
 async function sameRunAcquire(
   key: string,
   sessionId: string,
   runId: string,
   deadlineKnown: boolean,
+  label: "reacquire" | "late-reacquire" = "reacquire",
 ): Promise<{ expiresAt?: number; known: boolean }> {
   operation("acquire");
   try {
@@ -472,10 +475,10 @@ async function sameRunAcquire(
       holder: `client-${config.client}`,
     });
     if (!answer.acquired || !answer.lease) {
-      count("reacquire-held");
+      count(`${label}-held`);
       return { known: true };
     }
-    count("reacquire-ok");
+    count(`${label}-ok`);
     const expiresAt = us(answer.lease.expiresAt);
     emit({
       type: "renewed",
@@ -491,7 +494,7 @@ async function sameRunAcquire(
     return { expiresAt, known: true };
   } catch (error) {
     const notHeld = error instanceof LeaseNotHeldError;
-    count(`reacquire-${notHeld ? `not-held-${error.lossCause}` : codeName(error)}`);
+    count(`${label}-${notHeld ? `not-held-${error.lossCause}` : codeName(error)}`);
     emit({
       type: "renew-failed",
       client: config.client,
@@ -505,7 +508,12 @@ async function sameRunAcquire(
   }
 }
 
-/** A run that ended tries its session again with its own run_id: refused (S4). */
+/**
+ * A run that ended tries its session again with its own run_id: refused (S4)
+ * as LEASE_NOT_HELD with how its lease ended (released, revoked, expired),
+ * counted as `late-reacquire-not-held-<cause>`. An abandoned run may still
+ * hold: then it is an idempotent retry (`late-reacquire-ok`).
+ */
 async function lateReacquire() {
   const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
   if (!ended) return;
@@ -514,7 +522,44 @@ async function lateReacquire() {
     ended.sessionId,
     ended.runId,
     false,
+    "late-reacquire",
   );
+}
+
+/**
+ * The beat's revoke: this client first takes the key itself (no wait), so the
+ * revoke has a lease to end whatever the other clients are doing. Granted,
+ * its own run holds until its deadline and nobody else can end it but a
+ * revoke; not granted, another run held the key a moment ago. Either way the
+ * Revoke that follows ends a lease unless a fault delays it past that lease's
+ * end, and the suite asserts that some did. The revoked run is an ended run
+ * like any other: a late re-acquire of it must be refused as revoked.
+ */
+async function heldRevoke(sessionId: string) {
+  const key = `${config.accountId}/${sessionId}`;
+  const runId = randomUUID();
+  operation("acquire");
+  let granted = false;
+  try {
+    const answer = await client.acquire({
+      key: { accountId: config.accountId, sessionId },
+      runId,
+      ttl: durationFromMs(config.ttlMs),
+      holder: `client-${config.client}`,
+    });
+    if (answer.acquired && answer.lease) {
+      granted = true;
+      count("revoke-held");
+      emit(grantRecord(key, answer.lease, "acquire"));
+    } else count("revoke-held-by-another");
+  } catch (error) {
+    count(`revoke-held-${codeName(error)}`);
+  }
+  await revoke(sessionId);
+  if (granted) {
+    endedRuns.push({ sessionId, runId });
+    if (endedRuns.length > maxEndedRuns) endedRuns.shift();
+  }
 }
 
 /** The admin ends whichever run holds the key (audited); recorded with the lease it ended. */
@@ -577,7 +622,8 @@ const stopAt = performance.now() + config.durationMs;
 let countsAt = performance.now();
 // The rare kinds also come on a fixed beat, so that a short run (the CI run
 // makes about fifty iterations per client) always revokes and re-acquires
-// ended runs: drawn at 2% alone, one CI run in fifty did neither.
+// ended runs: drawn at 2% alone, one CI run in fifty did neither. The beat's
+// revoke holds the key first, so that it ends a lease rather than find none.
 const scheduledEvery = 16;
 let iteration = 0;
 while (!stopping && performance.now() < stopAt) {
@@ -589,7 +635,7 @@ while (!stopping && performance.now() < stopAt) {
   const op = rng.next();
   const beat = iteration++ % scheduledEvery;
   count("iterations");
-  if (beat === 5) await revoke(sessionId);
+  if (beat === 5) await heldRevoke(sessionId);
   else if (beat === 11 && endedRuns.length > 0) await lateReacquire();
   else if (op < 0.45) await exclusiveRun(sessionId);
   else if (op < 0.88) await rawRun(sessionId);
