@@ -27,16 +27,18 @@ import {
   LeaseLostError,
   LeaseNotHeldError,
   NotAcquiredError,
+  type SessionKeyInit,
   StaleFencingTokenError,
   toLeaseholdError,
   UnavailableError,
 } from "../src/client/index.js";
+import { failoverTransport } from "../src/client/transport.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import {
   GuardedStoreService,
   PutResponseSchema,
 } from "../src/gen/leasehold/guarded/v1/guarded_pb.js";
-import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { EventType, LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
 import type { FenceClaim } from "../src/guarded/headers.js";
 import {
   fencedCallKey,
@@ -45,8 +47,9 @@ import {
 import { listen } from "../src/host/listener.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
+import { startTcpProxy } from "./support/tcp-proxy.js";
 
-const { db, server, libraryClient: client } = useTestServer();
+const { db, server, defer, libraryClient: client } = useTestServer();
 
 /** A port nothing listens on: bound, then closed. */
 async function deadUrl(): Promise<string> {
@@ -217,13 +220,26 @@ describe("several base URLs", () => {
 
   it("when no instance answers, UNAVAILABLE names each one and what it did", async () => {
     const [a, b] = [await deadUrl(), await deadUrl()];
-    const error = await client({ baseUrls: [a, b] })
+    const events: ClientEvent[] = [];
+    const error = await client({ baseUrls: [a, b], onEvent: (e) => events.push(e) })
       .get({ key: freshKey() })
       .catch((e: unknown) => e);
     expect(error).toBeInstanceOf(UnavailableError);
-    expect((error as Error).message).toMatch(/no instance answered/);
-    expect((error as Error).message).toContain(`${a}: `);
-    expect((error as Error).message).toContain(`${b}: `);
+    const message = (error as Error).message;
+    expect(message).toMatch(/^no instance answered: /);
+    // Get is idempotent: each instance once, then each once more.
+    const attempts = message.replace(/^no instance answered: /, "").split("; ");
+    expect(attempts.map((attempt) => attempt.slice(0, a.length + 2))).toEqual(
+      [a, b, a, b].map((url) => `${url}: `),
+    );
+    for (const attempt of attempts) expect(attempt).toMatch(/: Unavailable \(.+\)$/);
+    expect(
+      events.flatMap((e) => (e.type === "failover" ? [[e.baseUrl, e.nextBaseUrl]] : [])),
+    ).toEqual([
+      [a, b],
+      [b, a],
+      [a, b],
+    ]);
   });
 
   it("when every instance says UNAVAILABLE, the error keeps what the last one said", async () => {
@@ -270,6 +286,115 @@ describe("several base URLs", () => {
     expect(again.acquired).toBe(true);
     expect(again.lease?.fencingToken).toBe(first.lease?.fencingToken);
   });
+});
+
+// docs/clients.md, "An idempotent unary call … whose connection is reset is
+// sent again": with one base URL there is no other instance, so the call goes
+// to the same one once more; one that is not idempotent is not sent again.
+// The proxy resets the connection as the call's HEADERS frame reaches it, so
+// the server never sees that attempt.
+describe.each([
+  { name: "Connect over HTTP/2", options: { protocol: "connect" as const } },
+  { name: "gRPC", options: { protocol: "grpc" as const } },
+])("a connection reset under a call, one base URL ($name)", ({ options }) => {
+  async function proxy() {
+    const p = await startTcpProxy(server.url);
+    defer(() => p.close());
+    return p;
+  }
+
+  /** The session's History, oldest first, as "TYPE runId". */
+  async function historyOf(key: SessionKeyInit): Promise<string[]> {
+    const { events } = await client().history({ key, pageSize: 100 });
+    return events.map((e) => `${EventType[e.type]} ${e.runId}`).reverse();
+  }
+
+  it("S5: a Release whose connection is reset is sent again to the same address and releases once", async () => {
+    const p = await proxy();
+    const events: ClientEvent[] = [];
+    const c = client({ ...options, baseUrl: p.url, onEvent: (e) => events.push(e) });
+    const key = freshKey("release-reset");
+    const runId = (await c.acquire({ key, ttl: durationFromMs(30_000) })).lease?.runId ?? "";
+    p.resetNextCall();
+    expect((await c.release({ key, runId })).released).toBe(true);
+    expect(p.resetCalls).toBe(1);
+    expect(await historyOf(key)).toEqual([`ACQUIRED ${runId}`, `RELEASED ${runId}`]);
+    expect((await c.get({ key })).held).toBe(false);
+    expect(events.filter((e) => e.type === "failover")).toMatchObject([
+      { method: "Release", baseUrl: p.url, nextBaseUrl: p.url },
+    ]);
+  });
+
+  it("S2: an Acquire whose connection is reset is sent again with its run id, and granted once", async () => {
+    const p = await proxy();
+    const c = client({ ...options, baseUrl: p.url });
+    await c.get({ key: freshKey() }); // the connection is up: the next HEADERS frame is the Acquire's
+    const key = freshKey("acquire-reset");
+    p.resetNextCall();
+    const granted = await c.acquire({ key, ttl: durationFromMs(30_000) });
+    expect(granted.acquired).toBe(true);
+    expect(p.resetCalls).toBe(1);
+    expect(await historyOf(key)).toEqual([`ACQUIRED ${granted.lease?.runId}`]);
+  });
+
+  const notIdempotent = [
+    {
+      method: "Revoke",
+      call: (url: string, key: SessionKeyInit) =>
+        client({ ...options, baseUrl: url }).revoke({ key, reason: "reset" }),
+    },
+    {
+      method: "RequestHandoff",
+      call: (url: string, key: SessionKeyInit) =>
+        client({ ...options, baseUrl: url }).requestHandoff({
+          key,
+          requesterHolder: "browser",
+          reason: "reset",
+        }),
+    },
+    {
+      // The client's acquire always fills in a run id; a bare transport
+      // sends the request as given, and without a run id each Acquire
+      // would be a new run.
+      method: "Acquire without a run id",
+      call: async (url: string, key: SessionKeyInit) => {
+        const endpoint = createEndpoint(url, options);
+        try {
+          return await createClient(LeaseService, failoverTransport([endpoint])).acquire({
+            key,
+            ttl: durationFromMs(30_000),
+          });
+        } catch (error) {
+          throw toLeaseholdError(error);
+        } finally {
+          endpoint.close();
+        }
+      },
+    },
+  ];
+  it.each(notIdempotent)(
+    "a $method whose connection is reset is not sent again: UNAVAILABLE naming the one attempt",
+    async ({ call }) => {
+      const p = await proxy();
+      const key = freshKey("not-idempotent");
+      // The lease is held, through the proxy, so that a Revoke or a
+      // RequestHandoff sent again would leave its mark in History.
+      const held = await client({ ...options, baseUrl: p.url }).acquire({
+        key,
+        runId: crypto.randomUUID(),
+        ttl: durationFromMs(30_000),
+      });
+      const runId = held.lease?.runId ?? "";
+      const before = await historyOf(key);
+      p.resetNextCall();
+      const error = await call(p.url, key).catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(UnavailableError);
+      expect(p.resetCalls).toBe(1);
+      expect((error as Error).message.split(p.url)).toHaveLength(2);
+      expect(await historyOf(key)).toEqual(before);
+      expect((await client().get({ key })).lease?.runId).toBe(runId);
+    },
+  );
 });
 
 describe("fencing interceptor", () => {

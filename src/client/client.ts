@@ -70,7 +70,9 @@ export interface LeaseClientOptions extends TransportOptions {
   baseUrl?: string;
   /**
    * Several instances of the same service (on one database). Unary calls
-   * fail over in order; the KeepAlive stream reconnects to the next one.
+   * fail over in order, and an idempotent one then tries each instance once
+   * more (with one base URL too), within its deadline (`failoverTransport`);
+   * the KeepAlive stream reconnects to the next one.
    */
   baseUrls?: readonly string[];
   /** Reports background events: stream reconnects, unary failovers, failed releases. */
@@ -254,7 +256,10 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
   if (baseUrls.length === 0) throw new RangeError("createLeaseClient needs baseUrl or baseUrls");
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
   const endpoints = baseUrls.map((url) => createEndpoint(url, options));
-  const transport = failoverTransport(endpoints, options.onEvent);
+  const transport = failoverTransport(endpoints, {
+    onFailover: options.onEvent,
+    defaultTimeoutMs,
+  });
   const rpc = createClient(LeaseService, transport);
   const keepAlive = new KeepAliveChannel({
     baseUrls,

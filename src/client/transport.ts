@@ -1,11 +1,14 @@
 // Transports to one or more server instances. Each instance gets its own
 // transport (and, over HTTP/2, its own session manager so that `close` can
 // end its connection); unary calls fail over from an unreachable instance to
-// the next one. Every unary call of LeaseService is idempotent (Acquire is
-// made so by the client-chosen run_id), so sending it again is safe.
+// the next one, and an idempotent call is then sent once more to each
+// (`attemptPlan`), all within the call's one deadline, as the Python client
+// does (docs/clients.md).
 
+import type { DescMethodUnary } from "@bufbuild/protobuf";
 import { Code, ConnectError, type Interceptor, type Transport } from "@connectrpc/connect";
 import { createConnectTransport, Http2SessionManager } from "@connectrpc/connect-node";
+import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { brokenConnection, LeaseholdError } from "./errors.js";
 import { createGrpcTransport } from "./grpc-transport.js";
 
@@ -126,36 +129,128 @@ export interface FailoverEvent {
   method: string;
   baseUrl: string;
   error: ConnectError;
+  /** The next instance tried: the same one, with one base URL, in an idempotent call's second round. */
   nextBaseUrl: string;
+}
+
+// Unary calls of LeaseService that change nothing when sent twice: reads,
+// and writes keyed by the caller's run id (S5: a Release can only end that
+// run's own lease; sent again after it succeeded it answers released =
+// false). Acquire is one of them only with a run id chosen by the client
+// (the same run re-acquiring keeps its token); the client's `acquire` fills
+// one in. Revoke and RequestHandoff are not: a second Revoke could end a
+// lease granted in between, a second RequestHandoff records a second request.
+const idempotentMethods: ReadonlySet<string> = new Set([
+  "Renew",
+  "Release",
+  "Get",
+  "List",
+  "History",
+  "CheckFence",
+]);
+
+function idempotent(method: DescMethodUnary, input: unknown): boolean {
+  if (method.parent.typeName !== LeaseService.typeName) return false;
+  if (idempotentMethods.has(method.name)) return true;
+  const runId = (input as { runId?: unknown } | undefined)?.runId;
+  return method.name === "Acquire" && typeof runId === "string" && runId !== "";
+}
+
+/**
+ * The instance indexes a unary call tries, in order, while none answers:
+ * each once from the preferred one, then, for an idempotent call, each
+ * again. A connection reset under a call (a proxy or load balancer cutting
+ * it) fails that call once though the same instance answers the next one;
+ * with a single base URL there is nowhere else to go.
+ */
+export function attemptPlan(
+  method: DescMethodUnary,
+  input: unknown,
+  count: number,
+  start: number,
+): number[] {
+  const first = Array.from({ length: count }, (_, i) => (start + i) % count);
+  return idempotent(method, input) ? [...first, ...first] : first;
+}
+
+// Before an idempotent call's second round, which asks instances already
+// tried: a connection reset under the first attempt may not yet be seen by
+// the session, whose next call would then go out on the dead connection. A
+// pause of this length, as a gRPC retry policy's backoff, lets it close the
+// connection and dial again. The Python client pauses as long
+// (SECOND_ROUND_PAUSE_S); never more than half of what is left of the deadline.
+export const secondRoundPauseMs = 100;
+
+/** Resolves after `ms`, or at once when `signal` aborts. */
+function pause(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  if (signal?.aborted) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done);
+  });
+}
+
+/** Options of `failoverTransport`. */
+export interface FailoverOptions {
+  /** Reports each step from an instance that did not answer to the next attempt. */
+  onFailover?: (event: FailoverEvent) => void;
+  /**
+   * The deadline of a call that brings none, in ms (the endpoints'
+   * `defaultTimeoutMs`; default 10 000): every attempt of a call shares it.
+   */
+  defaultTimeoutMs?: number;
 }
 
 /**
  * A transport over several instances. A unary call that finds its instance
- * UNAVAILABLE (or its connection closed under it) is sent to the next one; the instance that answered last is
- * tried first next time. Streams go to that preferred instance: their
- * callers (KeepAlive, Watch) reconnect on their own terms. An error thrown
- * after a failover names every instance tried and what each did, so that a
- * deadline hit on the second instance is not read as the first one's.
+ * UNAVAILABLE (or its connection closed under it) is sent to the next one;
+ * an idempotent call (`attemptPlan`) then goes to each instance once more,
+ * after a pause of `secondRoundPauseMs`. Every attempt shares the call's
+ * one deadline. The instance that answered last is tried first next time.
+ * Streams go to that preferred instance: their callers (KeepAlive, Watch)
+ * reconnect on their own terms. An error thrown after a failover names
+ * every attempt's instance and what it did, so that a deadline hit on the
+ * second instance is not read as the first one's.
  */
 export function failoverTransport(
   endpoints: readonly Endpoint[],
-  onFailover?: (event: FailoverEvent) => void,
+  options: FailoverOptions = {},
 ): Transport {
   if (endpoints.length === 0) throw new RangeError("at least one server base URL is required");
+  const { onFailover, defaultTimeoutMs = 10_000 } = options;
   let preferred = 0;
   const at = (i: number) => endpoints[i % endpoints.length] as Endpoint;
   return {
     async unary(method, signal, timeoutMs, header, input, contextValues) {
+      const limitMs = timeoutMs ?? defaultTimeoutMs;
+      // No deadline (a timeout of 0 or less) leaves every attempt without one.
+      const deadline = limitMs > 0 ? performance.now() + limitMs : undefined;
+      const plan = attemptPlan(method, input, endpoints.length, preferred);
       const tried: string[] = [];
       let lastError: ConnectError | undefined;
-      for (let attempt = 0; attempt < endpoints.length; attempt++) {
-        const index = (preferred + attempt) % endpoints.length;
+      for (const [position, index] of plan.entries()) {
+        if (position === endpoints.length) {
+          const remaining = deadline === undefined ? Infinity : deadline - performance.now();
+          await pause(Math.max(0, Math.min(secondRoundPauseMs, remaining / 2)), signal);
+        }
+        let attemptTimeoutMs = limitMs;
+        if (deadline !== undefined) {
+          const remaining = deadline - performance.now();
+          if (tried.length > 0 && remaining <= 0) break;
+          // Connect's timeout header takes whole milliseconds.
+          attemptTimeoutMs = Math.max(1, Math.ceil(remaining));
+        }
         const endpoint = at(index);
         try {
           const response = await endpoint.transport.unary(
             method,
             signal,
-            timeoutMs,
+            attemptTimeoutMs,
             header,
             input,
             contextValues,
@@ -171,14 +266,15 @@ export function failoverTransport(
           }
           tried.push(`${endpoint.baseUrl}: ${describe(connectError)}`);
           lastError = connectError;
-          if (attempt + 1 < endpoints.length) {
+          const next = plan[position + 1];
+          if (next !== undefined) {
             try {
               onFailover?.({
                 type: "failover",
                 method: method.name,
                 baseUrl: endpoint.baseUrl,
                 error: connectError,
-                nextBaseUrl: at(index + 1).baseUrl,
+                nextBaseUrl: at(next).baseUrl,
               });
             } catch {
               // A report that fails must not stop the call from going on.
@@ -186,14 +282,14 @@ export function failoverTransport(
           }
         }
       }
-      // Every instance failed without answering. A closed connection reads
+      // Every attempt failed without an answer. A closed connection reads
       // as Canceled or a reset as ABORTED, but the caller canceled nothing
       // and no server refused anything: say what it is, UNAVAILABLE.
       const last = lastError as ConnectError;
-      if (endpoints.length === 1 && last.code === Code.Unavailable) throw last;
+      if (tried.length === 1 && last.code === Code.Unavailable) throw last;
       const message =
-        endpoints.length === 1
-          ? `the server closed the connection under the call (${last.rawMessage})`
+        tried.length === 1
+          ? `${at(plan[0] as number).baseUrl} closed the connection under the call (${last.rawMessage})`
           : `no instance answered: ${tried.join("; ")}`;
       const unavailable = new ConnectError(
         message,
