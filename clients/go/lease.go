@@ -153,6 +153,32 @@ func (l *Lease) Remaining() time.Duration {
 	return max(0, time.Until(l.deadline))
 }
 
+// check is nil while the lease may still be presented as held: else the
+// *LeaseLostError (the local deadline is read from the clock now, so a
+// deadline timer that has not fired yet does not let a call out), or
+// ErrReleased.
+func (l *Lease) check() error {
+	l.mu.Lock()
+	switch {
+	case l.lost != nil:
+		err := l.lost
+		l.mu.Unlock()
+		return err
+	case l.released:
+		l.mu.Unlock()
+		return ErrReleased
+	case !time.Now().Before(l.deadline):
+		l.mu.Unlock()
+		l.lose(LossDeadline, "the local deadline passed without a confirmed renewal", nil)
+		if err := l.Err(); err != nil {
+			return err
+		}
+		return ErrReleased // released meanwhile
+	}
+	l.mu.Unlock()
+	return nil
+}
+
 // HandoffRequests delivers the requests to finish and release. Buffered;
 // requests beyond its room are dropped (the first one is what matters).
 func (l *Lease) HandoffRequests() <-chan HandoffRequest { return l.handoffs }
