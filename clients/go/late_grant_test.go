@@ -52,8 +52,10 @@ func TestLateWaitedGrantIsConfirmedByAnIdempotentReacquire(t *testing.T) {
 	log := &messages{}
 	c := dial(t, []string{shared.Addr}, leasehold.WithLogger(slog.New(log)))
 	desktop := dial(t, []string{shared.Addr})
-	// Held without renewals for 800ms: the waiting run is granted as it expires.
-	first, err := desktop.Acquire(ctx, key, leasehold.AcquireOptions{TTL: 800 * time.Millisecond, Holder: "desktop"})
+	// Held without renewals for 2.5s: the waiting run is granted as it
+	// expires, past the 1.35s local deadline of a 1.5s grant counted from
+	// its request; the confirmation then has 1.35s to come back.
+	first, err := desktop.Acquire(ctx, key, leasehold.AcquireOptions{TTL: 2500 * time.Millisecond, Holder: "desktop"})
 	if err != nil || !first.GetAcquired() {
 		t.Fatalf("the first holder's acquire: %v %v", first, err)
 	}
@@ -63,7 +65,7 @@ func TestLateWaitedGrantIsConfirmedByAnIdempotentReacquire(t *testing.T) {
 		left             time.Duration
 	}
 	var got outcome
-	err = c.RunExclusive(ctx, key, leasehold.HoldOptions{TTL: 500 * time.Millisecond, Wait: 5 * time.Second},
+	err = c.RunExclusive(ctx, key, leasehold.HoldOptions{TTL: 1500 * time.Millisecond, Wait: 10 * time.Second},
 		func(ctx context.Context, lease *leasehold.Lease) error {
 			got.token, got.runID, got.left = lease.FencingToken(), lease.RunID(), lease.Remaining()
 			row, err := c.Get(ctx, key)
