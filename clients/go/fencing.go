@@ -32,13 +32,19 @@ func LeaseFrom(ctx context.Context) *Lease {
 }
 
 // FencingMetadata is the three fencing headers of lease, for calls made
-// without the interceptors.
-func FencingMetadata(lease *Lease) metadata.MD {
+// without the interceptors. A lease that has ended has none (L2: a run
+// stops presenting itself as the holder): it returns the *LeaseLostError
+// once the lease is lost (also when its local deadline has passed and the
+// timer has not fired yet), ErrReleased once released.
+func FencingMetadata(lease *Lease) (metadata.MD, error) {
+	if err := lease.check(); err != nil {
+		return nil, err
+	}
 	return metadata.Pairs(
 		FencingTokenHeader, strconv.FormatInt(lease.token, 10),
 		AccountIDHeader, lease.key.AccountID,
 		SessionIDHeader, lease.key.SessionID,
-	)
+	), nil
 }
 
 // fenced adds the headers of ctx's lease, or says why the call must not be
@@ -49,8 +55,8 @@ func fenced(ctx context.Context) (context.Context, error) {
 	if lease == nil {
 		return ctx, nil
 	}
-	if lease.ctx.Err() != nil {
-		return nil, context.Cause(lease.ctx)
+	if err := lease.check(); err != nil {
+		return nil, err
 	}
 	return metadata.AppendToOutgoingContext(ctx,
 		FencingTokenHeader, strconv.FormatInt(lease.token, 10),

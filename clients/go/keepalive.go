@@ -47,6 +47,31 @@ type entry struct {
 	// oldest first (the server answers one run's renewals in order).
 	outstanding []time.Time
 	seq         uint64
+	// Closed once no renewal of the lease is on the way any more
+	// (registration.settled).
+	waiters []chan struct{}
+}
+
+// settle tells whoever waits on registration.settled that no renewal of
+// the entry is on the way any more: its answers came, it left the channel,
+// or its stream failed. ch.mu is held.
+func (e *entry) settle() {
+	wake(e.detach())
+}
+
+// detach takes the entry's waiters, to be woken (wake) once the lease has
+// heard the news that settles them: a waiting Release then sees the
+// renewal or the loss. ch.mu is held.
+func (e *entry) detach() []chan struct{} {
+	ws := e.waiters
+	e.waiters = nil
+	return ws
+}
+
+func wake(ws []chan struct{}) {
+	for _, w := range ws {
+		close(w)
+	}
 }
 
 type laneStream struct {
@@ -177,6 +202,30 @@ func (r *registration) deadlineLoss() (string, error) {
 	return msg + " (the KeepAlive stream failed: " + strings.Join(tried, "; ") + ")", &UnavailableError{serverError{st}, tried}
 }
 
+// settled is closed once no renewal of the lease is unanswered: its
+// answers came, it was lost, or its stream failed (the stall watch bounds
+// that by the renewal interval). A run's Release waits for it, so that its
+// own renewal, still on the way, is never refused as "released" and
+// counted by the server as a lost lease.
+func (r *registration) settled() <-chan struct{} {
+	ch := r.ch
+	ch.mu.Lock()
+	defer ch.mu.Unlock()
+	done := make(chan struct{})
+	if ch.placed[r.id] != r.p {
+		close(done)
+		return done
+	}
+	ln := r.p.lane
+	e := ln.entries[r.id]
+	if e == nil || ln.stream == nil || len(e.outstanding) == 0 {
+		close(done)
+		return done
+	}
+	e.waiters = append(e.waiters, done)
+	return done
+}
+
 // remove stops keeping the lease alive.
 func (r *registration) remove() {
 	ch := r.ch
@@ -240,6 +289,9 @@ func (ch *keepAliveChannel) close() {
 	ch.mu.Lock()
 	ch.closed = true
 	for _, ln := range ch.lanes {
+		for _, e := range ln.entries {
+			e.settle()
+		}
 		clear(ln.entries)
 		ln.shutdown(true)
 	}
@@ -258,9 +310,11 @@ func (ln *lane) add(id entryID, l *Lease) {
 }
 
 func (ln *lane) remove(id entryID) {
-	if _, ok := ln.entries[id]; !ok {
+	e, ok := ln.entries[id]
+	if !ok {
 		return
 	}
+	e.settle()
 	delete(ln.entries, id)
 	if len(ln.entries) == 0 {
 		ln.shutdown(false)
@@ -447,9 +501,17 @@ func (ln *lane) dispatch(s *laneStream, resp *leasev1.KeepAliveResponse) callbac
 		if len(e.outstanding) > 0 {
 			sentAt, e.outstanding = e.outstanding[0], e.outstanding[1:]
 		}
+		var settled []chan struct{}
+		if len(e.outstanding) == 0 {
+			settled = e.detach()
+		}
 		ln.failures, ln.authRetries, ln.failed = 0, 0, nil
-		return callbacks{func() { e.lease.renewed(r.Lease, sentAt) }}
+		return callbacks{func() {
+			e.lease.renewed(r.Lease, sentAt)
+			wake(settled)
+		}}
 	case *leasev1.KeepAliveResponse_Lost:
+		settled := e.detach()
 		delete(ln.entries, id)
 		delete(ln.ch.placed, id)
 		if len(ln.entries) == 0 {
@@ -457,7 +519,10 @@ func (ln *lane) dispatch(s *laneStream, resp *leasev1.KeepAliveResponse) callbac
 		}
 		reason := lossReason(r.Lost.GetReason())
 		msg := fmt.Sprintf("the server reports the lease lost (%s)", reason)
-		return callbacks{func() { e.lease.lose(reason, msg, nil) }}
+		return callbacks{func() {
+			e.lease.lose(reason, msg, nil)
+			wake(settled)
+		}}
 	case *leasev1.KeepAliveResponse_HandoffRequested:
 		return callbacks{func() { e.lease.handoff(r.HandoffRequested) }}
 	}
@@ -511,7 +576,11 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 		var cb callbacks
 		for id, e := range ln.entries {
 			delete(ch.placed, id)
-			cb = append(cb, func() { e.lease.lose(reason, msg, lerr) })
+			settled := e.detach()
+			cb = append(cb, func() {
+				e.lease.lose(reason, msg, lerr)
+				wake(settled)
+			})
 		}
 		clear(ln.entries)
 		c.log(slog.LevelError, "leasehold: keepalive stream failed for good", "addr", s.addr, "err", lerr)
@@ -542,6 +611,10 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 	}
 	if definitive[code] {
 		return loseAll(LossRenewalFailed, "renewals failed: "+lerr.Error())
+	}
+	// What was on the way on this stream will not be answered.
+	for _, e := range ln.entries {
+		e.settle()
 	}
 	// Full jitter: many clients cut off by one instance's death do not all
 	// land on the next one at the same instant.

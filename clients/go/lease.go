@@ -153,15 +153,70 @@ func (l *Lease) Remaining() time.Duration {
 	return max(0, time.Until(l.deadline))
 }
 
+// check is nil while the lease may still be presented as held: else the
+// *LeaseLostError (the local deadline is read from the clock now, so a
+// deadline timer that has not fired yet does not let a call out), or
+// ErrReleased.
+func (l *Lease) check() error {
+	l.mu.Lock()
+	switch {
+	case l.lost != nil:
+		err := l.lost
+		l.mu.Unlock()
+		return err
+	case l.released:
+		l.mu.Unlock()
+		return ErrReleased
+	case !time.Now().Before(l.deadline):
+		l.mu.Unlock()
+		l.lose(LossDeadline, "the local deadline passed without a confirmed renewal", nil)
+		if err := l.Err(); err != nil {
+			return err
+		}
+		return ErrReleased // released meanwhile
+	}
+	l.mu.Unlock()
+	return nil
+}
+
 // HandoffRequests delivers the requests to finish and release. Buffered;
 // requests beyond its room are dropped (the first one is what matters).
 func (l *Lease) HandoffRequests() <-chan HandoffRequest { return l.handoffs }
 
 // Release ends the lease on the server and cancels its Context with
-// ErrReleased. After a loss it sends nothing (the run no longer holds the
-// lease, and a late release must not be mistaken for a current one) and
-// returns the *LeaseLostError. Releasing twice is a no-op.
+// ErrReleased. It first waits for the answer to a renewal still on the way
+// (bounded by the renewal interval's stall watch, the local deadline and
+// ctx): released before that renewal arrives, the lease would be refused
+// to it as "released", which the server counts as a lost lease though the
+// run ended it itself. After a loss it sends nothing (the run no longer
+// holds the lease, and a late release must not be mistaken for a current
+// one) and returns the *LeaseLostError. Releasing twice is a no-op.
 func (l *Lease) Release(ctx context.Context) error {
+	l.mu.Lock()
+	if l.lost != nil {
+		err := l.lost
+		l.mu.Unlock()
+		return err
+	}
+	if l.released {
+		l.mu.Unlock()
+		return nil
+	}
+	// No new renewal from here on; the one on the way is waited for.
+	if l.stop != nil {
+		close(l.stop)
+		l.stop = nil
+	}
+	reg := l.reg
+	l.mu.Unlock()
+	if reg != nil {
+		select {
+		case <-reg.settled():
+		case <-l.ctx.Done():
+		case <-ctx.Done():
+		}
+	}
+
 	l.mu.Lock()
 	if l.lost != nil {
 		err := l.lost

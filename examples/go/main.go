@@ -355,8 +355,14 @@ func (w *worker) put(token int64, text string) *guardedv1.PutRequest {
 func (w *worker) lateWrite(lease *leasehold.Lease) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	ctx = metadata.NewOutgoingContext(ctx, leasehold.FencingMetadata(lease))
 	token := strconv.FormatInt(lease.FencingToken(), 10)
+	// By hand: FencingMetadata and the interceptor send nothing for a lease
+	// that has ended, and this write is the one a run that missed its loss sends.
+	ctx = metadata.NewOutgoingContext(ctx, metadata.Pairs(
+		leasehold.FencingTokenHeader, token,
+		leasehold.AccountIDHeader, lease.Key().AccountID,
+		leasehold.SessionIDHeader, lease.Key().SessionID,
+	))
 	resp, err := w.store.Put(ctx, w.put(lease.FencingToken(), fmt.Sprintf("%s: late write with token %s", w.o.holder, token)))
 	if err != nil {
 		f := describe(err)

@@ -210,7 +210,10 @@ func invalid(field, rule string) error {
 // fence check in a transaction of db, and hands that transaction to the
 // handler (CallFrom); the handler's writes commit with the check (S7), or
 // not at all. A stale token is ABORTED, ErrorInfo STALE_FENCING_TOKEN with
-// presented_token and highest_token, before the handler runs.
+// presented_token and highest_token, before the handler runs. When the
+// fence's own database work fails (begin, check, commit) the call is
+// UNAVAILABLE (DEADLINE_EXCEEDED or CANCELLED when the call's context
+// ended): retryable. The handler's own error reaches the caller unchanged.
 func UnaryServerInterceptor(db *sql.DB, o Options) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if o.Fenced != nil && !o.Fenced(info.FullMethod) {
@@ -226,30 +229,40 @@ func UnaryServerInterceptor(db *sql.DB, o Options) grpc.UnaryServerInterceptor {
 				return nil, err
 			}
 		}
-		resp, err := fencedCall(ctx, db, claim, req, handler)
-		if err != nil {
-			if _, ok := status.FromError(err); ok {
-				return nil, err
-			}
-			return nil, status.Errorf(codes.Unavailable, "the fence database could not decide: %v", err)
-		}
-		return resp, nil
+		return fencedCall(ctx, db, claim, req, handler)
 	}
 }
 
 func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler grpc.UnaryHandler) (any, error) {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return nil, err
+		return nil, undecided(ctx, "begin", err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	highest, err := Check(ctx, tx, claim)
 	if err != nil {
-		return nil, err
+		if _, ok := status.FromError(err); ok {
+			return nil, err // the stale token's ABORTED, a bad token's INVALID_ARGUMENT
+		}
+		return nil, undecided(ctx, "check", err)
 	}
 	resp, err := handler(context.WithValue(ctx, callKey{}, &Call{Claim: claim, Highest: highest, Tx: tx}), req)
 	if err != nil {
+		// The handler's answer (its INVALID_ARGUMENT, NOT_FOUND, …): the
+		// fence decided, so nothing here makes it retryable.
 		return nil, err
 	}
-	return resp, tx.Commit()
+	if err := tx.Commit(); err != nil {
+		return nil, undecided(ctx, "commit", err)
+	}
+	return resp, nil
+}
+
+// undecided is the answer when the fence's database work failed at step:
+// the check (and the write with it) may succeed if retried.
+func undecided(ctx context.Context, step string, err error) error {
+	if ctx.Err() != nil {
+		return status.FromContextError(ctx.Err()).Err()
+	}
+	return status.Errorf(codes.Unavailable, "the fence database could not decide (%s): %v", step, err)
 }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -244,6 +245,13 @@ func TestLiveMode(t *testing.T) {
 	}
 }
 
+// metadataContext sends l's headers as they were, by hand: what a run
+// that did not notice its loss (a paused process) sends. FencingMetadata
+// and the interceptor send nothing for an ended lease.
 func metadataContext(ctx context.Context, l *leasehold.Lease) context.Context {
-	return metadata.NewOutgoingContext(ctx, leasehold.FencingMetadata(l))
+	return metadata.NewOutgoingContext(ctx, metadata.Pairs(
+		leasehold.FencingTokenHeader, strconv.FormatInt(l.FencingToken(), 10),
+		leasehold.AccountIDHeader, l.Key().AccountID,
+		leasehold.SessionIDHeader, l.Key().SessionID,
+	))
 }

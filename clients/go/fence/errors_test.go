@@ -1,0 +1,178 @@
+package fence_test
+
+import (
+	"context"
+	"crypto/rand"
+	"database/sql"
+	"encoding/hex"
+	"errors"
+	"net"
+	"strconv"
+	"strings"
+	"testing"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	leasehold "leasehold.dev/go"
+	"leasehold.dev/go/fence"
+	guardedv1 "leasehold.dev/go/gen/leasehold/guarded/v1"
+	"leasehold.dev/go/internal/testenv"
+)
+
+// answering is a fenced service whose Put answers what its request names:
+// its own status errors, or the error of its own bad statement on the
+// fence's transaction.
+type answering struct {
+	guardedv1.UnimplementedGuardedStoreServiceServer
+}
+
+var invalidName = func() error {
+	st := status.New(codes.InvalidArgument, "name must not be empty")
+	st, _ = st.WithDetails(&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: "name", Description: "must not be empty"}}})
+	return st.Err()
+}()
+
+func (answering) Put(ctx context.Context, req *guardedv1.PutRequest) (*guardedv1.PutResponse, error) {
+	call := fence.CallFrom(ctx)
+	if call == nil {
+		return nil, status.Error(codes.Internal, "the fencing interceptor did not run")
+	}
+	switch string(req.GetValue()) {
+	case "invalid":
+		return nil, invalidName
+	case "missing":
+		return nil, status.Errorf(codes.NotFound, "document %q not found", req.GetName())
+	case "bad statement":
+		// A bug of the handler's, not the fence database failing.
+		_, err := call.Tx.ExecContext(ctx, `SELECT no_such_column FROM leasehold_fences`)
+		return nil, err
+	}
+	return &guardedv1.PutResponse{HighestToken: call.Highest}, nil
+}
+
+// serveAnswering runs answering behind the fence interceptor on db.
+func serveAnswering(t *testing.T, db *sql.DB) guardedv1.GuardedStoreServiceClient {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(fence.UnaryServerInterceptor(db, fence.Options{})))
+	guardedv1.RegisterGuardedStoreServiceServer(gs, answering{})
+	go func() { _ = gs.Serve(l) }()
+	t.Cleanup(gs.Stop)
+	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return guardedv1.NewGuardedStoreServiceClient(conn)
+}
+
+func openFenceDB(t *testing.T, params string) *sql.DB {
+	t.Helper()
+	url := testenv.Get().FenceDB
+	if params != "" {
+		sep := "?"
+		if strings.Contains(url, "?") {
+			sep = "&"
+		}
+		url += sep + params
+	}
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// S7 and the error table: the fence interceptor answers for the fence
+// alone. The handler's own status error reaches the caller unchanged (code,
+// message, details), and so does its own failure (not UNAVAILABLE: retrying
+// cannot help); only the fence database failing to decide is UNAVAILABLE;
+// a stale token stays ABORTED STALE_FENCING_TOKEN.
+func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
+	// lock_timeout: a fence row held by another transaction fails the
+	// check quickly (S8), as the database failing to decide.
+	db := openFenceDB(t, "lock_timeout=300")
+	client := serveAnswering(t, db)
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	key := leasehold.SessionKey{AccountID: account, SessionID: "answers-" + hex.EncodeToString(b[:])}
+	put := func(token int64, value string) error {
+		ctx := metadata.NewOutgoingContext(context.Background(), metadata.Pairs(
+			leasehold.FencingTokenHeader, strconv.FormatInt(token, 10),
+			leasehold.AccountIDHeader, key.AccountID,
+			leasehold.SessionIDHeader, key.SessionID,
+		))
+		_, err := client.Put(ctx, &guardedv1.PutRequest{Name: "doc", Value: []byte(value)})
+		return err
+	}
+
+	if err := put(5, "ok"); err != nil {
+		t.Fatalf("a fenced write: %v", err)
+	}
+
+	t.Run("the handler's INVALID_ARGUMENT, unchanged", func(t *testing.T) {
+		got := status.Convert(put(5, "invalid"))
+		want := status.Convert(invalidName)
+		if got.Code() != codes.InvalidArgument || got.Message() != want.Message() || len(got.Details()) != 1 || !proto.Equal(got.Proto(), want.Proto()) {
+			t.Fatalf("got %v %q %v, want the handler's %v %q %v", got.Code(), got.Message(), got.Details(), want.Code(), want.Message(), want.Details())
+		}
+		var ia *leasehold.InvalidArgumentError
+		if !errors.As(leasehold.FromError(got.Err()), &ia) || ia.Field != "name" {
+			t.Fatalf("FromError: %v, want an *InvalidArgumentError naming name", leasehold.FromError(got.Err()))
+		}
+	})
+
+	t.Run("the handler's NOT_FOUND, unchanged", func(t *testing.T) {
+		got := status.Convert(put(5, "missing"))
+		if got.Code() != codes.NotFound || got.Message() != `document "doc" not found` {
+			t.Fatalf("got %v %q, want NOT_FOUND from the handler", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("the handler's own failure is not UNAVAILABLE", func(t *testing.T) {
+		got := status.Convert(put(5, "bad statement"))
+		if got.Code() == codes.Unavailable || !strings.Contains(got.Message(), "no_such_column") {
+			t.Fatalf("got %v %q, want the handler's error (UNKNOWN), not UNAVAILABLE", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("a stale token stays ABORTED STALE_FENCING_TOKEN", func(t *testing.T) {
+		err := put(4, "ok")
+		var stale *leasehold.StaleFencingTokenError
+		if status.Code(err) != codes.Aborted || !errors.As(leasehold.FromError(err), &stale) || stale.Presented != 4 || stale.Highest != 5 {
+			t.Fatalf("got %v, want ABORTED STALE_FENCING_TOKEN 4 < 5", err)
+		}
+	})
+
+	t.Run("the fence database failing to decide is UNAVAILABLE", func(t *testing.T) {
+		// S8: the session's fence row held by an uncommitted transaction:
+		// the check's upsert waits on it until lock_timeout.
+		holder := openFenceDB(t, "")
+		tx, err := holder.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.Exec(`SELECT 1 FROM leasehold_fences WHERE account_id = $1 AND session_id = $2 FOR UPDATE`, key.AccountID, key.SessionID); err != nil {
+			t.Fatal(err)
+		}
+		got := status.Convert(put(5, "ok"))
+		if got.Code() != codes.Unavailable || !strings.Contains(got.Message(), "lock") {
+			t.Fatalf("got %v %q, want UNAVAILABLE naming the lock timeout", got.Code(), got.Message())
+		}
+		_ = tx.Rollback()
+		if err := put(5, "ok"); err != nil {
+			t.Fatalf("once the row is free: %v", err)
+		}
+	})
+}

@@ -1,0 +1,84 @@
+package leasehold_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	leasehold "leasehold.dev/go"
+	"leasehold.dev/go/internal/testenv"
+)
+
+// L2: a lease its own run released is not a lost lease. A run whose work
+// ends at once releases while its first KeepAlive renewal (sent as the
+// stream opens) is still on the way; released first, the lease was refused
+// to that renewal as "released", and the server counted
+// leasehold_lease_losses_total{reason="released"}. The run now waits for
+// its renewal's answer before its Release. Made deterministic with a TCP
+// proxy that delays every answer to the client: the new stream's
+// connection, and so its renewal, is late for every run. As
+// test/release-not-loss.test.ts does for the TypeScript client.
+func TestReleaseAfterItsRenewalIsAnsweredIsNoLoss(t *testing.T) {
+	s := testenv.StartServer(t)
+	p := testenv.StartProxy(t, s.Addr)
+	c := dial(t, []string{p.Addr})
+	losses := func() float64 {
+		return s.Metric(t, "leasehold_lease_losses_total", map[string]string{"reason": "released"})
+	}
+	releases := func() float64 { return s.Metric(t, "leasehold_lease_releases_total", nil) }
+	renewals := func() float64 { return s.Metric(t, "leasehold_lease_renewals_total", nil) }
+	lossesBefore, releasesBefore, renewalsBefore := losses(), releases(), renewals()
+	p.Delay(300 * time.Millisecond)
+	// Renewals every 9s: each run is over long before its second renewal,
+	// even on a loaded machine, so each sends exactly one.
+	o := leasehold.HoldOptions{TTL: 30 * time.Second}
+	ctx := context.Background()
+
+	const each = 3
+	// Hold, then Release at once.
+	for range each {
+		lease, err := c.Hold(ctx, freshKey(t), o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := lease.Release(ctx); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+		if cause := context.Cause(lease.Context()); !errors.Is(cause, leasehold.ErrReleased) || lease.Err() != nil {
+			t.Fatalf("after Release: Context's cause %v, Err() %v; want ErrReleased and nil", cause, lease.Err())
+		}
+	}
+	// RunExclusive whose work ends at once.
+	for range each {
+		var work context.Context
+		err := c.RunExclusive(ctx, freshKey(t), o, func(ctx context.Context, _ *leasehold.Lease) error {
+			work = ctx
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("RunExclusive: %v", err)
+		}
+		// The work's context ends naming the run's own release, never a loss.
+		if cause := context.Cause(work); !errors.Is(cause, leasehold.ErrReleased) {
+			t.Fatalf("the work's context ended with %v, want ErrReleased", cause)
+		}
+	}
+
+	const runs = 2 * each
+	// Every run's first renewal reaches the server, answered or refused;
+	// wait for all of them before reading the losses.
+	testenv.WaitFor(t, 20*time.Second, "every run's renewal at the server", func() bool {
+		return renewals()-renewalsBefore+losses()-lossesBefore >= runs
+	})
+	if n := losses() - lossesBefore; n != 0 {
+		t.Errorf("leasehold_lease_losses_total{reason=\"released\"} grew by %v, want 0: a run's own release was counted as a loss", n)
+	}
+	if n := releases() - releasesBefore; n != runs {
+		t.Errorf("leasehold_lease_releases_total grew by %v, want %d", n, runs)
+	}
+	// Each run's renewal reached the server while its lease was held.
+	if n := renewals() - renewalsBefore; n != runs {
+		t.Errorf("leasehold_lease_renewals_total grew by %v, want %d", n, runs)
+	}
+}
