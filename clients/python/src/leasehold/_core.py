@@ -148,7 +148,7 @@ EntryId = tuple[str, str, str]
 
 
 class _Entry:
-    __slots__ = ("active", "id", "outstanding", "request", "sent", "target")
+    __slots__ = ("active", "id", "outstanding", "request", "sent", "settled", "target")
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -157,6 +157,16 @@ class _Entry:
         self.outstanding: deque[float] = deque()
         self.sent = 0
         self.active = True
+        #: Waiting for no renewal of this lease to be on the way (Registration.settled).
+        self.settled: list[Callable[[], None]] = []
+
+
+def _settle(entry: _Entry) -> None:
+    """Tells whoever waits on ``Registration.settled`` that no renewal of
+    the entry is on the way any more."""
+    waiting, entry.settled = entry.settled, []
+    for wake in waiting:
+        wake()
 
 
 class _Open:
@@ -207,6 +217,7 @@ class _Lane:
         replaced = self.entries.get(entry.id)
         if replaced is not None:
             replaced.active = False
+            _settle(replaced)
         self.entries[entry.id] = entry
         if self.stream is None and self.reconnect is None:
             self._open()
@@ -221,13 +232,28 @@ class _Lane:
             return
         entry.active = False
         del self.entries[entry.id]
+        _settle(entry)
         if not self.entries:
             self._shutdown()
+
+    def settled(self, entry: _Entry, wake: Callable[[], None]) -> bool:
+        """True when no renewal of ``entry`` is unanswered on this lane's
+        stream; else False, and ``wake`` is called once none is: its answers
+        came, the lease was lost or removed, or the stream failed (the stall
+        watch fails it when a renewal goes unanswered for its response
+        timeout)."""
+        if self.entries.get(entry.id) is not entry or self.stream is None:
+            return True
+        if not entry.outstanding:
+            return True
+        entry.settled.append(wake)
+        return False
 
     def close(self) -> None:
         self.closed = True
         for entry in self.entries.values():
             entry.active = False
+            _settle(entry)
         self.entries.clear()
         self._shutdown()
 
@@ -324,9 +350,12 @@ class _Lane:
             self.failures = 0
             self.last_failure = None
             entry.target.on_renewed(response.lease, sent_at)
+            if not entry.outstanding:
+                _settle(entry)
         elif kind == "lost":
             entry.active = False
             del self.entries[entry.id]
+            _settle(entry)
             entry.target.on_lost(loss_cause(response.lost.reason))
             if not self.entries:
                 self._shutdown()
@@ -342,6 +371,9 @@ class _Lane:
             stream.stall_timer.cancel()
         if stream.handle is not None:
             stream.handle.cancel()
+        # The renewals sent on this stream will not be answered.
+        for entry in self.entries.values():
+            _settle(entry)
         addresses = self.channel.addresses
         address = addresses[self.address_index % len(addresses)]
         self.last_failure = f"{address}: {error.message}"
@@ -417,6 +449,13 @@ class Registration:
         self.lane.remove(self.entry)
         del self.channel.placed[self.entry.id]
 
+    def settled(self, wake: Callable[[], None]) -> bool:
+        """True when no renewal of this lease is on the way; else False, and
+        ``wake`` is called (with the client's lock held) once none is."""
+        if self.channel.placed.get(self.entry.id) is not self:
+            return True
+        return self.lane.settled(self.entry, wake)
+
 
 class KeepAliveChannel:
     """The KeepAlive streams of one client, shared by every lease it keeps alive."""
@@ -485,6 +524,7 @@ class KeepAliveChannel:
             registration = self.placed.get(entry_id)
             entry = refused.entries.pop(entry_id)
             entry.active = False
+            _settle(entry)
             if registration is None:
                 continue
             lane = self.lane_with_room()
@@ -588,6 +628,23 @@ class HoldCore:
         self.loss = (reason, message)
         self._stop()
         self._notify(reason, message)
+
+    def renewal_settled(self, wake: Callable[[], None]) -> bool:
+        """The holder is done and about to release: no renewal is sent from
+        now on. True when none is on the way; else False, and ``wake`` is
+        called (with the client's lock held) once its answer came, the lease
+        was lost, or its stream failed. The caller waits for that before
+        ``end()`` and its Release: released first, the lease would be refused
+        to its own renewal as "released", and the server would count a lost
+        lease though its run ended it. The wait is bounded by the stream's
+        stall watch (the response timeout) and by the local deadline, whose
+        timer still runs."""
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+            self._renew_timer = None
+        if self.loss is not None or self.ended or self.registration is None:
+            return True
+        return self.registration.settled(wake)
 
     def end(self) -> None:
         """The holder is done: stop keeping the lease alive (the caller releases it)."""

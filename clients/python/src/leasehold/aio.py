@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -500,11 +501,13 @@ class AsyncHold:
         deadline = local_deadline(sent_at, response.lease, self._timing.margin)
         return response.lease, deadline, arrived >= deadline, arrived - sent_at
 
+    def _release_timeout(self) -> float:
+        return min(self._client._timeout, self._timing.ttl)
+
     async def _send_release(self) -> bool | None:
         try:
             request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
-            timeout = min(self._client._timeout, self._timing.ttl)
-            response = await self._client._call("Release", request, timeout)
+            response = await self._client._call("Release", request, self._release_timeout())
             return bool(response.released)
         except Exception as error:
             self.release_error = error
@@ -562,10 +565,24 @@ class AsyncHold:
     async def _finish(self) -> None:
         if self._finished or self._core is None:
             return
+        core = self._core
         self._finished = True
         self._client._holds.discard(self)
-        self._core.end()
-        if self._core.loss is None:
+        settled = asyncio.Event()
+        if not core.renewal_settled(settled.set):
+            # Its renewal's answer (or a stall, or the deadline) first: see
+            # HoldCore.renewal_settled. Bounded by the release's timeout too.
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._release_timeout()):
+                        await settled.wait()
+            except asyncio.CancelledError:
+                core.end()
+                if core.loss is None:
+                    self._client._spawn(self._send_release())
+                raise
+        core.end()
+        if core.loss is None:
             self.released = await self._send_release()
 
     def _on_lost(self, reason: str, message: str) -> None:

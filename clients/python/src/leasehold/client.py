@@ -581,11 +581,13 @@ class Hold:
         # (a no-op when nothing was granted) rather than block the session.
         threading.Thread(target=self._send_release, daemon=True).start()
 
+    def _release_timeout(self) -> float:
+        return min(self._client._timeout, self._timing.ttl)
+
     def _send_release(self) -> bool | None:
         try:
             request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
-            timeout = min(self._client._timeout, self._timing.ttl)
-            return bool(self._client._call("Release", request, timeout).released)
+            return bool(self._client._call("Release", request, self._release_timeout()).released)
         except Exception as error:
             self.release_error = error
             c.log.warning(
@@ -643,13 +645,21 @@ class Hold:
         self._finish()
 
     def _finish(self) -> None:
+        settled = threading.Event()
         with self._client._lock:
             if self._finished or self._core is None:
                 return
+            core = self._core
             self._finished = True
             self._client._holds.discard(self)
-            self._core.end()
-            lost = self._core.loss is not None
+            waiting = not core.renewal_settled(settled.set)
+        if waiting:
+            # Its renewal's answer (or a stall, or the deadline) first: see
+            # HoldCore.renewal_settled. Bounded by the release's timeout too.
+            settled.wait(self._release_timeout())
+        with self._client._lock:
+            core.end()
+            lost = core.loss is not None
         if not lost:
             self.released = self._send_release()
 
