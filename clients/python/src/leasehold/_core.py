@@ -591,8 +591,11 @@ class HoldCore:
             return
         nxt = local_deadline(sent_at, lease, self.timing.margin)
         if nxt > self.deadline:
+            # The deadline only moves later: the timer armed for the earlier
+            # one stays, and when it fires it waits on for this one
+            # (_deadline_due), instead of a timer cancelled and made anew on
+            # every renewal of every lease.
             self.deadline = nxt
-            self._arm_deadline()
 
     def on_lost(self, cause: str | None) -> None:
         words = cause.replace("_", " ") if cause else "no reason given"
@@ -666,8 +669,6 @@ class HoldCore:
             self.registration = None
 
     def _arm_deadline(self) -> None:
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
         self._deadline_timer = self.rt.call_later(
             max(0.0, self.deadline - self.rt.now()), self._deadline_due
         )
