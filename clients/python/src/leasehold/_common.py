@@ -193,6 +193,22 @@ def renew_request(
     return request
 
 
+def release_request(key: SessionKey, run_id: str) -> lease_pb2.ReleaseRequest:
+    return lease_pb2.ReleaseRequest(key=key.to_proto(), run_id=run_id)
+
+
+def log_release_failure(key: SessionKey, run_id: str, error: Exception) -> None:
+    """A hold's release failed: logged, never raised over the body's own
+    exception (the lease then ends at its deadline)."""
+    log.warning(
+        "leasehold: release of %s/%s run %s failed: %s",
+        key.account_id,
+        key.session_id,
+        run_id,
+        error,
+    )
+
+
 def get_result(r: lease_pb2.GetResponse) -> GetResult:
     return GetResult(r.held, optional_lease(r.lease, r.HasField("lease")))
 

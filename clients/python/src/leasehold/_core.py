@@ -22,16 +22,18 @@ from typing import Protocol
 
 import grpc
 
-from ._common import seconds
+from ._common import describe_holder, released_error, seconds
 from ._gen.leasehold.v1 import lease_pb2
 from .errors import (
     LIMIT_EXCEEDED,
     LIMIT_LEASES_PER_STREAM,
     LeaseholdError,
+    LeaseLostError,
+    NotAcquiredError,
     UnauthenticatedError,
     UnavailableError,
 )
-from .types import HandoffRequest, SessionKey, handoff_from, loss_cause, seconds_of
+from .types import HandoffRequest, SessionKey, handoff_from, lease_from, loss_cause, seconds_of
 
 DEFAULT_MARGIN_FRACTION = 0.1
 DEFAULT_RENEW_FRACTION = 1 / 3
@@ -81,6 +83,44 @@ def local_deadline(sent_at: float, lease: lease_pb2.Lease, margin: float) -> flo
     send time errs early, never late; ``expires_at`` is never used.
     """
     return sent_at + seconds_of(lease.remaining) - margin
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An Acquire's grant as the hold sees it (L2)."""
+
+    lease: lease_pb2.Lease
+    #: The local deadline (monotonic), counted from the request's send time.
+    deadline: float
+    #: The answer arrived at or after that deadline: the grant cannot be used.
+    late: bool
+    #: Seconds from send to answer.
+    elapsed: float
+
+
+def grant_of(
+    key: SessionKey,
+    response: lease_pb2.AcquireResponse,
+    sent_at: float,
+    arrived: float,
+    margin: float,
+) -> Grant:
+    """The grant in an Acquire's answer; NotAcquiredError naming the holder
+    when the session is held by another run."""
+    if not response.acquired or not response.HasField("lease"):
+        current = lease_from(response.current) if response.HasField("current") else None
+        raise NotAcquiredError(
+            f"session {key.account_id}/{key.session_id} is held by {describe_holder(current)}",
+            current,
+        )
+    deadline = local_deadline(sent_at, response.lease, margin)
+    return Grant(response.lease, deadline, arrived >= deadline, arrived - sent_at)
+
+
+def release_timeout(client_timeout: float, timing: LeaseTiming) -> float:
+    """A hold's Release (and its wait for a renewal in flight) takes at most
+    the client's call timeout, and never longer than the lease's TTL."""
+    return min(client_timeout, timing.ttl)
 
 
 class Timer(Protocol):
@@ -621,9 +661,26 @@ class HoldCore:
         return f"{message} (the KeepAlive stream failed: {failure})" if failure else message
 
     def remaining(self) -> float:
+        """Seconds to the local deadline (0 once lost or ended), read from the clock now."""
+        self.check_deadline()
         if self.loss is not None or self.ended:
             return 0.0
         return max(0.0, self.deadline - self.rt.now())
+
+    def loss_reason(self) -> str | None:
+        """Why the lease was lost (a passed deadline counts now), or None."""
+        self.check_deadline()
+        return self.loss[0] if self.loss else None
+
+    def check(self) -> None:
+        """Raises LeaseLostError when the lease is lost or its local deadline
+        has passed (read from the clock now, whatever the timers did), or
+        when the hold has ended."""
+        self.check_deadline()
+        if self.loss is not None:
+            raise LeaseLostError(self.loss[1], self.loss[0])
+        if self.ended:
+            raise released_error()
 
     def lose(self, reason: str, message: str) -> None:
         if self.loss is not None or self.ended:

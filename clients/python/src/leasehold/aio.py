@@ -22,20 +22,21 @@ import grpc.aio
 
 from . import _common as c
 from ._core import (
+    Grant,
     HoldCore,
     KeepAliveChannel,
     KeepAliveEvent,
     LeaseTiming,
     OnEnd,
     OnMessage,
+    grant_of,
     lease_timing,
-    local_deadline,
+    release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from .errors import (
     LateGrantError,
     LeaseholdError,
-    LeaseLostError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -254,9 +255,7 @@ class AsyncLeaseClient:
     async def release(
         self, key: SessionKey, run_id: str, *, timeout: timedelta | float | None = None
     ) -> bool:
-        request = lease_pb2.ReleaseRequest(
-            key=c.as_key(key).to_proto(), run_id=normalize_run_id(run_id)
-        )
+        request = c.release_request(c.as_key(key), normalize_run_id(run_id))
         response = await self._call("Release", request, c.seconds("timeout", timeout))
         return bool(response.released)
 
@@ -486,68 +485,53 @@ class AsyncHold:
         self._finished = False
         self._task: asyncio.Future[Any] | None = None
 
-    async def _attempt(self, wait: float) -> tuple[lease_pb2.Lease, float, bool, float]:
+    async def _attempt(self, wait: float) -> Grant:
         request = c.acquire_request(self.key, self.run_id, self._timing.ttl, wait, self.holder)
         sent_at = time.monotonic()
         response = await self._client._call("Acquire", request, wait + self._client._timeout)
-        arrived = time.monotonic()
-        if not response.acquired or not response.HasField("lease"):
-            current = lease_from(response.current) if response.HasField("current") else None
-            raise NotAcquiredError(
-                f"session {self.key.account_id}/{self.key.session_id} is held by "
-                f"{c.describe_holder(current)}",
-                current,
-            )
-        deadline = local_deadline(sent_at, response.lease, self._timing.margin)
-        return response.lease, deadline, arrived >= deadline, arrived - sent_at
+        return grant_of(self.key, response, sent_at, time.monotonic(), self._timing.margin)
 
     def _release_timeout(self) -> float:
-        return min(self._client._timeout, self._timing.ttl)
+        return release_timeout(self._client._timeout, self._timing)
 
     async def _send_release(self) -> bool | None:
         try:
-            request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
+            request = c.release_request(self.key, self.run_id)
             response = await self._client._call("Release", request, self._release_timeout())
             return bool(response.released)
         except Exception as error:
             self.release_error = error
-            c.log.warning(
-                "leasehold: release of %s/%s run %s failed: %s",
-                self.key.account_id,
-                self.key.session_id,
-                self.run_id,
-                error,
-            )
+            c.log_release_failure(self.key, self.run_id, error)
             return None
 
     async def __aenter__(self) -> AsyncHold:
         try:
-            lease, deadline, late, elapsed = await self._attempt(self._wait)
+            grant = await self._attempt(self._wait)
         except NotAcquiredError:
             raise
         except BaseException:
             # The grant may have happened with its answer lost.
             self._client._spawn(self._send_release())
             raise
-        if late and self._wait > 0:
+        if grant.late and self._wait > 0:
             self.confirmed = True
             try:
-                lease, deadline, late, elapsed = await self._attempt(0)
+                grant = await self._attempt(0)
             except BaseException:
                 await self._send_release()
                 raise
-        if late:
+        if grant.late:
             await self._send_release()
-            raise LateGrantError(lease_from(lease), elapsed)
-        self.fencing_token = lease.fencing_token
+            raise LateGrantError(lease_from(grant.lease), grant.elapsed)
+        self.fencing_token = grant.lease.fencing_token
         self._core = HoldCore(
             _Runtime(self._client),
             self._client._keepalive,
             self.key,
             self.run_id,
             self._timing,
-            lease,
-            deadline,
+            grant.lease,
+            grant.deadline,
             self._on_lost,
             self._on_handoff,
         )
@@ -608,26 +592,18 @@ class AsyncHold:
 
     @property
     def loss_reason(self) -> str | None:
-        core = self._state()
-        core.check_deadline()
-        return core.loss[0] if core.loss else None
+        """Why the lease was lost (see LeaseLostError), or None."""
+        return self._state().loss_reason()
 
     def remaining(self) -> timedelta:
         """Time to the local deadline, read from the monotonic clock now."""
-        core = self._state()
-        core.check_deadline()
-        return timedelta(seconds=core.remaining())
+        return timedelta(seconds=self._state().remaining())
 
     def check(self) -> None:
         """Raises LeaseLostError once the lease is lost or its local deadline
         has passed (read from the clock now, even if the loop was blocked),
         or once the hold has ended."""
-        core = self._state()
-        core.check_deadline()
-        if core.loss is not None:
-            raise LeaseLostError(core.loss[1], core.loss[0])
-        if core.ended:
-            raise c.released_error()
+        self._state().check()
 
     def on_handoff(self, listener: Callable[[HandoffRequest], None]) -> Callable[[], None]:
         """Calls ``listener`` for every handoff request, earlier ones included."""

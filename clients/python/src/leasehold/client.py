@@ -17,20 +17,21 @@ import grpc
 
 from . import _common as c
 from ._core import (
+    Grant,
     HoldCore,
     KeepAliveChannel,
     KeepAliveEvent,
     LeaseTiming,
     OnEnd,
     OnMessage,
+    grant_of,
     lease_timing,
-    local_deadline,
+    release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from .errors import (
     LateGrantError,
     LeaseholdError,
-    LeaseLostError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -321,9 +322,7 @@ class LeaseClient:
     def release(
         self, key: SessionKey, run_id: str, *, timeout: timedelta | float | None = None
     ) -> bool:
-        request = lease_pb2.ReleaseRequest(
-            key=c.as_key(key).to_proto(), run_id=normalize_run_id(run_id)
-        )
+        request = c.release_request(c.as_key(key), normalize_run_id(run_id))
         return bool(self._call("Release", request, c.seconds("timeout", timeout)).released)
 
     def get(self, key: SessionKey, *, timeout: timedelta | float | None = None) -> GetResult:
@@ -561,20 +560,11 @@ class Hold:
 
     # Acquiring
 
-    def _attempt(self, wait: float) -> tuple[lease_pb2.Lease, float, bool, float]:
+    def _attempt(self, wait: float) -> Grant:
         request = c.acquire_request(self.key, self.run_id, self._timing.ttl, wait, self.holder)
         sent_at = time.monotonic()
         response = self._client._call("Acquire", request, wait + self._client._timeout)
-        arrived = time.monotonic()
-        if not response.acquired or not response.HasField("lease"):
-            current = lease_from(response.current) if response.HasField("current") else None
-            raise NotAcquiredError(
-                f"session {self.key.account_id}/{self.key.session_id} is held by "
-                f"{c.describe_holder(current)}",
-                current,
-            )
-        deadline = local_deadline(sent_at, response.lease, self._timing.margin)
-        return response.lease, deadline, arrived >= deadline, arrived - sent_at
+        return grant_of(self.key, response, sent_at, time.monotonic(), self._timing.margin)
 
     def _release_in_background(self) -> None:
         # The grant may have happened with its answer lost: release by run id
@@ -582,45 +572,39 @@ class Hold:
         threading.Thread(target=self._send_release, daemon=True).start()
 
     def _release_timeout(self) -> float:
-        return min(self._client._timeout, self._timing.ttl)
+        return release_timeout(self._client._timeout, self._timing)
 
     def _send_release(self) -> bool | None:
         try:
-            request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
+            request = c.release_request(self.key, self.run_id)
             return bool(self._client._call("Release", request, self._release_timeout()).released)
         except Exception as error:
             self.release_error = error
-            c.log.warning(
-                "leasehold: release of %s/%s run %s failed: %s",
-                self.key.account_id,
-                self.key.session_id,
-                self.run_id,
-                error,
-            )
+            c.log_release_failure(self.key, self.run_id, error)
             return None
 
     def __enter__(self) -> Hold:
         try:
-            lease, deadline, late, elapsed = self._attempt(self._wait)
+            grant = self._attempt(self._wait)
         except NotAcquiredError:
             raise
         except Exception:
             self._release_in_background()
             raise
-        if late and self._wait > 0:
+        if grant.late and self._wait > 0:
             self.confirmed = True
             # A waited grant can be older than its answer: confirm it with an
             # idempotent re-acquire (same run id, same token), its deadline
             # counted from the new request.
             try:
-                lease, deadline, late, elapsed = self._attempt(0)
+                grant = self._attempt(0)
             except Exception:
                 self._send_release()
                 raise
-        if late:
+        if grant.late:
             self._send_release()
-            raise LateGrantError(lease_from(lease), elapsed)
-        self.fencing_token = lease.fencing_token
+            raise LateGrantError(lease_from(grant.lease), grant.elapsed)
+        self.fencing_token = grant.lease.fencing_token
         with self._client._lock:
             self._core = HoldCore(
                 _Runtime(self._client),
@@ -628,8 +612,8 @@ class Hold:
                 self.key,
                 self.run_id,
                 self._timing,
-                lease,
-                deadline,
+                grant.lease,
+                grant.deadline,
                 self._on_lost,
                 self._on_handoff,
             )
@@ -691,28 +675,19 @@ class Hold:
     def loss_reason(self) -> str | None:
         """Why the lease was lost (see LeaseLostError), or None."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            return core.loss[0] if core.loss else None
+            return self._state().loss_reason()
 
     def remaining(self) -> timedelta:
         """Time to the local deadline, read from the monotonic clock now."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            return timedelta(seconds=core.remaining())
+            return timedelta(seconds=self._state().remaining())
 
     def check(self) -> None:
         """Raises LeaseLostError when the lease is lost or its local deadline
         has passed (read from the clock now, whatever the timer thread did),
         or when the hold has ended."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            if core.loss is not None:
-                raise LeaseLostError(core.loss[1], core.loss[0])
-            if core.ended:
-                raise c.released_error()
+            self._state().check()
 
     def on_handoff(self, listener: Callable[[HandoffRequest], None]) -> Callable[[], None]:
         """Calls ``listener`` (on a client thread) for every handoff request,
