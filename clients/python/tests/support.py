@@ -186,17 +186,21 @@ class TcpProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            self.accepted += 1
             if self.mode == "drop":
+                self.accepted += 1
                 _reset(client)
                 continue
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
+                self.accepted += 1
                 _reset(client)
                 continue
+            # Counted once cut() can reach it: a test that waits for a
+            # connection and then cuts must cut that one too.
             with self._lock:
                 self._pairs.append((client, upstream))
+                self.accepted += 1
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
