@@ -191,18 +191,15 @@ class AsyncLeaseClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         metadata = self._auth.metadata()
-        attempts: list[tuple[str, str]] = []
         limit = timeout if timeout is not None else self._timeout
-        deadline = time.monotonic() + limit
-        last: grpc.RpcError | None = None
-        plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
-        for position, index in enumerate(plan):
+        attempts = c.Attempts(method, request, self.addresses, self._preferred, limit)
+        for position, index in enumerate(attempts.plan):
             # Every attempt, a failover or a retry, shares the call's deadline.
-            pause = c.second_round_pause(position, len(self.addresses), deadline - time.monotonic())
+            pause = attempts.pause(position)
             if pause > 0:
                 await asyncio.sleep(pause)
-            remaining = deadline - time.monotonic()
-            if attempts and remaining <= 0:
+            remaining = attempts.remaining()
+            if remaining is None:
                 break
             address = self.addresses[index]
             try:
@@ -212,12 +209,8 @@ class AsyncLeaseClient:
                 self._preferred = index
                 return response
             except grpc.RpcError as e:
-                error = from_rpc_error(e)
-                if not isinstance(error, UnavailableError):
-                    raise error from e
-                attempts.append((address, error.message))
-                last = e
-        raise UnavailableError(c.unavailable_message(method, attempts), attempts=attempts) from last
+                attempts.failed(address, e)
+        raise attempts.unavailable() from attempts.last
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
