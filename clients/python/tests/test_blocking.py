@@ -425,6 +425,37 @@ def test_l2_work_that_ends_at_once_releases_after_its_renewal_is_answered(
         own.stop()
 
 
+def test_s5_a_hold_ended_by_its_own_handoff_listener_releases_at_once(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """S5: a listener that ends its hold runs on the thread that reads the
+    KeepAlive stream: the hold cannot wait there for the answer to a renewal
+    in flight (one is put in flight first), so it releases at once instead
+    of stalling the stream until the local deadline passes."""
+    k = key("handoff-exit")
+    c = clients(server.address, token=token())
+    h = c.hold(k, ttl=10.0)
+    h.__enter__()
+    granted = h.lease.expires_at
+    wait_for("a first renewal on the stream", lambda: h.lease.expires_at != granted)
+    took: list[float] = []
+
+    def end_the_hold(request: object) -> None:
+        core = h._core
+        assert core is not None and core.registration is not None
+        core.registration.renew()
+        started = time.monotonic()
+        h.__exit__(None, None, None)
+        took.append(time.monotonic() - started)
+
+    h.on_handoff(end_the_hold)
+    assert admin.request_handoff(k, requester_holder="browser").delivered
+    wait_for("the listener to end the hold", lambda: len(took) > 0, 20)
+    assert took[0] < 2.0
+    assert h.released is True and not h.lost.is_set()
+    assert events_of(admin, k, h.run_id) == ["ACQUIRED", "HANDOFF_REQUESTED", "RELEASED"]
+
+
 def test_s3_a_handoff_request_is_delivered(
     server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
 ) -> None:

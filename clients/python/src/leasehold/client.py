@@ -623,6 +623,10 @@ class Hold:
 
     def _finish(self) -> None:
         settled = threading.Event()
+        # Ended from a client callback (a handoff listener), this thread holds
+        # the client's lock and is the one that would read the renewal's
+        # answer or run the deadline timer: it releases at once instead.
+        in_callback: bool = self._client._lock._is_owned()  # type: ignore[attr-defined]
         with self._client._lock:
             if self._finished or self._core is None:
                 return
@@ -630,7 +634,7 @@ class Hold:
             self._finished = True
             self._client._holds.discard(self)
             waiting = not core.renewal_settled(settled.set)
-        if waiting:
+        if waiting and not in_callback:
             # Its renewal's answer (or a stall, or the deadline) first: see
             # HoldCore.renewal_settled. Bounded by the release's timeout too.
             settled.wait(self._release_timeout())
