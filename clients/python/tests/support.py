@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -154,9 +155,9 @@ def guarded_server(database_url: str, secret: str, lease_address: str) -> Server
 
 class TcpProxy:
     """Forwards connections to a target; can stall them (hold every byte and
-    keep the sockets open), drop them (reset, and refuse new ones), or drop
+    keep the sockets open), drop them (reset, and refuse new ones), drop
     the next answer (reset the connection that carries it, after the server
-    made it)."""
+    made it), or delay every answer (``answer_lag``)."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -174,6 +175,9 @@ class TcpProxy:
         self.dropped_requests = 0
         #: Seconds the next chunk from the server is held before it is passed on.
         self.answer_delay = 0.0
+        #: Seconds every chunk from the server is held before it is passed
+        #: on, in order, without holding up the chunks behind it.
+        self.answer_lag = 0.0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -183,17 +187,17 @@ class TcpProxy:
             except OSError:
                 return
             if self.mode == "drop":
-                _reset(client)
                 self.accepted += 1
+                _reset(client)
                 continue
             try:
                 upstream = socket.create_connection(self.target)
             except OSError:
-                _reset(client)
                 self.accepted += 1
+                _reset(client)
                 continue
-            # Counted once registered: a test that waits for a connection and
-            # then cuts must find it among the pairs cut() resets.
+            # Counted once cut() can reach it: a test that waits for a
+            # connection and then cuts must cut that one too.
             with self._lock:
                 self._pairs.append((client, upstream))
                 self.accepted += 1
@@ -203,11 +207,18 @@ class TcpProxy:
         held: dict[socket.socket, list[bytes]] = {client: [], upstream: []}
         other = {client: upstream, upstream: client}
         live = [client, upstream]
+        # Answers delayed by answer_lag: (when due, bytes), in arrival order.
+        lagging: deque[tuple[float, bytes]] = deque()
         try:
             while not self._closed:
-                readable, _, _ = select.select(live, [], [], 0.05)
+                wait = 0.05
+                if lagging:
+                    wait = min(wait, max(0.0, lagging[0][0] - time.monotonic()))
+                readable, _, _ = select.select(live, [], [], wait)
                 if self.mode == "drop":
                     break
+                while lagging and lagging[0][0] <= time.monotonic() and self.mode == "pass":
+                    client.sendall(lagging.popleft()[1])
                 if self.mode == "pass":
                     for src, chunks in held.items():
                         while chunks:
@@ -227,6 +238,9 @@ class TcpProxy:
                         self._drop_answers -= 1
                         self.dropped_answers += 1
                         return  # reset below: the answer never reaches the client
+                    if src is upstream and (self.answer_lag > 0 or lagging) and self.mode == "pass":
+                        lagging.append((time.monotonic() + self.answer_lag, data))
+                        continue
                     if self.mode == "stall" or (src is upstream and self.answer_delay > 0):
                         if src is upstream and self.answer_delay > 0 and self.mode != "stall":
                             delay, self.answer_delay = self.answer_delay, 0.0
@@ -324,3 +338,15 @@ def keepalive_streams_ended(address: str) -> int:
         if m and re.search(r'method="[^"]*KeepAlive"', m.group(1)):
             total += int(m.group(2))
     return total
+
+
+def metric(address: str, series: str) -> float:
+    """One series of the server's /metrics, e.g.
+    ``leasehold_lease_losses_total{reason="released"}``; 0 when absent."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith(series + " "):
+            return float(line[len(series) + 1 :])
+    return 0.0

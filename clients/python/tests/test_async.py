@@ -10,7 +10,16 @@ from datetime import timedelta
 
 import pytest
 import pytest_asyncio
-from test_blocking import MARGIN, TTL, events_of, key, put
+from test_blocking import (
+    MARGIN,
+    RUNS,
+    TTL,
+    assert_released_not_lost,
+    counters,
+    events_of,
+    key,
+    put,
+)
 
 from leasehold import (
     AsyncHold,
@@ -317,6 +326,37 @@ async def test_l2_tokens_refreshed_on_reopen_and_a_static_expired_token_loses_th
         h.check()
         state = admin.get(h.key)
         assert state.lease is not None and state.lease.run_id == h.run_id
+
+
+async def test_l2_work_that_ends_at_once_releases_after_its_renewal_is_answered(
+    database_url: str,
+    secret: str,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    """L2: as test_blocking's: work that ends at once (run_exclusive, and an
+    ``async with`` hold) releases after its first renewal is answered, every
+    answer 300 ms late; no loss is counted or reported."""
+    own = lease_server(database_url, secret)
+    try:
+        proxy = proxies(own.address)
+        c = aclients(proxy.address, token=token())
+        before = counters(own.address)
+        proxy.answer_lag = 0.3
+        holds: list[AsyncHold] = []
+
+        async def work(h: AsyncHold) -> None:
+            holds.append(h)
+
+        for _ in range(RUNS):
+            await c.run_exclusive(key("arelease-not-loss"), work, ttl=10.0)
+        for _ in range(RUNS):
+            async with c.hold(key("arelease-not-loss"), ttl=10.0) as h:
+                holds.append(h)
+        assert_released_not_lost(before, counters(own.address), holds)
+    finally:
+        await asyncio.to_thread(own.stop)
 
 
 async def test_s3_handoff_and_late_grant_and_errors_as_classes(

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from leasehold import (
+    AsyncHold,
     Hold,
     LateGrantError,
     LeaseClient,
@@ -20,11 +21,21 @@ from leasehold import (
     UnavailableError,
 )
 from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
-from support import Server, TcpProxy, fresh_session, keepalive_streams_ended, lease_server, wait_for
+from support import (
+    Server,
+    TcpProxy,
+    fresh_session,
+    keepalive_streams_ended,
+    lease_server,
+    metric,
+    wait_for,
+)
 
 ACCOUNT = "acct-py"
 TTL = 3.0
 MARGIN = 1.0
+#: Runs of each form in the self-release tests.
+RUNS = 3
 
 Clients = Callable[..., LeaseClient]
 Proxies = Callable[[str], TcpProxy]
@@ -60,6 +71,35 @@ def put(
 
 def events_of(admin: LeaseClient, k: SessionKey, run_id: str) -> list[str]:
     return [e.type for e in reversed(admin.history(k).events) if e.run_id == run_id]
+
+
+#: The server's counters a run that releases its own lease moves (or must not).
+SELF_RELEASE_SERIES = (
+    'leasehold_lease_losses_total{reason="released"}',
+    "leasehold_lease_releases_total",
+    "leasehold_lease_renewals_total",
+)
+
+
+def counters(address: str) -> dict[str, float]:
+    return {series: metric(address, series) for series in SELF_RELEASE_SERIES}
+
+
+def assert_released_not_lost(
+    before: dict[str, float], after: dict[str, float], holds: list[Hold] | list[AsyncHold]
+) -> None:
+    """No loss counted for the runs' own releases, each run released once,
+    each run's first renewal reached the server while its lease was held,
+    and every hold ended as released, not lost."""
+    losses, releases, renewals = (after[s] - before[s] for s in SELF_RELEASE_SERIES)
+    assert losses == 0
+    assert releases == len(holds)
+    assert renewals == len(holds)
+    for h in holds:
+        assert h.released is True and not h.lost.is_set() and h.loss_reason is None
+        with pytest.raises(LeaseLostError) as ended:
+            h.check()
+        assert ended.value.loss_reason == "released"
 
 
 def test_s1_two_holders_race_and_exactly_one_wins(
@@ -353,6 +393,67 @@ def test_l2_a_late_grant_is_refused_and_released(
     assert late.value.late_lease is not None
     run_id = late.value.late_lease.run_id
     assert events_of(admin, k, run_id) == ["ACQUIRED", "RELEASED"]
+
+
+def test_l2_work_that_ends_at_once_releases_after_its_renewal_is_answered(
+    database_url: str,
+    secret: str,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+) -> None:
+    """L2: work that ends at once (run_exclusive, and a hold block) releases
+    only after its first renewal, sent as the KeepAlive stream opens, is
+    answered: every answer reaches the client 300 ms late, so a Release sent
+    at once would reach the server before the renewal, which the server then
+    refuses as "released" and counts as a lost lease. No loss is counted or
+    reported. A server of its own: its counters move only for these runs."""
+    own = lease_server(database_url, secret)
+    try:
+        proxy = proxies(own.address)
+        c = clients(proxy.address, token=token())
+        before = counters(own.address)
+        proxy.answer_lag = 0.3
+        holds: list[Hold] = []
+        for _ in range(RUNS):
+            c.run_exclusive(key("release-not-loss"), holds.append, ttl=10.0)
+        for _ in range(RUNS):
+            with c.hold(key("release-not-loss"), ttl=10.0) as h:
+                holds.append(h)
+        assert_released_not_lost(before, counters(own.address), holds)
+    finally:
+        own.stop()
+
+
+def test_s5_a_hold_ended_by_its_own_handoff_listener_releases_at_once(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """S5: a listener that ends its hold runs on the thread that reads the
+    KeepAlive stream: the hold cannot wait there for the answer to a renewal
+    in flight (one is put in flight first), so it releases at once instead
+    of stalling the stream until the local deadline passes."""
+    k = key("handoff-exit")
+    c = clients(server.address, token=token())
+    h = c.hold(k, ttl=10.0)
+    h.__enter__()
+    granted = h.lease.expires_at
+    wait_for("a first renewal on the stream", lambda: h.lease.expires_at != granted)
+    took: list[float] = []
+
+    def end_the_hold(request: object) -> None:
+        core = h._core
+        assert core is not None and core.registration is not None
+        core.registration.renew()
+        started = time.monotonic()
+        h.__exit__(None, None, None)
+        took.append(time.monotonic() - started)
+
+    h.on_handoff(end_the_hold)
+    assert admin.request_handoff(k, requester_holder="browser").delivered
+    wait_for("the listener to end the hold", lambda: len(took) > 0, 20)
+    assert took[0] < 2.0
+    assert h.released is True and not h.lost.is_set()
+    assert events_of(admin, k, h.run_id) == ["ACQUIRED", "HANDOFF_REQUESTED", "RELEASED"]
 
 
 def test_s3_a_handoff_request_is_delivered(

@@ -1,15 +1,25 @@
 """Configuration shared by the blocking and the asyncio client: addresses,
-credentials, the bearer token, outgoing metadata, request building."""
+credentials, the bearer token, outgoing metadata, request building, and a
+unary call's attempts across instances."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import grpc
+
 from ._gen.leasehold.v1 import lease_pb2
-from .errors import LeaseholdError, LeaseLostError, UnauthenticatedError
+from .errors import (
+    LeaseholdError,
+    LeaseLostError,
+    UnauthenticatedError,
+    UnavailableError,
+    from_rpc_error,
+)
 from .types import (
     AcquireResult,
     CheckFenceResult,
@@ -193,6 +203,22 @@ def renew_request(
     return request
 
 
+def release_request(key: SessionKey, run_id: str) -> lease_pb2.ReleaseRequest:
+    return lease_pb2.ReleaseRequest(key=key.to_proto(), run_id=run_id)
+
+
+def log_release_failure(key: SessionKey, run_id: str, error: Exception) -> None:
+    """A hold's release failed: logged, never raised over the body's own
+    exception (the lease then ends at its deadline)."""
+    log.warning(
+        "leasehold: release of %s/%s run %s failed: %s",
+        key.account_id,
+        key.session_id,
+        run_id,
+        error,
+    )
+
+
 def get_result(r: lease_pb2.GetResponse) -> GetResult:
     return GetResult(r.held, optional_lease(r.lease, r.HasField("lease")))
 
@@ -267,6 +293,45 @@ def second_round_pause(position: int, count: int, remaining: float) -> float:
 def unavailable_message(method: str, attempts: list[tuple[str, str]]) -> str:
     tried = "; ".join(f"{address}: {what}" for address, what in attempts)
     return f"{method}: no server instance could answer (tried {tried})"
+
+
+class Attempts:
+    """One unary call's attempts, for both clients' ``_call``: the address
+    indexes of ``attempt_plan`` in order, every one within the call's one
+    deadline, and what each instance said when it was UNAVAILABLE."""
+
+    def __init__(
+        self, method: str, request: Any, addresses: Sequence[str], preferred: int, limit: float
+    ) -> None:
+        self.method = method
+        self.count = len(addresses)
+        self.deadline = time.monotonic() + limit
+        self.plan = attempt_plan(method, request, self.count, preferred)
+        self.tried: list[tuple[str, str]] = []
+        self.last: grpc.RpcError | None = None
+
+    def pause(self, position: int) -> float:
+        """Seconds to wait before the attempt at ``position`` of the plan."""
+        return second_round_pause(position, self.count, self.deadline - time.monotonic())
+
+    def remaining(self) -> float | None:
+        """The next attempt's timeout: what is left of the call's deadline;
+        None when nothing is left after a first attempt."""
+        left = self.deadline - time.monotonic()
+        return None if self.tried and left <= 0 else left
+
+    def failed(self, address: str, e: grpc.RpcError) -> None:
+        """Raises the call's error unless the instance was UNAVAILABLE; that
+        is kept, and the plan's next address is tried."""
+        error = from_rpc_error(e)
+        if not isinstance(error, UnavailableError):
+            raise error from e
+        self.tried.append((address, error.message))
+        self.last = e
+
+    def unavailable(self) -> UnavailableError:
+        """The error after every attempt failed, naming each instance."""
+        return UnavailableError(unavailable_message(self.method, self.tried), attempts=self.tried)
 
 
 __all__ = ["DEFAULT_TIMEOUT", "Auth", "LeaseholdError", "log"]

@@ -22,16 +22,18 @@ from typing import Protocol
 
 import grpc
 
-from ._common import seconds
+from ._common import describe_holder, released_error, seconds
 from ._gen.leasehold.v1 import lease_pb2
 from .errors import (
     LIMIT_EXCEEDED,
     LIMIT_LEASES_PER_STREAM,
     LeaseholdError,
+    LeaseLostError,
+    NotAcquiredError,
     UnauthenticatedError,
     UnavailableError,
 )
-from .types import HandoffRequest, SessionKey, handoff_from, loss_cause, seconds_of
+from .types import HandoffRequest, SessionKey, handoff_from, lease_from, loss_cause, seconds_of
 
 DEFAULT_MARGIN_FRACTION = 0.1
 DEFAULT_RENEW_FRACTION = 1 / 3
@@ -81,6 +83,44 @@ def local_deadline(sent_at: float, lease: lease_pb2.Lease, margin: float) -> flo
     send time errs early, never late; ``expires_at`` is never used.
     """
     return sent_at + seconds_of(lease.remaining) - margin
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An Acquire's grant as the hold sees it (L2)."""
+
+    lease: lease_pb2.Lease
+    #: The local deadline (monotonic), counted from the request's send time.
+    deadline: float
+    #: The answer arrived at or after that deadline: the grant cannot be used.
+    late: bool
+    #: Seconds from send to answer.
+    elapsed: float
+
+
+def grant_of(
+    key: SessionKey,
+    response: lease_pb2.AcquireResponse,
+    sent_at: float,
+    arrived: float,
+    margin: float,
+) -> Grant:
+    """The grant in an Acquire's answer; NotAcquiredError naming the holder
+    when the session is held by another run."""
+    if not response.acquired or not response.HasField("lease"):
+        current = lease_from(response.current) if response.HasField("current") else None
+        raise NotAcquiredError(
+            f"session {key.account_id}/{key.session_id} is held by {describe_holder(current)}",
+            current,
+        )
+    deadline = local_deadline(sent_at, response.lease, margin)
+    return Grant(response.lease, deadline, arrived >= deadline, arrived - sent_at)
+
+
+def release_timeout(client_timeout: float, timing: LeaseTiming) -> float:
+    """A hold's Release (and its wait for a renewal in flight) takes at most
+    the client's call timeout, and never longer than the lease's TTL."""
+    return min(client_timeout, timing.ttl)
 
 
 class Timer(Protocol):
@@ -148,7 +188,7 @@ EntryId = tuple[str, str, str]
 
 
 class _Entry:
-    __slots__ = ("active", "id", "outstanding", "request", "sent", "target")
+    __slots__ = ("active", "id", "outstanding", "request", "sent", "settled", "target")
 
     def __init__(self, target: Target) -> None:
         self.target = target
@@ -157,6 +197,16 @@ class _Entry:
         self.outstanding: deque[float] = deque()
         self.sent = 0
         self.active = True
+        #: Waiting for no renewal of this lease to be on the way (Registration.settled).
+        self.settled: list[Callable[[], None]] = []
+
+
+def _settle(entry: _Entry) -> None:
+    """Tells whoever waits on ``Registration.settled`` that no renewal of
+    the entry is on the way any more."""
+    waiting, entry.settled = entry.settled, []
+    for wake in waiting:
+        wake()
 
 
 class _Open:
@@ -207,6 +257,7 @@ class _Lane:
         replaced = self.entries.get(entry.id)
         if replaced is not None:
             replaced.active = False
+            _settle(replaced)
         self.entries[entry.id] = entry
         if self.stream is None and self.reconnect is None:
             self._open()
@@ -221,13 +272,28 @@ class _Lane:
             return
         entry.active = False
         del self.entries[entry.id]
+        _settle(entry)
         if not self.entries:
             self._shutdown()
+
+    def settled(self, entry: _Entry, wake: Callable[[], None]) -> bool:
+        """True when no renewal of ``entry`` is unanswered on this lane's
+        stream; else False, and ``wake`` is called once none is: its answers
+        came, the lease was lost or removed, or the stream failed (the stall
+        watch fails it when a renewal goes unanswered for its response
+        timeout)."""
+        if self.entries.get(entry.id) is not entry or self.stream is None:
+            return True
+        if not entry.outstanding:
+            return True
+        entry.settled.append(wake)
+        return False
 
     def close(self) -> None:
         self.closed = True
         for entry in self.entries.values():
             entry.active = False
+            _settle(entry)
         self.entries.clear()
         self._shutdown()
 
@@ -324,9 +390,12 @@ class _Lane:
             self.failures = 0
             self.last_failure = None
             entry.target.on_renewed(response.lease, sent_at)
+            if not entry.outstanding:
+                _settle(entry)
         elif kind == "lost":
             entry.active = False
             del self.entries[entry.id]
+            _settle(entry)
             entry.target.on_lost(loss_cause(response.lost.reason))
             if not self.entries:
                 self._shutdown()
@@ -342,6 +411,9 @@ class _Lane:
             stream.stall_timer.cancel()
         if stream.handle is not None:
             stream.handle.cancel()
+        # The renewals sent on this stream will not be answered.
+        for entry in self.entries.values():
+            _settle(entry)
         addresses = self.channel.addresses
         address = addresses[self.address_index % len(addresses)]
         self.last_failure = f"{address}: {error.message}"
@@ -417,6 +489,13 @@ class Registration:
         self.lane.remove(self.entry)
         del self.channel.placed[self.entry.id]
 
+    def settled(self, wake: Callable[[], None]) -> bool:
+        """True when no renewal of this lease is on the way; else False, and
+        ``wake`` is called (with the client's lock held) once none is."""
+        if self.channel.placed.get(self.entry.id) is not self:
+            return True
+        return self.lane.settled(self.entry, wake)
+
 
 class KeepAliveChannel:
     """The KeepAlive streams of one client, shared by every lease it keeps alive."""
@@ -485,6 +564,7 @@ class KeepAliveChannel:
             registration = self.placed.get(entry_id)
             entry = refused.entries.pop(entry_id)
             entry.active = False
+            _settle(entry)
             if registration is None:
                 continue
             lane = self.lane_with_room()
@@ -551,8 +631,11 @@ class HoldCore:
             return
         nxt = local_deadline(sent_at, lease, self.timing.margin)
         if nxt > self.deadline:
+            # The deadline only moves later: the timer armed for the earlier
+            # one stays, and when it fires it waits on for this one
+            # (_deadline_due), instead of a timer cancelled and made anew on
+            # every renewal of every lease.
             self.deadline = nxt
-            self._arm_deadline()
 
     def on_lost(self, cause: str | None) -> None:
         words = cause.replace("_", " ") if cause else "no reason given"
@@ -578,9 +661,26 @@ class HoldCore:
         return f"{message} (the KeepAlive stream failed: {failure})" if failure else message
 
     def remaining(self) -> float:
+        """Seconds to the local deadline (0 once lost or ended), read from the clock now."""
+        self.check_deadline()
         if self.loss is not None or self.ended:
             return 0.0
         return max(0.0, self.deadline - self.rt.now())
+
+    def loss_reason(self) -> str | None:
+        """Why the lease was lost (a passed deadline counts now), or None."""
+        self.check_deadline()
+        return self.loss[0] if self.loss else None
+
+    def check(self) -> None:
+        """Raises LeaseLostError when the lease is lost or its local deadline
+        has passed (read from the clock now, whatever the timers did), or
+        when the hold has ended."""
+        self.check_deadline()
+        if self.loss is not None:
+            raise LeaseLostError(self.loss[1], self.loss[0])
+        if self.ended:
+            raise released_error()
 
     def lose(self, reason: str, message: str) -> None:
         if self.loss is not None or self.ended:
@@ -588,6 +688,23 @@ class HoldCore:
         self.loss = (reason, message)
         self._stop()
         self._notify(reason, message)
+
+    def renewal_settled(self, wake: Callable[[], None]) -> bool:
+        """The holder is done and about to release: no renewal is sent from
+        now on. True when none is on the way; else False, and ``wake`` is
+        called (with the client's lock held) once its answer came, the lease
+        was lost, or its stream failed. The caller waits for that before
+        ``end()`` and its Release: released first, the lease would be refused
+        to its own renewal as "released", and the server would count a lost
+        lease though its run ended it. The wait is bounded by the stream's
+        stall watch (the response timeout) and by the local deadline, whose
+        timer still runs."""
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
+            self._renew_timer = None
+        if self.loss is not None or self.ended or self.registration is None:
+            return True
+        return self.registration.settled(wake)
 
     def end(self) -> None:
         """The holder is done: stop keeping the lease alive (the caller releases it)."""
@@ -609,8 +726,6 @@ class HoldCore:
             self.registration = None
 
     def _arm_deadline(self) -> None:
-        if self._deadline_timer is not None:
-            self._deadline_timer.cancel()
         self._deadline_timer = self.rt.call_later(
             max(0.0, self.deadline - self.rt.now()), self._deadline_due
         )

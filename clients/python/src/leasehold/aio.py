@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -21,20 +22,21 @@ import grpc.aio
 
 from . import _common as c
 from ._core import (
+    Grant,
     HoldCore,
     KeepAliveChannel,
     KeepAliveEvent,
     LeaseTiming,
     OnEnd,
     OnMessage,
+    grant_of,
     lease_timing,
-    local_deadline,
+    release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from .errors import (
     LateGrantError,
     LeaseholdError,
-    LeaseLostError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -189,18 +191,15 @@ class AsyncLeaseClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         metadata = self._auth.metadata()
-        attempts: list[tuple[str, str]] = []
         limit = timeout if timeout is not None else self._timeout
-        deadline = time.monotonic() + limit
-        last: grpc.RpcError | None = None
-        plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
-        for position, index in enumerate(plan):
+        attempts = c.Attempts(method, request, self.addresses, self._preferred, limit)
+        for position, index in enumerate(attempts.plan):
             # Every attempt, a failover or a retry, shares the call's deadline.
-            pause = c.second_round_pause(position, len(self.addresses), deadline - time.monotonic())
+            pause = attempts.pause(position)
             if pause > 0:
                 await asyncio.sleep(pause)
-            remaining = deadline - time.monotonic()
-            if attempts and remaining <= 0:
+            remaining = attempts.remaining()
+            if remaining is None:
                 break
             address = self.addresses[index]
             try:
@@ -210,12 +209,8 @@ class AsyncLeaseClient:
                 self._preferred = index
                 return response
             except grpc.RpcError as e:
-                error = from_rpc_error(e)
-                if not isinstance(error, UnavailableError):
-                    raise error from e
-                attempts.append((address, error.message))
-                last = e
-        raise UnavailableError(c.unavailable_message(method, attempts), attempts=attempts) from last
+                attempts.failed(address, e)
+        raise attempts.unavailable() from attempts.last
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -253,9 +248,7 @@ class AsyncLeaseClient:
     async def release(
         self, key: SessionKey, run_id: str, *, timeout: timedelta | float | None = None
     ) -> bool:
-        request = lease_pb2.ReleaseRequest(
-            key=c.as_key(key).to_proto(), run_id=normalize_run_id(run_id)
-        )
+        request = c.release_request(c.as_key(key), normalize_run_id(run_id))
         response = await self._call("Release", request, c.seconds("timeout", timeout))
         return bool(response.released)
 
@@ -485,66 +478,53 @@ class AsyncHold:
         self._finished = False
         self._task: asyncio.Future[Any] | None = None
 
-    async def _attempt(self, wait: float) -> tuple[lease_pb2.Lease, float, bool, float]:
+    async def _attempt(self, wait: float) -> Grant:
         request = c.acquire_request(self.key, self.run_id, self._timing.ttl, wait, self.holder)
         sent_at = time.monotonic()
         response = await self._client._call("Acquire", request, wait + self._client._timeout)
-        arrived = time.monotonic()
-        if not response.acquired or not response.HasField("lease"):
-            current = lease_from(response.current) if response.HasField("current") else None
-            raise NotAcquiredError(
-                f"session {self.key.account_id}/{self.key.session_id} is held by "
-                f"{c.describe_holder(current)}",
-                current,
-            )
-        deadline = local_deadline(sent_at, response.lease, self._timing.margin)
-        return response.lease, deadline, arrived >= deadline, arrived - sent_at
+        return grant_of(self.key, response, sent_at, time.monotonic(), self._timing.margin)
+
+    def _release_timeout(self) -> float:
+        return release_timeout(self._client._timeout, self._timing)
 
     async def _send_release(self) -> bool | None:
         try:
-            request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
-            timeout = min(self._client._timeout, self._timing.ttl)
-            response = await self._client._call("Release", request, timeout)
+            request = c.release_request(self.key, self.run_id)
+            response = await self._client._call("Release", request, self._release_timeout())
             return bool(response.released)
         except Exception as error:
             self.release_error = error
-            c.log.warning(
-                "leasehold: release of %s/%s run %s failed: %s",
-                self.key.account_id,
-                self.key.session_id,
-                self.run_id,
-                error,
-            )
+            c.log_release_failure(self.key, self.run_id, error)
             return None
 
     async def __aenter__(self) -> AsyncHold:
         try:
-            lease, deadline, late, elapsed = await self._attempt(self._wait)
+            grant = await self._attempt(self._wait)
         except NotAcquiredError:
             raise
         except BaseException:
             # The grant may have happened with its answer lost.
             self._client._spawn(self._send_release())
             raise
-        if late and self._wait > 0:
+        if grant.late and self._wait > 0:
             self.confirmed = True
             try:
-                lease, deadline, late, elapsed = await self._attempt(0)
+                grant = await self._attempt(0)
             except BaseException:
                 await self._send_release()
                 raise
-        if late:
+        if grant.late:
             await self._send_release()
-            raise LateGrantError(lease_from(lease), elapsed)
-        self.fencing_token = lease.fencing_token
+            raise LateGrantError(lease_from(grant.lease), grant.elapsed)
+        self.fencing_token = grant.lease.fencing_token
         self._core = HoldCore(
             _Runtime(self._client),
             self._client._keepalive,
             self.key,
             self.run_id,
             self._timing,
-            lease,
-            deadline,
+            grant.lease,
+            grant.deadline,
             self._on_lost,
             self._on_handoff,
         )
@@ -562,10 +542,24 @@ class AsyncHold:
     async def _finish(self) -> None:
         if self._finished or self._core is None:
             return
+        core = self._core
         self._finished = True
         self._client._holds.discard(self)
-        self._core.end()
-        if self._core.loss is None:
+        settled = asyncio.Event()
+        if not core.renewal_settled(settled.set):
+            # Its renewal's answer (or a stall, or the deadline) first: see
+            # HoldCore.renewal_settled. Bounded by the release's timeout too.
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._release_timeout()):
+                        await settled.wait()
+            except asyncio.CancelledError:
+                core.end()
+                if core.loss is None:
+                    self._client._spawn(self._send_release())
+                raise
+        core.end()
+        if core.loss is None:
             self.released = await self._send_release()
 
     def _on_lost(self, reason: str, message: str) -> None:
@@ -591,26 +585,18 @@ class AsyncHold:
 
     @property
     def loss_reason(self) -> str | None:
-        core = self._state()
-        core.check_deadline()
-        return core.loss[0] if core.loss else None
+        """Why the lease was lost (see LeaseLostError), or None."""
+        return self._state().loss_reason()
 
     def remaining(self) -> timedelta:
         """Time to the local deadline, read from the monotonic clock now."""
-        core = self._state()
-        core.check_deadline()
-        return timedelta(seconds=core.remaining())
+        return timedelta(seconds=self._state().remaining())
 
     def check(self) -> None:
         """Raises LeaseLostError once the lease is lost or its local deadline
         has passed (read from the clock now, even if the loop was blocked),
         or once the hold has ended."""
-        core = self._state()
-        core.check_deadline()
-        if core.loss is not None:
-            raise LeaseLostError(core.loss[1], core.loss[0])
-        if core.ended:
-            raise c.released_error()
+        self._state().check()
 
     def on_handoff(self, listener: Callable[[HandoffRequest], None]) -> Callable[[], None]:
         """Calls ``listener`` for every handoff request, earlier ones included."""

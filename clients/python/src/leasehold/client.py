@@ -17,20 +17,21 @@ import grpc
 
 from . import _common as c
 from ._core import (
+    Grant,
     HoldCore,
     KeepAliveChannel,
     KeepAliveEvent,
     LeaseTiming,
     OnEnd,
     OnMessage,
+    grant_of,
     lease_timing,
-    local_deadline,
+    release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from .errors import (
     LateGrantError,
     LeaseholdError,
-    LeaseLostError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -260,18 +261,15 @@ class LeaseClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         metadata = self._auth.metadata()
-        attempts: list[tuple[str, str]] = []
         limit = timeout if timeout is not None else self._timeout
-        deadline = time.monotonic() + limit
-        last: grpc.RpcError | None = None
-        plan = c.attempt_plan(method, request, len(self.addresses), self._preferred)
-        for position, index in enumerate(plan):
+        attempts = c.Attempts(method, request, self.addresses, self._preferred, limit)
+        for position, index in enumerate(attempts.plan):
             # Every attempt, a failover or a retry, shares the call's deadline.
-            pause = c.second_round_pause(position, len(self.addresses), deadline - time.monotonic())
+            pause = attempts.pause(position)
             if pause > 0:
                 time.sleep(pause)
-            remaining = deadline - time.monotonic()
-            if attempts and remaining <= 0:
+            remaining = attempts.remaining()
+            if remaining is None:
                 break
             address = self.addresses[index]
             try:
@@ -281,12 +279,8 @@ class LeaseClient:
                 self._preferred = index
                 return response
             except grpc.RpcError as e:
-                error = from_rpc_error(e)
-                if not isinstance(error, UnavailableError):
-                    raise error from e
-                attempts.append((address, error.message))
-                last = e
-        raise UnavailableError(c.unavailable_message(method, attempts), attempts=attempts) from last
+                attempts.failed(address, e)
+        raise attempts.unavailable() from attempts.last
 
     # LeaseService, one method per RPC
 
@@ -321,9 +315,7 @@ class LeaseClient:
     def release(
         self, key: SessionKey, run_id: str, *, timeout: timedelta | float | None = None
     ) -> bool:
-        request = lease_pb2.ReleaseRequest(
-            key=c.as_key(key).to_proto(), run_id=normalize_run_id(run_id)
-        )
+        request = c.release_request(c.as_key(key), normalize_run_id(run_id))
         return bool(self._call("Release", request, c.seconds("timeout", timeout)).released)
 
     def get(self, key: SessionKey, *, timeout: timedelta | float | None = None) -> GetResult:
@@ -561,64 +553,51 @@ class Hold:
 
     # Acquiring
 
-    def _attempt(self, wait: float) -> tuple[lease_pb2.Lease, float, bool, float]:
+    def _attempt(self, wait: float) -> Grant:
         request = c.acquire_request(self.key, self.run_id, self._timing.ttl, wait, self.holder)
         sent_at = time.monotonic()
         response = self._client._call("Acquire", request, wait + self._client._timeout)
-        arrived = time.monotonic()
-        if not response.acquired or not response.HasField("lease"):
-            current = lease_from(response.current) if response.HasField("current") else None
-            raise NotAcquiredError(
-                f"session {self.key.account_id}/{self.key.session_id} is held by "
-                f"{c.describe_holder(current)}",
-                current,
-            )
-        deadline = local_deadline(sent_at, response.lease, self._timing.margin)
-        return response.lease, deadline, arrived >= deadline, arrived - sent_at
+        return grant_of(self.key, response, sent_at, time.monotonic(), self._timing.margin)
 
     def _release_in_background(self) -> None:
         # The grant may have happened with its answer lost: release by run id
         # (a no-op when nothing was granted) rather than block the session.
         threading.Thread(target=self._send_release, daemon=True).start()
 
+    def _release_timeout(self) -> float:
+        return release_timeout(self._client._timeout, self._timing)
+
     def _send_release(self) -> bool | None:
         try:
-            request = lease_pb2.ReleaseRequest(key=self.key.to_proto(), run_id=self.run_id)
-            timeout = min(self._client._timeout, self._timing.ttl)
-            return bool(self._client._call("Release", request, timeout).released)
+            request = c.release_request(self.key, self.run_id)
+            return bool(self._client._call("Release", request, self._release_timeout()).released)
         except Exception as error:
             self.release_error = error
-            c.log.warning(
-                "leasehold: release of %s/%s run %s failed: %s",
-                self.key.account_id,
-                self.key.session_id,
-                self.run_id,
-                error,
-            )
+            c.log_release_failure(self.key, self.run_id, error)
             return None
 
     def __enter__(self) -> Hold:
         try:
-            lease, deadline, late, elapsed = self._attempt(self._wait)
+            grant = self._attempt(self._wait)
         except NotAcquiredError:
             raise
         except Exception:
             self._release_in_background()
             raise
-        if late and self._wait > 0:
+        if grant.late and self._wait > 0:
             self.confirmed = True
             # A waited grant can be older than its answer: confirm it with an
             # idempotent re-acquire (same run id, same token), its deadline
             # counted from the new request.
             try:
-                lease, deadline, late, elapsed = self._attempt(0)
+                grant = self._attempt(0)
             except Exception:
                 self._send_release()
                 raise
-        if late:
+        if grant.late:
             self._send_release()
-            raise LateGrantError(lease_from(lease), elapsed)
-        self.fencing_token = lease.fencing_token
+            raise LateGrantError(lease_from(grant.lease), grant.elapsed)
+        self.fencing_token = grant.lease.fencing_token
         with self._client._lock:
             self._core = HoldCore(
                 _Runtime(self._client),
@@ -626,8 +605,8 @@ class Hold:
                 self.key,
                 self.run_id,
                 self._timing,
-                lease,
-                deadline,
+                grant.lease,
+                grant.deadline,
                 self._on_lost,
                 self._on_handoff,
             )
@@ -643,13 +622,25 @@ class Hold:
         self._finish()
 
     def _finish(self) -> None:
+        settled = threading.Event()
+        # Ended from a client callback (a handoff listener), this thread holds
+        # the client's lock and is the one that would read the renewal's
+        # answer or run the deadline timer: it releases at once instead.
+        in_callback: bool = self._client._lock._is_owned()  # type: ignore[attr-defined]
         with self._client._lock:
             if self._finished or self._core is None:
                 return
+            core = self._core
             self._finished = True
             self._client._holds.discard(self)
-            self._core.end()
-            lost = self._core.loss is not None
+            waiting = not core.renewal_settled(settled.set)
+        if waiting and not in_callback:
+            # Its renewal's answer (or a stall, or the deadline) first: see
+            # HoldCore.renewal_settled. Bounded by the release's timeout too.
+            settled.wait(self._release_timeout())
+        with self._client._lock:
+            core.end()
+            lost = core.loss is not None
         if not lost:
             self.released = self._send_release()
 
@@ -681,28 +672,19 @@ class Hold:
     def loss_reason(self) -> str | None:
         """Why the lease was lost (see LeaseLostError), or None."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            return core.loss[0] if core.loss else None
+            return self._state().loss_reason()
 
     def remaining(self) -> timedelta:
         """Time to the local deadline, read from the monotonic clock now."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            return timedelta(seconds=core.remaining())
+            return timedelta(seconds=self._state().remaining())
 
     def check(self) -> None:
         """Raises LeaseLostError when the lease is lost or its local deadline
         has passed (read from the clock now, whatever the timer thread did),
         or when the hold has ended."""
         with self._client._lock:
-            core = self._state()
-            core.check_deadline()
-            if core.loss is not None:
-                raise LeaseLostError(core.loss[1], core.loss[0])
-            if core.ended:
-                raise c.released_error()
+            self._state().check()
 
     def on_handoff(self, listener: Callable[[HandoffRequest], None]) -> Callable[[], None]:
         """Calls ``listener`` (on a client thread) for every handoff request,
