@@ -98,6 +98,8 @@ export interface ScopeReading {
   rows: SessionRow[];
   /** The database clock when the rows were read, microseconds since the epoch. */
   observedAtUs: bigint;
+  /** With `skipWritten`: keys whose rows a transaction was writing, left out of `rows`. */
+  written?: SessionKey[];
 }
 
 export interface HandoffResult {
@@ -156,13 +158,13 @@ export interface LeaseStore {
   requestHandoff(key: SessionKey, requesterHolder: string, reason: string): Promise<HandoffResult>;
   /**
    * Every stored row (valid or tombstone) of the given scopes, in one reading.
-   * With `awaitWriters`, a key's row that a transaction is writing is read
-   * once that transaction ends: its latest version, judged by the reading's
-   * clock (taken before the wait). A renewal reads its clock and then locks
-   * the row, so one that beat the deadline can commit after it; a reading
-   * that decides an expiry must not judge the version it replaces.
+   * With `skipWritten`, a key's row that a transaction is writing is left out
+   * of `rows` and named in `written` (never waited for); the others are read
+   * in their latest committed version. A renewal reads its clock and then
+   * locks the row, so one that beat the deadline can commit after it: a
+   * reading that decides an expiry must not judge the version it replaces.
    */
-  readScopes(scopes: readonly Scope[], options?: { awaitWriters?: boolean }): Promise<ScopeReading>;
+  readScopes(scopes: readonly Scope[], options?: { skipWritten?: boolean }): Promise<ScopeReading>;
   /** The valid lease of the key, if any. */
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */

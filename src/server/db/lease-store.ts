@@ -335,23 +335,38 @@ export function createLeaseStore(
         ];
         // Exact keys and whole accounts are matched separately so that a
         // key scope reads one index entry, not its account's whole range.
-        const keyed = sql`
+        const keyed = () => sql`
           SELECT l.* FROM leases l
           JOIN unnest(${keys.map((k) => k.accountId)}::text[],
                       ${keys.map((k) => k.sessionId)}::text[]) AS w(account_id, session_id)
             ON l.account_id = w.account_id AND l.session_id = w.session_id`;
         const accountWide = sql`
           SELECT l.* FROM leases l WHERE l.account_id = ANY(${accounts}::text[])`;
-        // FOR SHARE waits for a writer of the row to commit and then reads
-        // its new version, judged by this reading's clock (taken first).
-        const matched = options?.awaitWriters
-          ? sql`keyed AS (${keyed} FOR SHARE OF l),
+        // skipWritten: a key's row is read under FOR SHARE SKIP LOCKED, which
+        // gives its latest committed version; a row a transaction is writing
+        // is skipped (never waited for: one stuck writer must not hold up the
+        // other keys) and named in `written`.
+        const skipWritten = options?.skipWritten === true;
+        const matched = skipWritten
+          ? sql`keyed AS (${keyed()} FOR SHARE OF l SKIP LOCKED),
+                written AS (
+                  SELECT p.account_id, p.session_id FROM (${keyed()}) p
+                  WHERE NOT EXISTS (SELECT 1 FROM keyed k
+                                    WHERE k.account_id = p.account_id AND k.session_id = p.session_id)
+                ),
                 matched AS (SELECT * FROM keyed UNION ${accountWide})`
-          : sql`matched AS (${keyed} UNION ${accountWide})`;
-        const rows = await sql<(Partial<SessionRow> & { observedAtUs: bigint })[]>`
+          : sql`matched AS (${keyed()} UNION ${accountWide})`;
+        const rows = await sql<
+          (Partial<SessionRow> & { observedAtUs: bigint; writtenKeys: [string, string][] | null })[]
+        >`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
           ${matched}
           SELECT (extract(epoch FROM lease_clock.observed_at) * 1000000)::bigint AS observed_at_us,
+                 ${
+                   skipWritten
+                     ? sql`(SELECT json_agg(json_build_array(account_id, session_id)) FROM written)`
+                     : sql`NULL::json`
+                 } AS written_keys,
                  found.*
           FROM lease_clock
           LEFT JOIN LATERAL (
@@ -370,11 +385,15 @@ export function createLeaseStore(
           ) found ON true
           ORDER BY found.account_id, found.session_id`;
         const observedAtUs = rows[0]?.observedAtUs ?? 0n;
+        const written = (rows[0]?.writtenKeys ?? []).map(([accountId, sessionId]) => ({
+          accountId,
+          sessionId,
+        }));
         const found: SessionRow[] = [];
-        for (const { observedAtUs: _, ...row } of rows) {
+        for (const { observedAtUs: _, writtenKeys: __, ...row } of rows) {
           if (row.accountId !== undefined && row.accountId !== null) found.push(row as SessionRow);
         }
-        return { rows: found, observedAtUs };
+        return { rows: found, observedAtUs, written };
       }),
 
     list: (accountId, limit, after) =>

@@ -51,6 +51,9 @@ interface Entry {
 
 // setTimeout's largest delay; longer deadlines are re-armed when reached.
 const maxDelayMs = 2_147_483_647;
+// How soon a key whose row was being written is read again (a statement's
+// row lock lasts milliseconds).
+const writtenRetryMs = 20;
 
 function localNowUs(): bigint {
   return BigInt(Math.round((performance.timeOrigin + performance.now()) * 1000));
@@ -134,7 +137,7 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
         due = new Map();
         let reading: ScopeReading;
         try {
-          reading = await store.readScopes([...batch.values()], { awaitWriters: true });
+          reading = await store.readScopes([...batch.values()], { skipWritten: true });
         } catch (error) {
           logger.warn({ err: error, keys: batch.size }, "confirming deadlines failed; retrying");
           for (const key of batch.values()) {
@@ -145,9 +148,16 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
         }
         noteClock(reading.observedAtUs);
         const rows = new Map(reading.rows.map((r) => [keyString(r), r]));
+        const written = new Set((reading.written ?? []).map(keyString));
         for (const [k, key] of batch) {
           const entry = entries.get(k);
           if (!entry) continue;
+          // A transaction is writing the row (a renewal that may have beaten
+          // the deadline): look again once it is done, judging nothing now.
+          if (written.has(k)) {
+            arm(key, entry.token, writtenRetryMs);
+            continue;
+          }
           if (!covered(key)) {
             forget(key);
             continue;
