@@ -395,7 +395,9 @@ func pauseWithin(ctx context.Context, d time.Duration) bool {
 
 // AcquireOptions of Client.Acquire.
 type AcquireOptions struct {
-	// RunID is the run's id (a UUID); empty lets the server make one.
+	// RunID is the run's id (a UUID); empty: the client makes one
+	// (NewRunID), as the TypeScript and Python clients do, so that a call
+	// whose connection is reset can be sent again and keep one grant.
 	RunID string
 	// TTL of the lease; 0 for the server's default.
 	TTL time.Duration
@@ -416,6 +418,9 @@ func durationOrNil(d time.Duration) *durationpb.Duration {
 // the response says Acquired=false and who holds it (Current). Hold is the
 // usual way to take a lease: it also keeps it alive.
 func (c *Client) Acquire(ctx context.Context, key SessionKey, o AcquireOptions) (*leasev1.AcquireResponse, error) {
+	if o.RunID == "" {
+		o.RunID = NewRunID()
+	}
 	req := &leasev1.AcquireRequest{Key: key.proto(), RunId: o.RunID, Ttl: durationOrNil(o.TTL), Wait: durationOrNil(o.Wait), Holder: o.Holder}
 	if o.Wait > 0 {
 		// The server may wait that long; the call needs room for it.
@@ -425,9 +430,8 @@ func (c *Client) Acquire(ctx context.Context, key SessionKey, o AcquireOptions) 
 			defer cancel()
 		}
 	}
-	// Sent again only with the client's run id: the same run id gets the
-	// same grant, where the server's own choice would make a second one.
-	return unaryAttempts(ctx, c, "Acquire", o.RunID != "", func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.AcquireResponse, error) {
+	// Sent again with its run id: the same run id gets the same grant.
+	return unaryAttempts(ctx, c, "Acquire", true, func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.AcquireResponse, error) {
 		return s.Acquire(ctx, req)
 	})
 }

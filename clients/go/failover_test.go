@@ -94,6 +94,32 @@ func TestReleaseWhoseConnectionIsResetIsSentAgain(t *testing.T) {
 	}
 }
 
+// S2: an Acquire without a run id of the caller's goes out with one the
+// client made, so a reset under it is sent again to the same address and
+// granted once, as the TypeScript and Python clients' acquire is.
+func TestAcquireWithoutRunIDWhoseConnectionIsResetIsSentAgain(t *testing.T) {
+	ctx := context.Background()
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr})
+	p.DropNextRequest()
+	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{TTL: 30 * time.Second})
+	if err != nil || !granted.GetAcquired() {
+		t.Fatalf("Acquire after a reset: %v %v", granted, err)
+	}
+	if n := p.DroppedRequests(); n != 1 {
+		t.Fatalf("the proxy dropped %d requests, want 1", n)
+	}
+	runID := granted.GetLease().GetRunId()
+	direct := dial(t, []string{shared.Addr})
+	if got := eventTypes(history(t, direct, key), runID); !slices.Equal(got, []leasev1.EventType{leasev1.EventType_EVENT_TYPE_ACQUIRED}) {
+		t.Fatalf("History of the run: %v, want one ACQUIRED", got)
+	}
+	if _, err := c.Release(ctx, key, runID); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // Revoke is not idempotent (sent again, it could end a lease granted in
 // between): a reset under it is an *UnavailableError naming the one attempt,
 // and the call is not sent again; the lease is still held.
