@@ -1,6 +1,7 @@
 // The gRPC frame codec (src/protocol/grpc-frame.ts), shared by the server's
-// native gRPC path and the client's gRPC transport: a flags byte, a 4-byte
-// big-endian length, the message; read from chunks cut anywhere.
+// native gRPC path, the client's gRPC transport and the Connect adapter's
+// request bodies: a flags byte, a 4-byte big-endian length, the message;
+// read from chunks cut anywhere.
 
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
@@ -208,6 +209,60 @@ describe("the gRPC frame codec", () => {
     decoder.push(body, sink);
     decoder.push(body, sink);
     expect(seen).toBe(1);
+  });
+
+  it("with wholeFrames, the sink gets each frame header included, copied once when spread", () => {
+    const frames = messages.map((m) => encodeFrame(m));
+    for (let i = 0; i <= body.byteLength; i++) {
+      const { frames: read } = decodeAll([body.subarray(0, i), body.subarray(i)], 1 << 20, {
+        wholeFrames: true,
+      });
+      expect(
+        read.map((f) => f.message),
+        `cut at ${i}`,
+      ).toEqual(frames);
+    }
+    let allocated = 0;
+    const allocate = (n: number) => {
+      allocated += n;
+      return new Uint8Array(n);
+    };
+    const chunks = Array.from({ length: body.byteLength }, (_, i) => body.subarray(i, i + 1));
+    const { frames: trickled } = decodeAll(chunks, 1 << 20, { allocate, wholeFrames: true });
+    expect(trickled.map((f) => f.message)).toEqual(frames);
+    expect(allocated).toBe(body.byteLength);
+  });
+
+  it("unread() holds the frame begun, and after a refused header the bytes from it on", () => {
+    const whole = encodeFrame(bytesOf(3, 1));
+    const sink = { onFrame: () => true };
+    const begun = new FrameDecoder(1 << 20);
+    begun.push(whole, sink);
+    begun.push(whole.subarray(0, 2), sink);
+    begun.push(whole.subarray(2, 6), sink);
+    expect(concat(begun.unread())).toEqual(whole.subarray(0, 6));
+    // 70,000 bytes announced after a whole frame; refused wherever the header is cut.
+    const refused = concat([whole, Uint8Array.of(0, 0, 1, 0x11, 0x70), bytesOf(4, 2)]);
+    for (let i = 0; i <= refused.byteLength; i++) {
+      const decoder = new FrameDecoder(65_536);
+      const read: Uint8Array[] = [];
+      const keep = {
+        onFrame(_flags: number, message: Uint8Array) {
+          read.push(message.slice());
+          return true;
+        },
+      };
+      expect(() => {
+        decoder.push(refused.subarray(0, i), keep);
+        decoder.push(refused.subarray(i), keep);
+      }, `cut at ${i}`).toThrow("readMaxBytes 65536");
+      expect(read, `cut at ${i}`).toEqual([bytesOf(3, 1)]);
+      // A chunk holding the whole header is refused before the next is pushed.
+      const pushed = i >= whole.byteLength + 5 ? i : refused.byteLength;
+      expect(concat(decoder.unread()), `cut at ${i}`).toEqual(
+        refused.subarray(whole.byteLength, pushed),
+      );
+    }
   });
 
   it("encode, cut anywhere, decode is the identity (property)", () => {

@@ -158,8 +158,8 @@ const encode = (schema: DescMessage, init: object) =>
 
 describe.each(cases)("$name read by hand", ({ schema, init, read, usual }) => {
   /** What the client or server ends up with: the hand reader, else protobuf-es. */
-  // Sockets hand over Buffers, which the reader decodes strings from in
-  // place; tests encode plain Uint8Arrays. Both must read alike.
+  // Sockets hand over Buffers (a subclass of Uint8Array, whose subarray is
+  // a Buffer too); tests encode plain Uint8Arrays. Both must read alike.
   const readBoth = (bytes: Uint8Array) => {
     const fromView = read(bytes);
     expect(read(Buffer.from(bytes))).toStrictEqual(fromView);

@@ -6,15 +6,22 @@
 // DATA frames (or HTTP/1.1 chunks) costs O(n²): a 60 KB message in 1-byte
 // frames took 15.7 s of CPU, before any authentication. Here the chunks are
 // gathered with a running count and concatenated once, so the decoder is
-// handed each message as one chunk. Nothing is allocated from a declared
+// handed each message as one chunk: envelopes are split by the gRPC frame
+// codec (src/protocol/grpc-frame.ts, which they share the format of), a
+// unary body by a running count. Nothing is allocated from a declared
 // length: only bytes that arrived are kept, and a message declared larger
 // than the server's bound is left to the decoder, which refuses it at its
 // header (RESOURCE_EXHAUSTED), as before.
 
+import {
+  FrameDecoder,
+  FrameError,
+  type FrameSink,
+  frameHeaderBytes,
+} from "../protocol/grpc-frame.js";
+
 /** Called with each whole message before it is handed on; may throw a ConnectError to end the call. */
 export type MessageCheck = (payload: Uint8Array, flags: number) => void;
-
-const headerBytes = 5;
 
 /** Enveloped bodies (gRPC, gRPC-Web, Connect streaming): one chunk per envelope. */
 export async function* wholeEnvelopes(
@@ -22,40 +29,41 @@ export async function* wholeEnvelopes(
   maxMessageBytes: number,
   check?: MessageCheck,
 ): AsyncGenerator<Uint8Array> {
-  const pending = new Pending();
-  let need = headerBytes;
-  let payloadBytes: number | undefined;
+  // The envelope is the gRPC frame: its codec splits the body.
+  const decoder = new FrameDecoder(maxMessageBytes, { wholeFrames: true, allocate });
+  const envelopes: Uint8Array[] = [];
+  const sink: FrameSink = {
+    onFrame(_flags, envelope) {
+      envelopes.push(envelope);
+      return true;
+    },
+  };
   let passThrough = false;
   for await (const chunk of body) {
     if (passThrough) {
       yield chunk;
       continue;
     }
-    pending.add(chunk);
-    while (pending.bytes >= need) {
-      const bytes = pending.take();
-      if (payloadBytes === undefined) {
-        payloadBytes = new DataView(bytes.buffer, bytes.byteOffset, headerBytes).getUint32(1);
-        if (payloadBytes > maxMessageBytes) {
-          // The decoder refuses it from the header; pass everything on.
-          passThrough = true;
-          yield bytes;
-          break;
-        }
-        pending.add(bytes);
-        need = headerBytes + payloadBytes;
-        continue;
-      }
-      const message = bytes.subarray(0, need);
-      check?.(message.subarray(headerBytes), message[0] ?? 0);
-      yield message;
-      if (bytes.byteLength > need) pending.add(bytes.subarray(need));
-      need = headerBytes;
-      payloadBytes = undefined;
+    let refused = false;
+    try {
+      decoder.push(chunk, sink);
+    } catch (error) {
+      if (!(error instanceof FrameError && error.kind === "tooLarge")) throw error;
+      refused = true;
+    }
+    for (const envelope of envelopes) {
+      check?.(envelope.subarray(frameHeaderBytes), envelope[0] ?? 0);
+      yield envelope;
+    }
+    envelopes.length = 0;
+    if (refused) {
+      // The decoder refuses it from the header; pass everything on.
+      passThrough = true;
+      yield joined(decoder.unread());
     }
   }
   // An unfinished envelope: the decoder says so.
-  if (pending.bytes > 0) yield pending.take();
+  if (!passThrough && decoder.incomplete) yield joined(decoder.unread());
 }
 
 /** A Connect unary body (not enveloped): one chunk for the whole body. */
@@ -84,6 +92,14 @@ export async function* wholeBody(
   yield bytes;
 }
 
+const allocate = (size: number): Buffer => Buffer.allocUnsafe(size);
+
+/** `parts` as one chunk (no copy when it is one already). */
+function joined(parts: Uint8Array[]): Uint8Array {
+  const [only] = parts;
+  return parts.length === 1 && only !== undefined ? only : Buffer.concat(parts);
+}
+
 /** Chunks received and not yet handed on, with their total: adding is O(1), taking copies once. */
 class Pending {
   private chunks: Uint8Array[] = [];
@@ -97,11 +113,7 @@ class Pending {
 
   /** Everything pending as one chunk (no copy when it is one already); pending is empty after. */
   take(): Uint8Array {
-    const [only] = this.chunks;
-    const all =
-      this.chunks.length === 1 && only !== undefined
-        ? only
-        : Buffer.concat(this.chunks, this.bytes);
+    const all = joined(this.chunks);
     this.chunks = [];
     this.bytes = 0;
     return all;

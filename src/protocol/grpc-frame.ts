@@ -1,10 +1,13 @@
 // The gRPC message frame ("length-prefixed message" of the gRPC HTTP/2
-// protocol): a flags byte (bit 0: compressed), the message length as 4
-// bytes big-endian, the message. One codec for the server's native gRPC
-// path (src/server/rpc/grpc-wire.ts) and the client's gRPC transport
-// (src/client/grpc-transport.ts), on Uint8Array alone so that a web page
-// could bundle it. Both callers pass Node's Buffer.allocUnsafe as the
-// allocator; the frames are then Buffers, which Node writes without a copy.
+// protocol, and the envelope of gRPC-Web and Connect streaming): a flags
+// byte (bit 0: compressed), the message length as 4 bytes big-endian, the
+// message. One codec for the server's native gRPC path
+// (src/server/rpc/grpc-wire.ts), the client's gRPC transport
+// (src/client/grpc-transport.ts) and the Connect adapter's request bodies
+// (src/host/whole-messages.ts, which hands frames on whole), on Uint8Array
+// alone so that a web page could bundle it. The callers pass Node's
+// Buffer.allocUnsafe as the allocator; the frames are then Buffers, which
+// Node writes without a copy.
 //
 // What a caller answers for a broken frame (a status code, its own words for
 // a compressed message) is its own; the text of an oversized message is
@@ -79,8 +82,9 @@ export function encodeFrame<B extends Uint8Array = Uint8Array>(
 /** Receives the frames a FrameDecoder reads. */
 export interface FrameSink {
   /**
-   * One whole frame: its flags and its message. Returning false ends the
-   * reading: the decoder drops the rest and reads nothing more.
+   * One whole frame: its flags and its message (the frame itself, header
+   * included, with `wholeFrames`). Returning false ends the reading: the
+   * decoder drops the rest and reads nothing more.
    */
   onFrame(flags: number, message: Uint8Array): boolean;
 }
@@ -93,6 +97,12 @@ export interface FrameDecoderOptions {
   rejectCompressed?: boolean;
   /** Allocates a message read across chunks (default: a new Uint8Array). */
   allocate?: Allocate;
+  /**
+   * Hand the sink each frame whole, its header included, where it is
+   * otherwise handed the message alone (the Connect adapter passes frames
+   * on to connect-es's own decoder).
+   */
+  wholeFrames?: boolean;
 }
 
 /**
@@ -103,7 +113,8 @@ export interface FrameDecoderOptions {
  * a message trickled in 1-byte chunks). Until then only the bytes that
  * arrived are held, never the length a header announces. A header whose
  * length exceeds `maxMessageBytes` (or that is flagged compressed, with
- * `rejectCompressed`) throws a FrameError before the message arrives.
+ * `rejectCompressed`) throws a FrameError before the message arrives; the
+ * bytes from that header on are then `unread()`.
  */
 export class FrameDecoder {
   /** The chunks (or their tails) holding the frame begun and not yet whole. */
@@ -117,6 +128,8 @@ export class FrameDecoder {
   private failure: { error: unknown } | undefined;
   private readonly rejectCompressed: boolean;
   private readonly allocate: Allocate;
+  /** The header bytes left out of what the sink is handed: all of them, or none (wholeFrames). */
+  private readonly dropped: number;
 
   constructor(
     private readonly maxMessageBytes: number,
@@ -124,11 +137,22 @@ export class FrameDecoder {
   ) {
     this.rejectCompressed = options.rejectCompressed ?? false;
     this.allocate = options.allocate ?? newBytes;
+    this.dropped = options.wholeFrames === true ? 0 : frameHeaderBytes;
   }
 
   /** True when the bytes read so far end inside a frame. */
   get incomplete(): boolean {
     return this.buffered > 0;
+  }
+
+  /**
+   * The bytes pushed and not handed to the sink, as they arrived: the frame
+   * begun, or after a FrameError for a header, everything from that header
+   * on in the chunks pushed (a caller that leaves the refusal to another
+   * reader hands these on to it).
+   */
+  unread(): Uint8Array[] {
+    return [...this.parts];
   }
 
   /**
@@ -174,32 +198,39 @@ export class FrameDecoder {
     while (n - off >= frameHeaderBytes) {
       const flags = chunk[off] as number;
       const length = readLength(chunk, off + 1);
-      this.check(flags, length);
+      const refusal = this.refusal(flags, length);
+      if (refusal !== undefined) {
+        this.hold(chunk.subarray(off));
+        throw refusal;
+      }
       const start = off + frameHeaderBytes;
       if (n - start < length) {
         this.flags = flags;
         this.length = length;
         break;
       }
-      off = start + length;
-      if (!sink.onFrame(flags, chunk.subarray(start, off))) {
+      const end = start + length;
+      if (!sink.onFrame(flags, chunk.subarray(off + this.dropped, end))) {
         this.stopped = true;
         return;
       }
+      off = end;
     }
     if (off < n) this.hold(chunk.subarray(off));
   }
 
-  private check(flags: number, length: number): void {
+  /** The FrameError for a header that breaks a rule, if it does. */
+  private refusal(flags: number, length: number): FrameError | undefined {
     if (length > this.maxMessageBytes) {
-      throw new FrameError(
+      return new FrameError(
         "tooLarge",
         messageSizeText("readMaxBytes", length, this.maxMessageBytes),
       );
     }
     if (this.rejectCompressed && (flags & compressedFlag) !== 0) {
-      throw new FrameError("compressed", "message flagged compressed");
+      return new FrameError("compressed", "message flagged compressed");
     }
+    return undefined;
   }
 
   private hold(part: Uint8Array): void {
@@ -221,16 +252,20 @@ export class FrameDecoder {
     };
     for (const part of this.parts) take(part);
     take(chunk);
-    this.check(flags, length);
+    const refusal = this.refusal(flags, length);
+    if (refusal !== undefined) {
+      this.hold(chunk);
+      throw refusal;
+    }
     this.flags = flags;
     this.length = length;
   }
 
-  /** The begun frame's message, completed by `last`, as one array; the decoder is then between frames. */
+  /** The begun frame's message (or whole frame), completed by `last`, as one array; the decoder is then between frames. */
   private join(last: Uint8Array): Uint8Array {
     this.parts.push(last);
-    const message = this.allocate(this.length);
-    let skip = frameHeaderBytes;
+    const message = this.allocate(frameHeaderBytes + this.length - this.dropped);
+    let skip = this.dropped;
     let pos = 0;
     for (const part of this.parts) {
       if (skip >= part.byteLength) {

@@ -18,24 +18,11 @@
 // hot key took N statements one after the other, the queue rescanned for each.
 //
 // With tracing on (`tracer`), a call's trace context is taken when it joins
-// the queue, and each statement is a span linked to every call it decides;
-// off, the tracer is undefined and that is all it costs.
+// the queue, and each statement is a span linked to every call it decides
+// (statement-tracer.ts); off, the tracer is undefined and that is all it
+// costs.
 
-/**
- * Traces group-committed statements (observability/tracing.ts); unset when
- * tracing is off.
- */
-export interface StatementTracer {
-  /** The traced call whose code runs now, to be linked from the statement that decides it. */
-  link(): object | undefined;
-  /** Runs one statement of `rows` rows as a span linked to `links` (the calls it decides). */
-  statement<T>(
-    operation: string,
-    links: readonly object[],
-    rows: number,
-    run: () => Promise<T>,
-  ): Promise<T>;
-}
+import { runTraced, type StatementTracer } from "./statement-tracer.js";
 
 export interface GroupCommitOptions<I, R> {
   /** Runs one statement for `items` (distinct keys); resolves with a result per item, in order. */
@@ -143,10 +130,12 @@ export function createGroupCommit<I, R>(options: GroupCommitOptions<I, R>): Grou
       stats.items += batch.length;
       inFlight += 1;
       const items = batch.map((q) => q.item);
-      const links = tracer === undefined ? undefined : linksOf(batch);
-      (links === undefined || links.length === 0
-        ? run(items)
-        : (tracer as StatementTracer).statement(operation, links, items.length, () => run(items))
+      runTraced(
+        tracer,
+        operation,
+        items.length,
+        () => linksOf(batch),
+        () => run(items),
       ).then(
         (results) => {
           inFlight -= 1;

@@ -38,9 +38,10 @@ import type { Sql } from "../../postgres/pool.js";
 import { LimitName } from "../../protocol/errors.js";
 import { acquireMany, acquireOne } from "./acquire-statement.js";
 import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
-import { createGroupCommit, type GroupCommitStats, type StatementTracer } from "./group-commit.js";
+import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 import { renewMany, renewOne } from "./renew-statement.js";
+import type { StatementTracer } from "./statement-tracer.js";
 
 export interface LeaseStoreOptions {
   /** Valid leases one account may hold at once; 0 (the default) means no quota. */

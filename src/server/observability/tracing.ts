@@ -66,7 +66,7 @@ export interface TracingOptions {
   provider?: TracerProvider;
 }
 
-/** What the group commit and the renewal batcher use (db/group-commit.ts StatementTracer). */
+/** What the group commit and the renewal batcher use (db/statement-tracer.ts StatementTracer). */
 export interface StatementTracing {
   link(): SpanContext | undefined;
   statement<T>(

@@ -37,7 +37,7 @@ import { DatabaseUnavailableError } from "../../lease/errors.js";
 import { runKey } from "../../lease/lease-change.js";
 import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../../lease/types.js";
 import type { LossCause } from "../../protocol/errors.js";
-import type { StatementTracer } from "../db/group-commit.js";
+import { runTraced, type StatementTracer } from "../db/statement-tracer.js";
 
 /**
  * One renewal could not be decided: its row stayed locked by another
@@ -170,12 +170,13 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
     try {
       stats.statements += 1;
       const items = batch.map((p) => p.item);
-      const links = tracer === undefined ? undefined : batch.flatMap((p) => p.links ?? []);
-      const results = await (links === undefined || links.length === 0
-        ? store.renewMany(items, { wait: false })
-        : (tracer as StatementTracer).statement("keepalive renew", links, items.length, () =>
-            store.renewMany(items, { wait: false }),
-          ));
+      const results = await runTraced(
+        tracer,
+        "keepalive renew",
+        items.length,
+        () => batch.flatMap((p) => p.links ?? []),
+        () => store.renewMany(items, { wait: false }),
+      );
       stats.renewals += batch.length;
       const locked: Pending[] = [];
       results.forEach((r, i) => {
