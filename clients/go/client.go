@@ -302,8 +302,8 @@ func failsOver(err error) bool {
 // sent again after it succeeded it answers released=false). Revoke and
 // RequestHandoff are not among them: a second Revoke could end a lease
 // granted in between, a second RequestHandoff records a second request.
-// Acquire is idempotent only with a run id the client chose (same run id,
-// same token): Client.Acquire says so itself.
+// Acquire is idempotent with its run id (same run id, same token), which
+// Client.Acquire always sends (the caller's, or one it makes).
 var idempotentMethods = map[string]bool{
 	"Renew": true, "Release": true, "Get": true, "List": true, "History": true, "CheckFence": true,
 }

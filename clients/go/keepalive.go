@@ -303,6 +303,11 @@ func (ch *keepAliveChannel) close() {
 func (ln *lane) add(id entryID, l *Lease) {
 	ch := ln.ch
 	ch.seq++
+	// A lease of the same run placed again: a Release waiting on the entry
+	// it replaces would otherwise wait on nothing.
+	if old := ln.entries[id]; old != nil {
+		old.settle()
+	}
 	ln.entries[id] = &entry{lease: l, seq: ch.seq}
 	if ln.stream == nil && ln.reconnect == nil {
 		ln.open()

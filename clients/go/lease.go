@@ -168,8 +168,10 @@ func (l *Lease) check() error {
 		l.mu.Unlock()
 		return ErrReleased
 	case !time.Now().Before(l.deadline):
+		reg := l.reg
 		l.mu.Unlock()
-		l.lose(LossDeadline, "the local deadline passed without a confirmed renewal", nil)
+		msg, cause := reg.deadlineLoss()
+		l.lose(LossDeadline, msg, cause)
 		if err := l.Err(); err != nil {
 			return err
 		}
@@ -186,7 +188,7 @@ func (l *Lease) HandoffRequests() <-chan HandoffRequest { return l.handoffs }
 // Release ends the lease on the server and cancels its Context with
 // ErrReleased. It first waits for the answer to a renewal still on the way
 // (bounded by the renewal interval's stall watch, the local deadline and
-// ctx): released before that renewal arrives, the lease would be refused
+// half of what ctx leaves, the other half being the Release's): released before that renewal arrives, the lease would be refused
 // to it as "released", which the server counts as a lost lease though the
 // run ended it itself. After a loss it sends nothing (the run no longer
 // holds the lease, and a late release must not be mistaken for a current
@@ -210,11 +212,24 @@ func (l *Lease) Release(ctx context.Context) error {
 	reg := l.reg
 	l.mu.Unlock()
 	if reg != nil {
+		// The wait takes at most half of what ctx leaves, so that the
+		// Release itself still has the other half.
+		wait := ctx
+		if deadline, ok := ctx.Deadline(); ok {
+			var cancel context.CancelFunc
+			wait, cancel = context.WithTimeout(ctx, time.Until(deadline)/2)
+			defer cancel()
+		}
 		select {
 		case <-reg.settled():
 		case <-l.ctx.Done():
-		case <-ctx.Done():
+		case <-wait.Done():
 		}
+	}
+	// Cancelled by the caller while waiting: nothing was sent, and the
+	// lease is still the caller's to release.
+	if err := ctx.Err(); err != nil {
+		return err
 	}
 
 	l.mu.Lock()

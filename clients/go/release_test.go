@@ -82,3 +82,33 @@ func TestReleaseAfterItsRenewalIsAnsweredIsNoLoss(t *testing.T) {
 		t.Errorf("leasehold_lease_renewals_total grew by %v, want %d", n, runs)
 	}
 }
+
+// S5, L2: Release's wait for a renewal on the way takes at most half of its
+// ctx, so the Release itself is still sent in time. The KeepAlive route
+// answers 3 s late and unary calls go straight to the server (the proxy
+// resets the Acquire, so the client prefers the other address); Release
+// with a 2 s ctx ends the lease on the server, where a wait spending the
+// whole ctx sent the Release on a dead one and left the lease held.
+func TestReleaseWaitLeavesTheReleaseHalfItsContext(t *testing.T) {
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr, shared.Addr})
+	direct := dial(t, []string{shared.Addr})
+	p.Delay(3 * time.Second)
+	p.DropNextRequest()
+	key := freshKey(t)
+	lease, err := c.Hold(context.Background(), key, leasehold.HoldOptions{TTL: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := lease.Release(ctx); err != nil {
+		t.Fatalf("Release with a 2 s ctx while the renewal is 3 s late: %v", err)
+	}
+	if held, err := direct.Get(context.Background(), key); err != nil || held != nil {
+		t.Fatalf("after Release the session shows %v (%v), want free", held, err)
+	}
+	if !errors.Is(context.Cause(lease.Context()), leasehold.ErrReleased) {
+		t.Fatalf("the lease's Context ended with %v, want ErrReleased", context.Cause(lease.Context()))
+	}
+}
