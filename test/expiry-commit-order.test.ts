@@ -74,4 +74,39 @@ describe("the expiry tracker and a renewal that commits after the deadline it be
     watch.abort();
     otherWatch.abort();
   });
+  it("S9, L1: a key whose row was being written at its deadline is judged again once the writer is done: EXPIRED comes then", async () => {
+    const key = freshKey("judged-again");
+    const other = freshKey("expires-too");
+    const watch = openWatch(client, key);
+    const otherWatch = openWatch(client, other);
+    await watch.reader.next((m) => m.kind.case === "snapshot");
+    await otherWatch.reader.next((m) => m.kind.case === "snapshot");
+    const a = await client.acquire({ key, ttl: ms(1_000) });
+    await client.acquire({ key: other, ttl: ms(1_000) });
+    await watch.reader.next((m) => m.kind.case === "event");
+    await otherWatch.reader.next((m) => m.kind.case === "event");
+    // A writer that holds the row across the deadline and changes nothing
+    // that matters: the lease does run out.
+    const writer = await openTransaction(db, async (tx) => {
+      await tx`UPDATE leases SET holder = holder
+               WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+    });
+    await untilExpired(db.sql, other);
+    await otherWatch.reader.next(
+      (m) => m.kind.case === "event" && m.kind.value.type === EventType.EXPIRED,
+    );
+    // Read and skipped while the writer holds it: not reported yet.
+    expect(
+      watch.reader.received.some(
+        (m) => m.kind.case === "event" && m.kind.value.type === EventType.EXPIRED,
+      ),
+    ).toBe(false);
+    await writer.end();
+    const expired = await watch.reader.next(
+      (m) => m.kind.case === "event" && m.kind.value.type === EventType.EXPIRED,
+    );
+    expect(expired.kind.case === "event" && expired.kind.value.runId).toBe(a.lease?.runId);
+    watch.abort();
+    otherWatch.abort();
+  });
 });

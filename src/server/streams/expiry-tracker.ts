@@ -51,9 +51,12 @@ interface Entry {
 
 // setTimeout's largest delay; longer deadlines are re-armed when reached.
 const maxDelayMs = 2_147_483_647;
-// How soon a key whose row was being written is read again (a statement's
-// row lock lasts milliseconds).
+// How soon a key whose row was being written is read again: a statement's
+// row lock lasts milliseconds; the wait doubles up to a second for a writer
+// that stays, which is logged once it has been seen that many times.
 const writtenRetryMs = 20;
+const writtenRetryMaxMs = 1_000;
+const writtenTriesBeforeWarning = 10;
 
 function localNowUs(): bigint {
   return BigInt(Math.round((performance.timeOrigin + performance.now()) * 1000));
@@ -64,6 +67,8 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
   const marginMs = options.marginMs ?? 2;
   const holds = new Map<string, number>();
   const entries = new Map<string, Entry>();
+  // Readings in a row that found a key's row being written.
+  const writtenTries = new Map<string, number>();
   const staleListeners = new Set<(key: SessionKey) => void>();
   let due = new Map<string, SessionKey>();
   let confirming = false;
@@ -101,6 +106,7 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
     if (upToToken !== undefined && existing.token > upToToken) return;
     clearTimeout(existing.timer);
     entries.delete(k);
+    writtenTries.delete(k);
   }
 
   function setFromDatabaseTime(key: SessionKey, token: bigint, expiresAtUs: bigint) {
@@ -152,16 +158,26 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
         for (const [k, key] of batch) {
           const entry = entries.get(k);
           if (!entry) continue;
-          // A transaction is writing the row (a renewal that may have beaten
-          // the deadline): look again once it is done, judging nothing now.
-          if (written.has(k)) {
-            arm(key, entry.token, writtenRetryMs);
-            continue;
-          }
           if (!covered(key)) {
             forget(key);
             continue;
           }
+          // A transaction is writing the row (a renewal that may have beaten
+          // the deadline): look again once it is done, judging nothing now;
+          // sooner for a statement's row lock, later for a stuck writer.
+          if (written.has(k)) {
+            const tries = (writtenTries.get(k) ?? 0) + 1;
+            writtenTries.set(k, tries);
+            if (tries === writtenTriesBeforeWarning) {
+              logger.warn(
+                { accountId: key.accountId, sessionId: key.sessionId, tries },
+                "a lease row due for its expiry check is held by a transaction; the check waits for it",
+              );
+            }
+            arm(key, entry.token, Math.min(writtenRetryMaxMs, writtenRetryMs * 2 ** (tries - 1)));
+            continue;
+          }
+          writtenTries.delete(k);
           const row = rows.get(k);
           if (row && row.fencingToken === entry.token) {
             if (row.valid) {
