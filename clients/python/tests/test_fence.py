@@ -236,6 +236,11 @@ def answering_db(fence_db: str) -> None:
 # The statements of a handler's answers, by the request's value.
 _DUPLICATE = "INSERT INTO py_fence_names VALUES (%s)"
 _LOCKED_ROW = "UPDATE py_fence_rows SET n = n + 1 WHERE id = 1"
+# A statement far longer than the statement_timeout set before it.
+_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = '100ms'"
+_SLOW = "SELECT pg_sleep(30)"
+# The server ends the handler's connection under it (57P01, then EOF).
+_TERMINATED = "SELECT pg_terminate_backend(pg_backend_pid())"
 
 
 class Answering(guarded_pb2_grpc.GuardedStoreServiceServicer):
@@ -251,6 +256,11 @@ class Answering(guarded_pb2_grpc.GuardedStoreServiceServicer):
                 conn.execute(_DUPLICATE, (request.name,))
             case "locked row":
                 conn.execute(_LOCKED_ROW)
+            case "slow":
+                conn.execute(_STATEMENT_TIMEOUT)
+                conn.execute(_SLOW)
+            case "terminated":
+                conn.execute(_TERMINATED)
             case "missing":
                 context.abort(grpc.StatusCode.NOT_FOUND, f"document {request.name!r} not found")
         return guarded_pb2.PutResponse(highest_token=call.highest_token)
@@ -266,6 +276,11 @@ class AsyncAnswering(guarded_pb2_grpc.GuardedStoreServiceServicer):
                 await conn.execute(_DUPLICATE, (request.name,))
             case "locked row":
                 await conn.execute(_LOCKED_ROW)
+            case "slow":
+                await conn.execute(_STATEMENT_TIMEOUT)
+                await conn.execute(_SLOW)
+            case "terminated":
+                await conn.execute(_TERMINATED)
             case "missing":
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND, f"document {request.name!r} not found"
@@ -364,6 +379,20 @@ def handlers_errors_story(address: str, fence_db: str, label: str) -> None:
     # Once the row is free the same call succeeds.
     assert answer(address, k, 5, "locked row") is None
 
+    # The handler's statement past statement_timeout: DEADLINE_EXCEEDED.
+    slow = answer(address, k, 5, "slow")
+    assert slow is not None
+    assert slow.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (slow.code(), slow.details())
+
+    # The handler's connection ended by the server: UNAVAILABLE.
+    terminated = answer(address, k, 5, "terminated")
+    assert terminated is not None
+    assert terminated.code() == grpc.StatusCode.UNAVAILABLE, (
+        terminated.code(),
+        terminated.details(),
+    )
+    assert from_rpc_error(terminated).reason == DATABASE_UNAVAILABLE
+
     # S7: a stale token stays ABORTED STALE_FENCING_TOKEN.
     stale = answer(address, k, 4, "ok")
     assert stale is not None
@@ -377,8 +406,9 @@ def test_s7_s8_the_blocking_interceptor_answers_database_trouble_unavailable_and
 ) -> None:
     """S7, S8: a handler's unique violation is UNKNOWN, not UNAVAILABLE; its
     statement that hits lock_timeout is UNAVAILABLE DATABASE_UNAVAILABLE
-    (sql_state 55P03); its NOT_FOUND passes unchanged; a stale token is
-    ABORTED."""
+    (sql_state 55P03), one past statement_timeout DEADLINE_EXCEEDED, its
+    connection ended by the server UNAVAILABLE; its NOT_FOUND passes
+    unchanged; a stale token is ABORTED."""
     handlers_errors_story(answering_store, fence_db, "pyfence-errors")
 
 
