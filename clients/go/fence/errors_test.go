@@ -65,6 +65,19 @@ func (answering) Put(ctx context.Context, req *guardedv1.PutRequest) (*guardedv1
 		if _, err := call.Tx.ExecContext(ctx, `UPDATE go_fence_rows SET n = n + 1 WHERE id = 1`); err != nil {
 			return nil, err
 		}
+	case "slow":
+		// A statement far longer than the statement_timeout set before it.
+		if _, err := call.Tx.ExecContext(ctx, `SET LOCAL statement_timeout = '100ms'`); err != nil {
+			return nil, err
+		}
+		if _, err := call.Tx.ExecContext(ctx, `SELECT pg_sleep(30)`); err != nil {
+			return nil, err
+		}
+	case "terminated":
+		// The server ends the handler's connection under it.
+		if _, err := call.Tx.ExecContext(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`); err != nil {
+			return nil, err
+		}
 	}
 	return &guardedv1.PutResponse{HighestToken: call.Highest}, nil
 }
@@ -193,6 +206,23 @@ func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 		_ = tx.Rollback()
 		if err := put(5, "locked row"); err != nil {
 			t.Fatalf("once the row is free: %v", err)
+		}
+	})
+
+	t.Run("the handler's statement past statement_timeout is DEADLINE_EXCEEDED", func(t *testing.T) {
+		got := status.Convert(put(5, "slow"))
+		if got.Code() != codes.DeadlineExceeded || !strings.Contains(got.Message(), "57014") {
+			t.Fatalf("got %v %q, want DEADLINE_EXCEEDED for the statement timeout", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("the handler's connection ended by the server is UNAVAILABLE", func(t *testing.T) {
+		got := status.Convert(put(5, "terminated"))
+		if got.Code() != codes.Unavailable {
+			t.Fatalf("got %v %q, want UNAVAILABLE for the lost connection", got.Code(), got.Message())
+		}
+		if err := put(5, "ok"); err != nil {
+			t.Fatalf("the next call, on another connection: %v", err)
 		}
 	})
 
