@@ -133,6 +133,15 @@ function ledgerRoutes(sql: Sql) {
           await call.tx`SET LOCAL lock_timeout = '300ms'`;
           await call.tx`UPDATE ledger_counter SET n = n + 1 WHERE id = 1`;
         }
+        if (req.line === "slow") {
+          // A statement far longer than the statement_timeout set before it.
+          await call.tx`SET LOCAL statement_timeout = '100ms'`;
+          await call.tx`SELECT pg_sleep(30)`;
+        }
+        if (req.line === "terminated") {
+          // The server ends the handler's connection under it.
+          await call.tx`SELECT pg_terminate_backend(pg_backend_pid())`;
+        }
         return create(message("AppendResponse"), { highestToken: call.highestToken });
       },
       read: async (req: { sessionId: string }) => {
@@ -289,6 +298,21 @@ describe.each(transports)("fencing interceptor, %s", (_name, transport) => {
       (await append(client(), "locked row", fenceClaimHeaders({ key, token: 4n }))).highestToken,
     ).toBe(4n);
     expect(await lines(key.sessionId)).toEqual(["locked row"]);
+  });
+
+  it("a handler's statement past statement_timeout is DEADLINE_EXCEEDED; its connection ended by the server is UNAVAILABLE", async () => {
+    const key = freshKey("ledger");
+    const slow = await refusal(append(client(), "slow", fenceClaimHeaders({ key, token: 4n })));
+    expect(slow.code).toBe(Code.DeadlineExceeded);
+    const ended = await refusal(
+      append(client(), "terminated", fenceClaimHeaders({ key, token: 4n })),
+    );
+    expect(ended.code).toBe(Code.Unavailable);
+    expect(ended.findDetails(ErrorInfoSchema)[0]?.reason).toBe("DATABASE_UNAVAILABLE");
+    expect(await lines(key.sessionId)).toEqual([]);
+    expect(
+      (await append(client(), "written", fenceClaimHeaders({ key, token: 4n }))).highestToken,
+    ).toBe(4n);
   });
 
   it("bad input: a missing header is INVALID_ARGUMENT naming it, and nothing is written", async () => {
