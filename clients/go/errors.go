@@ -25,6 +25,9 @@ const (
 	ReasonInvalidArgument   = "INVALID_ARGUMENT"
 	ReasonLimitExceeded     = "LIMIT_EXCEEDED"
 	ReasonUnauthenticated   = "UNAUTHENTICATED"
+	// ReasonDatabaseUnavailable: UNAVAILABLE, the database could not answer
+	// (metadata sql_state when it said why); retrying may succeed.
+	ReasonDatabaseUnavailable = "DATABASE_UNAVAILABLE"
 )
 
 // Sentinels for errors.Is. Every error of this package also carries the

@@ -33,6 +33,7 @@ import { listen } from "../../src/host/listener.js";
 import type { Sql } from "../../src/postgres/pool.js";
 import { fencingHeaderNames as fencingHeaders } from "../../src/protocol/headers.js";
 import { durationFromMillis } from "../../src/server/rpc/convert.js";
+import { openTransaction } from "../support/db.js";
 import { useTestServer } from "../support/fixture.js";
 import { freshKey, untilExpired } from "../support/leases.js";
 import { grpcClient } from "../support/server.js";
@@ -122,6 +123,25 @@ function ledgerRoutes(sql: Sql) {
         if (req.line === "fail after writing") {
           throw new ConnectError("the handler failed after writing", Code.FailedPrecondition);
         }
+        if (req.line === "duplicate") {
+          // A bug of the handler's: the same name twice (23505).
+          await call.tx`INSERT INTO ledger_names VALUES (${call.claim.key.sessionId})`;
+          await call.tx`INSERT INTO ledger_names VALUES (${call.claim.key.sessionId})`;
+        }
+        if (req.line === "locked row") {
+          // Database trouble: a row another transaction holds, until lock_timeout.
+          await call.tx`SET LOCAL lock_timeout = '300ms'`;
+          await call.tx`UPDATE ledger_counter SET n = n + 1 WHERE id = 1`;
+        }
+        if (req.line === "slow") {
+          // A statement far longer than the statement_timeout set before it.
+          await call.tx`SET LOCAL statement_timeout = '100ms'`;
+          await call.tx`SELECT pg_sleep(30)`;
+        }
+        if (req.line === "terminated") {
+          // The server ends the handler's connection under it.
+          await call.tx`SELECT pg_terminate_backend(pg_backend_pid())`;
+        }
         return create(message("AppendResponse"), { highestToken: call.highestToken });
       },
       read: async (req: { sessionId: string }) => {
@@ -167,6 +187,9 @@ beforeAll(async () => {
       id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
       account_id text NOT NULL, session_id text NOT NULL, token bigint NOT NULL, line text NOT NULL
     )`;
+  await db.sql`CREATE TABLE ledger_names (name text PRIMARY KEY)`;
+  await db.sql`CREATE TABLE ledger_counter (id int PRIMARY KEY, n int NOT NULL)`;
+  await db.sql`INSERT INTO ledger_counter VALUES (1, 0)`;
   const fenced = (m: { name: string }) => m.name !== "Read";
   ledgerUrl = await serve(
     connectNodeAdapter({
@@ -240,6 +263,56 @@ describe.each(transports)("fencing interceptor, %s", (_name, transport) => {
     expect(error.code).toBe(Code.FailedPrecondition);
     expect(await lines(key.sessionId)).toEqual(["kept"]);
     expect(await highestToken(db.sql, key)).toBe(3n);
+  });
+
+  it("S7: a handler's bug (a unique violation) is INTERNAL, not UNAVAILABLE, and writes nothing", async () => {
+    const key = freshKey("ledger");
+    const error = await refusal(
+      append(client(), "duplicate", fenceClaimHeaders({ key, token: 4n })),
+    );
+    expect(error.code).toBe(Code.Internal);
+    expect(error.rawMessage).toBe("internal error");
+    expect(await lines(key.sessionId)).toEqual([]);
+    expect(await highestToken(db.sql, key)).toBe(0n);
+  });
+
+  it("S7, S8: a handler's statement on a row held by an uncommitted transaction is UNAVAILABLE DATABASE_UNAVAILABLE at lock_timeout", async () => {
+    const key = freshKey("ledger");
+    const holder = await openTransaction(
+      db,
+      (tx) => tx`SELECT n FROM ledger_counter WHERE id = 1 FOR UPDATE`,
+    );
+    let error: ConnectError;
+    try {
+      error = await refusal(append(client(), "locked row", fenceClaimHeaders({ key, token: 4n })));
+    } finally {
+      await holder.end();
+    }
+    expect(error.code).toBe(Code.Unavailable);
+    const [info] = error.findDetails(ErrorInfoSchema);
+    expect(info?.reason).toBe("DATABASE_UNAVAILABLE");
+    expect(info?.metadata.sql_state).toBe("55P03");
+    expect(await lines(key.sessionId)).toEqual([]);
+    // Once the row is free the same call writes.
+    expect(
+      (await append(client(), "locked row", fenceClaimHeaders({ key, token: 4n }))).highestToken,
+    ).toBe(4n);
+    expect(await lines(key.sessionId)).toEqual(["locked row"]);
+  });
+
+  it("a handler's statement past statement_timeout is DEADLINE_EXCEEDED; its connection ended by the server is UNAVAILABLE", async () => {
+    const key = freshKey("ledger");
+    const slow = await refusal(append(client(), "slow", fenceClaimHeaders({ key, token: 4n })));
+    expect(slow.code).toBe(Code.DeadlineExceeded);
+    const ended = await refusal(
+      append(client(), "terminated", fenceClaimHeaders({ key, token: 4n })),
+    );
+    expect(ended.code).toBe(Code.Unavailable);
+    expect(ended.findDetails(ErrorInfoSchema)[0]?.reason).toBe("DATABASE_UNAVAILABLE");
+    expect(await lines(key.sessionId)).toEqual([]);
+    expect(
+      (await append(client(), "written", fenceClaimHeaders({ key, token: 4n }))).highestToken,
+    ).toBe(4n);
   });
 
   it("bad input: a missing header is INVALID_ARGUMENT naming it, and nothing is written", async () => {

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"strings"
@@ -26,8 +27,8 @@ import (
 )
 
 // answering is a fenced service whose Put answers what its request names:
-// its own status errors, or the error of its own bad statement on the
-// fence's transaction.
+// its own status errors, or the error of its own statement on the fence's
+// transaction (a bug, or a row held by another transaction).
 type answering struct {
 	guardedv1.UnimplementedGuardedStoreServiceServer
 }
@@ -52,6 +53,31 @@ func (answering) Put(ctx context.Context, req *guardedv1.PutRequest) (*guardedv1
 		// A bug of the handler's, not the fence database failing.
 		_, err := call.Tx.ExecContext(ctx, `SELECT no_such_column FROM leasehold_fences`)
 		return nil, err
+	case "duplicate":
+		// A bug of the handler's: the same name twice (23505).
+		for range 2 {
+			if _, err := call.Tx.ExecContext(ctx, `INSERT INTO go_fence_names VALUES ($1)`, req.GetName()); err != nil {
+				return nil, err
+			}
+		}
+	case "locked row":
+		// Database trouble: a row another transaction holds, until lock_timeout.
+		if _, err := call.Tx.ExecContext(ctx, `UPDATE go_fence_rows SET n = n + 1 WHERE id = 1`); err != nil {
+			return nil, err
+		}
+	case "slow":
+		// A statement far longer than the statement_timeout set before it.
+		if _, err := call.Tx.ExecContext(ctx, `SET LOCAL statement_timeout = '100ms'`); err != nil {
+			return nil, err
+		}
+		if _, err := call.Tx.ExecContext(ctx, `SELECT pg_sleep(30)`); err != nil {
+			return nil, err
+		}
+	case "terminated":
+		// The server ends the handler's connection under it.
+		if _, err := call.Tx.ExecContext(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`); err != nil {
+			return nil, err
+		}
 	}
 	return &guardedv1.PutResponse{HighestToken: call.Highest}, nil
 }
@@ -93,15 +119,26 @@ func openFenceDB(t *testing.T, params string) *sql.DB {
 	return db
 }
 
-// S7 and the error table: the fence interceptor answers for the fence
-// alone. The handler's own status error reaches the caller unchanged (code,
-// message, details), and so does its own failure (not UNAVAILABLE: retrying
-// cannot help); only the fence database failing to decide is UNAVAILABLE;
-// a stale token stays ABORTED STALE_FENCING_TOKEN.
+// S7, S8 and the error table, one rule with the TypeScript and Python
+// interceptors: the handler's own status error reaches the caller unchanged
+// (code, message, details), and so does its bug (a bad statement, a unique
+// violation: not UNAVAILABLE, retrying cannot help); database trouble (a
+// lock timeout) is UNAVAILABLE DATABASE_UNAVAILABLE wherever it happened,
+// in the fence check or in the handler's statement; a stale token stays
+// ABORTED STALE_FENCING_TOKEN.
 func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 	// lock_timeout: a fence row held by another transaction fails the
 	// check quickly (S8), as the database failing to decide.
 	db := openFenceDB(t, "lock_timeout=300")
+	for _, stmt := range []string{
+		`CREATE TABLE IF NOT EXISTS go_fence_names (name text PRIMARY KEY)`,
+		`CREATE TABLE IF NOT EXISTS go_fence_rows (id int PRIMARY KEY, n int NOT NULL)`,
+		`INSERT INTO go_fence_rows VALUES (1, 0) ON CONFLICT DO NOTHING`,
+	} {
+		if _, err := db.Exec(stmt); err != nil {
+			t.Fatal(err)
+		}
+	}
 	client := serveAnswering(t, db)
 	var b [6]byte
 	_, _ = rand.Read(b[:])
@@ -112,7 +149,7 @@ func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 			leasehold.AccountIDHeader, key.AccountID,
 			leasehold.SessionIDHeader, key.SessionID,
 		))
-		_, err := client.Put(ctx, &guardedv1.PutRequest{Name: "doc", Value: []byte(value)})
+		_, err := client.Put(ctx, &guardedv1.PutRequest{Name: key.SessionID, Value: []byte(value)})
 		return err
 	}
 
@@ -134,7 +171,7 @@ func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 
 	t.Run("the handler's NOT_FOUND, unchanged", func(t *testing.T) {
 		got := status.Convert(put(5, "missing"))
-		if got.Code() != codes.NotFound || got.Message() != `document "doc" not found` {
+		if got.Code() != codes.NotFound || got.Message() != fmt.Sprintf("document %q not found", key.SessionID) {
 			t.Fatalf("got %v %q, want NOT_FOUND from the handler", got.Code(), got.Message())
 		}
 	})
@@ -143,6 +180,49 @@ func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 		got := status.Convert(put(5, "bad statement"))
 		if got.Code() == codes.Unavailable || !strings.Contains(got.Message(), "no_such_column") {
 			t.Fatalf("got %v %q, want the handler's error (UNKNOWN), not UNAVAILABLE", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("the handler's unique violation is not UNAVAILABLE", func(t *testing.T) {
+		got := status.Convert(put(5, "duplicate"))
+		if got.Code() != codes.Unknown || !strings.Contains(got.Message(), "23505") {
+			t.Fatalf("got %v %q, want the handler's unique violation (UNKNOWN), not UNAVAILABLE", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("the handler's statement hitting lock_timeout is UNAVAILABLE", func(t *testing.T) {
+		// S8: a row the handler updates, held by an uncommitted transaction.
+		holder := openFenceDB(t, "")
+		tx, err := holder.Begin()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = tx.Rollback() }()
+		if _, err := tx.Exec(`SELECT n FROM go_fence_rows WHERE id = 1 FOR UPDATE`); err != nil {
+			t.Fatal(err)
+		}
+		err = put(5, "locked row")
+		assertDatabaseUnavailable(t, err, "55P03")
+		_ = tx.Rollback()
+		if err := put(5, "locked row"); err != nil {
+			t.Fatalf("once the row is free: %v", err)
+		}
+	})
+
+	t.Run("the handler's statement past statement_timeout is DEADLINE_EXCEEDED", func(t *testing.T) {
+		got := status.Convert(put(5, "slow"))
+		if got.Code() != codes.DeadlineExceeded || !strings.Contains(got.Message(), "57014") {
+			t.Fatalf("got %v %q, want DEADLINE_EXCEEDED for the statement timeout", got.Code(), got.Message())
+		}
+	})
+
+	t.Run("the handler's connection ended by the server is UNAVAILABLE", func(t *testing.T) {
+		got := status.Convert(put(5, "terminated"))
+		if got.Code() != codes.Unavailable {
+			t.Fatalf("got %v %q, want UNAVAILABLE for the lost connection", got.Code(), got.Message())
+		}
+		if err := put(5, "ok"); err != nil {
+			t.Fatalf("the next call, on another connection: %v", err)
 		}
 	})
 
@@ -166,13 +246,27 @@ func TestInterceptorKeepsTheHandlersErrors(t *testing.T) {
 		if _, err := tx.Exec(`SELECT 1 FROM leasehold_fences WHERE account_id = $1 AND session_id = $2 FOR UPDATE`, key.AccountID, key.SessionID); err != nil {
 			t.Fatal(err)
 		}
-		got := status.Convert(put(5, "ok"))
-		if got.Code() != codes.Unavailable || !strings.Contains(got.Message(), "lock") {
-			t.Fatalf("got %v %q, want UNAVAILABLE naming the lock timeout", got.Code(), got.Message())
-		}
+		assertDatabaseUnavailable(t, put(5, "ok"), "55P03")
 		_ = tx.Rollback()
 		if err := put(5, "ok"); err != nil {
 			t.Fatalf("once the row is free: %v", err)
 		}
 	})
+}
+
+// assertDatabaseUnavailable: err is UNAVAILABLE naming the lock timeout, with
+// ErrorInfo DATABASE_UNAVAILABLE and sql_state, as the TypeScript interceptor answers.
+func assertDatabaseUnavailable(t *testing.T, err error, sqlState string) {
+	t.Helper()
+	got := status.Convert(err)
+	if got.Code() != codes.Unavailable || !strings.Contains(got.Message(), "lock") {
+		t.Fatalf("got %v %q, want UNAVAILABLE naming the lock timeout", got.Code(), got.Message())
+	}
+	for _, d := range got.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetReason() == leasehold.ReasonDatabaseUnavailable &&
+			info.GetDomain() == leasehold.ErrorDomain && info.GetMetadata()["sql_state"] == sqlState {
+			return
+		}
+	}
+	t.Fatalf("details %v, want ErrorInfo %s sql_state %s", got.Details(), leasehold.ReasonDatabaseUnavailable, sqlState)
 }

@@ -11,11 +11,16 @@ package fence
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"regexp"
 	"strconv"
+	"strings"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -210,10 +215,20 @@ func invalid(field, rule string) error {
 // fence check in a transaction of db, and hands that transaction to the
 // handler (CallFrom); the handler's writes commit with the check (S7), or
 // not at all. A stale token is ABORTED, ErrorInfo STALE_FENCING_TOKEN with
-// presented_token and highest_token, before the handler runs. When the
-// fence's own database work fails (begin, check, commit) the call is
-// UNAVAILABLE (DEADLINE_EXCEEDED or CANCELLED when the call's context
-// ended): retryable. The handler's own error reaches the caller unchanged.
+// presented_token and highest_token, before the handler runs.
+//
+// Errors follow one rule with the TypeScript and Python interceptors,
+// wherever they happened (the fence's begin, check and commit, or the
+// handler): database trouble — a SQLSTATE of src/postgres/database-errors.ts
+// (lock timeout 55P03, serialization failure, deadlock, a server shutting
+// down or refusing connections, a standby, class 08) or a lost connection —
+// is UNAVAILABLE with ErrorInfo DATABASE_UNAVAILABLE (sql_state), and a
+// statement timeout (57014) DEADLINE_EXCEEDED: retrying may succeed. The
+// fence's own database work failing after the call's context ended is
+// DEADLINE_EXCEEDED or CANCELLED. A status error (the handler's
+// INVALID_ARGUMENT, NOT_FOUND, …) passes unchanged, and so does any other
+// error (a handler's unique violation, a bug): gRPC answers UNKNOWN, and
+// retrying cannot help.
 func UnaryServerInterceptor(db *sql.DB, o Options) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if o.Fenced != nil && !o.Fenced(info.FullMethod) {
@@ -248,8 +263,14 @@ func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler g
 	}
 	resp, err := handler(context.WithValue(ctx, callKey{}, &Call{Claim: claim, Highest: highest, Tx: tx}), req)
 	if err != nil {
-		// The handler's answer (its INVALID_ARGUMENT, NOT_FOUND, …): the
-		// fence decided, so nothing here makes it retryable.
+		// The handler's answer (its INVALID_ARGUMENT, NOT_FOUND, its bug)
+		// passes unchanged; only its database trouble is made retryable.
+		if _, ok := status.FromError(err); ok {
+			return nil, err
+		}
+		if trouble := databaseTrouble(err); trouble != nil {
+			return nil, trouble
+		}
 		return nil, err
 	}
 	if err := tx.Commit(); err != nil {
@@ -259,10 +280,70 @@ func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler g
 }
 
 // undecided is the answer when the fence's database work failed at step:
-// the check (and the write with it) may succeed if retried.
+// database trouble, or the call's context ended, may succeed if retried;
+// any other error (leasehold_fence missing: migrations not applied, a
+// deferred constraint of the handler's writes at commit) passes unchanged.
 func undecided(ctx context.Context, step string, err error) error {
 	if ctx.Err() != nil {
 		return status.FromContextError(ctx.Err()).Err()
 	}
-	return status.Errorf(codes.Unavailable, "the fence database could not decide (%s): %v", step, err)
+	if trouble := databaseTrouble(err); trouble != nil {
+		return trouble
+	}
+	return fmt.Errorf("the fence's %s failed: %w", step, err)
+}
+
+// unavailableStates are the SQLSTATEs that mean "the database cannot answer
+// right now", as opposed to a bug in a statement: the set of
+// src/postgres/database-errors.ts.
+var unavailableStates = map[string]bool{
+	"55P03": true, // lock_not_available: lock_timeout (S8)
+	"40001": true, // serialization_failure
+	"40P01": true, // deadlock_detected
+	"57P01": true, // admin_shutdown
+	"57P02": true, // crash_shutdown
+	"57P03": true, // cannot_connect_now
+	"53300": true, // too_many_connections
+	"25P03": true, // idle_in_transaction_session_timeout
+	"25006": true, // read_only_sql_transaction: a standby, or a primary being demoted
+}
+
+const statementTimeoutState = "57014"
+
+// databaseTrouble is the answer for an error of database work that may
+// succeed if retried (UNAVAILABLE DATABASE_UNAVAILABLE, or
+// DEADLINE_EXCEEDED for a statement timeout), or nil for a bug.
+func databaseTrouble(err error) error {
+	state := ""
+	var se sqlStateError
+	if errors.As(err, &se) {
+		state = se.SQLState()
+	}
+	switch {
+	case state == statementTimeoutState:
+		return status.Errorf(codes.DeadlineExceeded, "the database statement timed out: %v", err)
+	case unavailableStates[state] || strings.HasPrefix(state, "08") || lostConnection(err):
+		label := state
+		if label == "" {
+			label = "connection"
+		}
+		st := status.New(codes.Unavailable, fmt.Sprintf("the database is unavailable (%s): %v", label, err))
+		st, _ = st.WithDetails(&errdetails.ErrorInfo{
+			Reason:   leasehold.ReasonDatabaseUnavailable,
+			Domain:   leasehold.ErrorDomain,
+			Metadata: map[string]string{"sql_state": state},
+		})
+		return st.Err()
+	}
+	return nil
+}
+
+// lostConnection: the connection could not be made or was lost under the
+// statement (pgx's connect error, database/sql's bad or done connection, a
+// network error or EOF), not the server rejecting a statement.
+func lostConnection(err error) bool {
+	var connect *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connect) || errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.As(err, &netErr)
 }

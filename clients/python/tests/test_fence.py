@@ -18,13 +18,16 @@ import pytest_asyncio
 from test_blocking import TTL, key
 
 from leasehold import (
+    ACCOUNT_ID_HEADER,
     FENCING_TOKEN_HEADER,
+    SESSION_ID_HEADER,
     InvalidArgumentError,
     LeaseClient,
     StaleFencingTokenError,
+    UnavailableError,
 )
 from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
-from leasehold.errors import from_rpc_error
+from leasehold.errors import DATABASE_UNAVAILABLE, from_rpc_error
 from leasehold.fence import (
     AsyncFencingInterceptor,
     FencingInterceptor,
@@ -213,3 +216,206 @@ def test_s7_fenced_write_commits_with_the_check_or_not_at_all(fence_db: str) -> 
             raise AssertionError("the block of a stale token must not run")
         assert (stale.value.presented, stale.value.highest) == (4, 5)
     assert rows(fence_db, k) == [(5, "five")]
+
+
+# The fence check's errors, one rule with the TypeScript and Go interceptors:
+# database trouble (here a lock timeout) is UNAVAILABLE DATABASE_UNAVAILABLE
+# wherever it happened, a handler's bug is not, the handler's own status
+# passes unchanged.
+
+
+def answering_db(fence_db: str) -> None:
+    with psycopg.connect(fence_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS py_fence_names (name text PRIMARY KEY)")
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS py_fence_rows (id int PRIMARY KEY, n int NOT NULL)"
+        )
+        conn.execute("INSERT INTO py_fence_rows VALUES (1, 0) ON CONFLICT DO NOTHING")
+
+
+# The statements of a handler's answers, by the request's value.
+_DUPLICATE = "INSERT INTO py_fence_names VALUES (%s)"
+_LOCKED_ROW = "UPDATE py_fence_rows SET n = n + 1 WHERE id = 1"
+# A statement far longer than the statement_timeout set before it.
+_STATEMENT_TIMEOUT = "SET LOCAL statement_timeout = '100ms'"
+_SLOW = "SELECT pg_sleep(30)"
+# The server ends the handler's connection under it (57P01, then EOF).
+_TERMINATED = "SELECT pg_terminate_backend(pg_backend_pid())"
+
+
+class Answering(guarded_pb2_grpc.GuardedStoreServiceServicer):
+    """Put answers what its request's value names, on the fence's transaction."""
+
+    def Put(self, request: guarded_pb2.PutRequest, context: Any) -> guarded_pb2.PutResponse:
+        call = current_fenced_call()
+        conn = call.connection
+        match request.value.decode():
+            case "duplicate":
+                # A bug of the handler's: the same name twice.
+                conn.execute(_DUPLICATE, (request.name,))
+                conn.execute(_DUPLICATE, (request.name,))
+            case "locked row":
+                conn.execute(_LOCKED_ROW)
+            case "slow":
+                conn.execute(_STATEMENT_TIMEOUT)
+                conn.execute(_SLOW)
+            case "terminated":
+                conn.execute(_TERMINATED)
+            case "missing":
+                context.abort(grpc.StatusCode.NOT_FOUND, f"document {request.name!r} not found")
+        return guarded_pb2.PutResponse(highest_token=call.highest_token)
+
+
+class AsyncAnswering(guarded_pb2_grpc.GuardedStoreServiceServicer):
+    async def Put(self, request: guarded_pb2.PutRequest, context: Any) -> guarded_pb2.PutResponse:
+        call = current_fenced_call()
+        conn = call.connection
+        match request.value.decode():
+            case "duplicate":
+                await conn.execute(_DUPLICATE, (request.name,))
+                await conn.execute(_DUPLICATE, (request.name,))
+            case "locked row":
+                await conn.execute(_LOCKED_ROW)
+            case "slow":
+                await conn.execute(_STATEMENT_TIMEOUT)
+                await conn.execute(_SLOW)
+            case "terminated":
+                await conn.execute(_TERMINATED)
+            case "missing":
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"document {request.name!r} not found"
+                )
+        return guarded_pb2.PutResponse(highest_token=call.highest_token)
+
+
+# lock_timeout: a row held by an uncommitted transaction fails the
+# handler's statement quickly (S8), as database trouble.
+_LOCK_TIMEOUT = "-c lock_timeout=300"
+
+
+@pytest.fixture
+def answering_store(fence_db: str) -> Iterator[str]:
+    answering_db(fence_db)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=[FencingInterceptor(lambda: psycopg.connect(fence_db, options=_LOCK_TIMEOUT))],
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(Answering(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None)
+
+
+@asynccontextmanager
+async def connect_async_locking(url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with await psycopg.AsyncConnection.connect(url, options=_LOCK_TIMEOUT) as conn:
+        yield conn
+
+
+@pytest_asyncio.fixture
+async def async_answering_store(fence_db: str) -> AsyncIterator[str]:
+    answering_db(fence_db)
+    server = grpc.aio.server(
+        interceptors=[AsyncFencingInterceptor(lambda: connect_async_locking(fence_db))]
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(AsyncAnswering(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+def answer(address: str, k: SessionKey, token: int, value: str) -> grpc.RpcError | None:
+    """The error of a Put fenced with ``token`` whose handler answers ``value``."""
+    metadata = (
+        (FENCING_TOKEN_HEADER, str(token)),
+        (ACCOUNT_ID_HEADER, k.account_id),
+        (SESSION_ID_HEADER, k.session_id),
+    )
+    with grpc.insecure_channel(address) as channel:
+        stub = guarded_pb2_grpc.GuardedStoreServiceStub(channel)
+        request = guarded_pb2.PutRequest(key=k.to_proto(), name=k.session_id, value=value.encode())
+        try:
+            stub.Put(request, metadata=metadata, timeout=10)
+        except grpc.RpcError as error:
+            return error
+    return None
+
+
+def handlers_errors_story(address: str, fence_db: str, label: str) -> None:
+    k = key(label)
+    assert answer(address, k, 5, "ok") is None
+
+    # A handler's bug (a unique violation) is not UNAVAILABLE: retrying
+    # cannot help. It propagates, and grpc answers UNKNOWN.
+    bug = answer(address, k, 5, "duplicate")
+    assert bug is not None
+    assert bug.code() == grpc.StatusCode.UNKNOWN, (bug.code(), bug.details())
+    assert not isinstance(from_rpc_error(bug), UnavailableError)
+
+    # The handler's own status passes unchanged.
+    missing = answer(address, k, 5, "missing")
+    assert missing is not None
+    assert (missing.code(), missing.details()) == (
+        grpc.StatusCode.NOT_FOUND,
+        f"document {k.session_id!r} not found",
+    )
+
+    # S8: the handler's statement waits on a row held by an uncommitted
+    # transaction until lock_timeout: database trouble, UNAVAILABLE.
+    with psycopg.connect(fence_db) as holder:
+        holder.execute("SELECT n FROM py_fence_rows WHERE id = 1 FOR UPDATE")
+        locked = answer(address, k, 5, "locked row")
+        holder.rollback()
+    assert locked is not None
+    assert locked.code() == grpc.StatusCode.UNAVAILABLE, (locked.code(), locked.details())
+    unavailable = from_rpc_error(locked)
+    assert isinstance(unavailable, UnavailableError)
+    assert (unavailable.reason, unavailable.metadata) == (
+        DATABASE_UNAVAILABLE,
+        {"sql_state": "55P03"},
+    )
+    # Once the row is free the same call succeeds.
+    assert answer(address, k, 5, "locked row") is None
+
+    # The handler's statement past statement_timeout: DEADLINE_EXCEEDED.
+    slow = answer(address, k, 5, "slow")
+    assert slow is not None
+    assert slow.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (slow.code(), slow.details())
+
+    # The handler's connection ended by the server: UNAVAILABLE.
+    terminated = answer(address, k, 5, "terminated")
+    assert terminated is not None
+    assert terminated.code() == grpc.StatusCode.UNAVAILABLE, (
+        terminated.code(),
+        terminated.details(),
+    )
+    assert from_rpc_error(terminated).reason == DATABASE_UNAVAILABLE
+
+    # S7: a stale token stays ABORTED STALE_FENCING_TOKEN.
+    stale = answer(address, k, 4, "ok")
+    assert stale is not None
+    refused = from_rpc_error(stale)
+    assert isinstance(refused, StaleFencingTokenError)
+    assert (refused.presented, refused.highest) == (4, 5)
+
+
+def test_s7_s8_the_blocking_interceptor_answers_database_trouble_unavailable_and_a_bug_not(
+    fence_db: str, answering_store: str
+) -> None:
+    """S7, S8: a handler's unique violation is UNKNOWN, not UNAVAILABLE; its
+    statement that hits lock_timeout is UNAVAILABLE DATABASE_UNAVAILABLE
+    (sql_state 55P03), one past statement_timeout DEADLINE_EXCEEDED, its
+    connection ended by the server UNAVAILABLE; its NOT_FOUND passes
+    unchanged; a stale token is ABORTED."""
+    handlers_errors_story(answering_store, fence_db, "pyfence-errors")
+
+
+async def test_s7_s8_the_aio_interceptor_answers_database_trouble_unavailable_and_a_bug_not(
+    fence_db: str, async_answering_store: str
+) -> None:
+    """S7, S8, as above, on a grpc.aio server."""
+    await asyncio.to_thread(
+        handlers_errors_story, async_answering_store, fence_db, "pyafence-errors"
+    )

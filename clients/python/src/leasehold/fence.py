@@ -10,6 +10,16 @@ A refusal is ABORTED with the guarded store's details (ErrorInfo reason
 ``STALE_FENCING_TOKEN``, metadata ``presented_token`` and ``highest_token``);
 bad or missing headers are INVALID_ARGUMENT naming the header.
 
+Errors are classified as the TypeScript interceptor does
+(src/postgres/database-errors.ts), wherever they happened, in the fence
+check or in the handler: database trouble (a lock timeout, a serialization
+failure or deadlock, a server shutting down or refusing connections, a
+standby, a lost connection) is UNAVAILABLE with ErrorInfo
+``DATABASE_UNAVAILABLE`` (metadata ``sql_state``), a statement timeout
+DEADLINE_EXCEEDED: retrying may succeed. The handler's own status
+(``context.abort``) passes unchanged; any other error (a unique violation, a
+syntax error, a bug) propagates, and grpc answers UNKNOWN: retrying cannot help.
+
 Without gRPC, :func:`fenced_write` does a fenced write in one transaction::
 
     with psycopg.connect(url) as conn, fenced_write(conn, key, token) as tx:
@@ -47,6 +57,7 @@ from grpc_status import rpc_status
 
 from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from .errors import (
+    DATABASE_UNAVAILABLE,
     ERROR_DOMAIN,
     INVALID_ARGUMENT,
     STALE_FENCING_TOKEN,
@@ -250,7 +261,7 @@ def _live_verdict(current: bool, highest: int, token: int) -> None:
     raise LeaseNotHeldError(f"lease not held: {cause}", cause)
 
 
-def _status_of(error: Exception) -> status_pb2.Status:
+def _status_of(error: LeaseholdError) -> status_pb2.Status:
     """The google.rpc.Status a guarded store answers for ``error``."""
     if isinstance(error, StaleFencingTokenError):
         info = error_details_pb2.ErrorInfo(
@@ -279,9 +290,48 @@ def _status_of(error: Exception) -> status_pb2.Status:
                     reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata
                 )
             )
-        return _status(error.code, error.message, details)
-    # The database could not decide (connection lost, timeout): retryable.
-    return _status(grpc.StatusCode.UNAVAILABLE, f"the fence check could not run: {error}", [])
+    return _status(error.code, error.message, details)
+
+
+# SQLSTATEs that mean "the database cannot answer right now", as opposed to a
+# bug in a statement: the set of src/postgres/database-errors.ts.
+_UNAVAILABLE_STATES = frozenset(
+    {
+        "55P03",  # lock_not_available: lock_timeout (S8)
+        "40001",  # serialization_failure
+        "40P01",  # deadlock_detected
+        "57P01",  # admin_shutdown
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now
+        "53300",  # too_many_connections
+        "25P03",  # idle_in_transaction_session_timeout
+        "25006",  # read_only_sql_transaction: a standby, or a primary being demoted
+    }
+)
+_STATEMENT_TIMEOUT = "57014"
+
+
+def _database_trouble(error: psycopg.Error) -> status_pb2.Status | None:
+    """The answer for a psycopg error that is database trouble (retrying may
+    succeed), or None for one that is a bug (retrying cannot help)."""
+    state = error.sqlstate
+    if state == _STATEMENT_TIMEOUT:
+        return _status(
+            grpc.StatusCode.DEADLINE_EXCEEDED, f"the database statement timed out: {error}", []
+        )
+    # An OperationalError without a SQLSTATE is the connection failing
+    # (refused, lost, a pool timeout), not the server rejecting a statement.
+    lost = state is None and isinstance(error, psycopg.OperationalError)
+    if not (lost or state in _UNAVAILABLE_STATES or (state or "").startswith("08")):
+        return None
+    info = error_details_pb2.ErrorInfo(
+        reason=DATABASE_UNAVAILABLE, domain=ERROR_DOMAIN, metadata={"sql_state": state or ""}
+    )
+    return _status(
+        grpc.StatusCode.UNAVAILABLE,
+        f"the database is unavailable ({state or 'connection'}): {error}",
+        [info],
+    )
 
 
 def _status(code: grpc.StatusCode, message: str, details: list[Any]) -> status_pb2.Status:
@@ -293,7 +343,6 @@ def _status(code: grpc.StatusCode, message: str, details: list[Any]) -> status_p
     return status_pb2.Status(code=code.value[0], message=message, details=packed)
 
 
-_REFUSED = (LeaseholdError, psycopg.Error)
 Fenced = Callable[[grpc.HandlerCallDetails], bool]
 
 
@@ -362,8 +411,13 @@ class FencingInterceptor(_ServerInterceptor):
                         return behavior(request, context)
                     finally:
                         _current.reset(token)
-            except _REFUSED as error:
+            except LeaseholdError as error:
                 context.abort_with_status(rpc_status.to_status(_status_of(error)))
+            except psycopg.Error as error:
+                trouble = _database_trouble(error)
+                if trouble is None:
+                    raise
+                context.abort_with_status(rpc_status.to_status(trouble))
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,
@@ -429,8 +483,13 @@ class AsyncFencingInterceptor(_AioServerInterceptor):
                         return await behavior(request, context)
                     finally:
                         _current.reset(token)
-            except _REFUSED as error:
+            except LeaseholdError as error:
                 await _abort(context, _status_of(error))
+            except psycopg.Error as error:
+                trouble = _database_trouble(error)
+                if trouble is None:
+                    raise
+                await _abort(context, trouble)
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,
