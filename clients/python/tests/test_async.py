@@ -350,9 +350,9 @@ async def test_l2_work_that_ends_at_once_releases_after_its_renewal_is_answered(
             holds.append(h)
 
         for _ in range(RUNS):
-            await c.run_exclusive(key("arelease-not-loss"), work, ttl=10.0)
+            await c.run_exclusive(key("arelease-not-loss"), work, ttl=30.0)
         for _ in range(RUNS):
-            async with c.hold(key("arelease-not-loss"), ttl=10.0) as h:
+            async with c.hold(key("arelease-not-loss"), ttl=30.0) as h:
                 holds.append(h)
         assert_released_not_lost(before, counters(own.address), holds)
     finally:

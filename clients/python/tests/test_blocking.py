@@ -416,9 +416,9 @@ def test_l2_work_that_ends_at_once_releases_after_its_renewal_is_answered(
         proxy.answer_lag = 0.3
         holds: list[Hold] = []
         for _ in range(RUNS):
-            c.run_exclusive(key("release-not-loss"), holds.append, ttl=10.0)
+            c.run_exclusive(key("release-not-loss"), holds.append, ttl=30.0)
         for _ in range(RUNS):
-            with c.hold(key("release-not-loss"), ttl=10.0) as h:
+            with c.hold(key("release-not-loss"), ttl=30.0) as h:
                 holds.append(h)
         assert_released_not_lost(before, counters(own.address), holds)
     finally:

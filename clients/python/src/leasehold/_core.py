@@ -118,8 +118,9 @@ def grant_of(
 
 
 def release_timeout(client_timeout: float, timing: LeaseTiming) -> float:
-    """A hold's Release (and its wait for a renewal in flight) takes at most
-    the client's call timeout, and never longer than the lease's TTL."""
+    """How long a hold's wait for a renewal in flight may take, and then,
+    separately, its Release: each at most the client's call timeout and never
+    longer than the lease's TTL (so the two together up to twice that)."""
     return min(client_timeout, timing.ttl)
 
 
