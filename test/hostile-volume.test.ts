@@ -1312,7 +1312,11 @@ function slowCall(url: string, method: string) {
     authorization: tokens.fuzz,
   });
   stream.on("error", () => {});
+  // The status: in trailers, or in the response headers of a trailers-only answer.
   let trailers: http2.IncomingHttpHeaders = {};
+  stream.on("response", (headers) => {
+    if (headers["grpc-status"] !== undefined) trailers = headers;
+  });
   stream.on("trailers", (t) => {
     trailers = t;
   });
