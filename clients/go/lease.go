@@ -227,8 +227,17 @@ func (l *Lease) Release(ctx context.Context) error {
 		}
 	}
 	// Cancelled by the caller while waiting: nothing was sent, and the
-	// lease is still the caller's to release.
+	// lease is still the caller's to release, so it is renewed again.
 	if err := ctx.Err(); err != nil {
+		l.mu.Lock()
+		if l.lost == nil && !l.released && l.stop == nil && l.reg != nil {
+			l.stop = make(chan struct{})
+			stop, reg := l.stop, l.reg
+			l.mu.Unlock()
+			go l.renewLoop(stop, reg)
+		} else {
+			l.mu.Unlock()
+		}
 		return err
 	}
 

@@ -112,3 +112,56 @@ func TestReleaseWaitLeavesTheReleaseHalfItsContext(t *testing.T) {
 		t.Fatalf("the lease's Context ended with %v, want ErrReleased", context.Cause(lease.Context()))
 	}
 }
+
+// L2: a Release whose ctx is cancelled before it sends anything returns
+// ctx's error and leaves the lease held and renewed (its renewals had
+// stopped for the wait): the server's deadline moves on twice after it (a
+// renewal already on the way could move it once), and a later Release ends
+// it.
+func TestReleaseCancelledBeforeSendingLeavesTheLeaseRenewed(t *testing.T) {
+	ctx := context.Background()
+	c := dial(t, []string{shared.Addr})
+	key := freshKey(t)
+	lease, err := c.Hold(ctx, key, leasehold.HoldOptions{TTL: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The server's deadline once it is later than `after`.
+	movedPast := func(after time.Time) time.Time {
+		t.Helper()
+		until := time.Now().Add(15 * time.Second)
+		for {
+			got, err := c.Get(ctx, key)
+			if err != nil || got.GetRunId() != lease.RunID() {
+				t.Fatalf("the session shows %v (%v), want the lease still held", got, err)
+			}
+			if at := got.GetExpiresAt().AsTime(); at.After(after) {
+				return at
+			}
+			if time.Now().After(until) {
+				t.Fatalf("the lease's deadline stayed at %v: not renewed", after)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	granted, err := c.Get(ctx, key)
+	if err != nil || granted == nil {
+		t.Fatalf("Get: %v %v", granted, err)
+	}
+	renewed := movedPast(granted.GetExpiresAt().AsTime()) // the renewal sent as the stream opened
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := lease.Release(cancelled); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Release with a cancelled ctx: %v, want context.Canceled", err)
+	}
+	movedPast(movedPast(renewed))
+	if err := lease.Err(); err != nil {
+		t.Fatalf("the lease was lost: %v", err)
+	}
+	if err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if held, err := c.Get(ctx, key); err != nil || held != nil {
+		t.Fatalf("after Release the session shows %v (%v), want free", held, err)
+	}
+}
