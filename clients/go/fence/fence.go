@@ -268,6 +268,10 @@ func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler g
 		if _, ok := status.FromError(err); ok {
 			return nil, err
 		}
+		// The call's own deadline or cancel: answered as grpc-go answers it.
+		if ctx.Err() != nil && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
 		if trouble := databaseTrouble(err); trouble != nil {
 			return nil, trouble
 		}
@@ -342,8 +346,13 @@ func databaseTrouble(err error) error {
 // statement (pgx's connect error, database/sql's bad or done connection, a
 // network error or EOF), not the server rejecting a statement.
 func lostConnection(err error) bool {
+	// A context's deadline satisfies net.Error (Timeout): it is not a lost
+	// connection.
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
+		return false
+	}
 	var connect *pgconn.ConnectError
-	var netErr net.Error
+	var opErr *net.OpError
 	return errors.As(err, &connect) || errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
-		errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.As(err, &netErr)
+		errors.Is(err, io.ErrUnexpectedEOF) || errors.As(err, &opErr)
 }
