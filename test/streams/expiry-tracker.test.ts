@@ -197,6 +197,41 @@ describe("expiry tracker", () => {
     expect(ends().map((c) => c.type)).toEqual(["expired"]);
   });
 
+  it("S9, S8: a row being written at its deadline is judged again later, sooner first, then less often", async () => {
+    let writtenReadings = 3;
+    await startTracker({
+      ...mem.store,
+      readScopes: async (scopes, options) => {
+        const reading = await mem.store.readScopes(scopes, options);
+        if (!options?.skipWritten || scopes.length === 0 || writtenReadings <= 0) return reading;
+        writtenReadings -= 1;
+        // A transaction holds the row: the reading leaves it out and names it.
+        return { ...reading, rows: [], written: scopes.map(scopeOf) };
+      },
+    });
+    const lease = await mem.grant({ ttlMs: 1_000 });
+    tracker.hold(scopeOf(lease));
+    tracker.learn(lease);
+    await vi.advanceTimersByTimeAsync(1_000 + readAfterMs);
+    expect(readings).toHaveLength(1);
+    // Again after 20 ms, then 40, then 80 (each plus the margin): nothing
+    // is reported while the row is being written.
+    for (const [gapMs, count] of [
+      [20, 2],
+      [40, 3],
+    ] as const) {
+      await vi.advanceTimersByTimeAsync(gapMs + marginMs - 1);
+      expect(readings).toHaveLength(count - 1);
+      await vi.advanceTimersByTimeAsync(readAfterMs);
+      expect(readings).toHaveLength(count);
+      expect(ends()).toEqual([]);
+    }
+    await vi.advanceTimersByTimeAsync(80 + readAfterMs);
+    expect(readings).toHaveLength(4);
+    // The writer is gone: the fourth reading judges the row.
+    expect(ends().map((c) => c.type)).toEqual(["expired"]);
+  });
+
   it("S9: deadlines are kept on the database clock, however far this process's clock is from it", async () => {
     mem = memoryStreaming({ skewMs: 3_600_000 });
     await startTracker();

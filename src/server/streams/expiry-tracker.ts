@@ -81,13 +81,15 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
   const covered = (key: SessionKey) =>
     holds.has(keyString(key)) || holds.has(accountScope(key.accountId));
 
-  function arm(key: SessionKey, token: bigint, delayMs: number) {
+  /** `retry`: a reading found the row being written; any other arming starts the count again. */
+  function arm(key: SessionKey, token: bigint, delayMs: number, retry = false) {
     const k = keyString(key);
     const existing = entries.get(k);
     if (existing) {
       if (existing.token > token) return;
       clearTimeout(existing.timer);
     }
+    if (!retry) writtenTries.delete(k);
     const timer = setTimeout(
       () => {
         due.set(k, key);
@@ -174,7 +176,12 @@ export function createExpiryTracker(options: ExpiryTrackerOptions): ExpiryTracke
                 "a lease row due for its expiry check is held by a transaction; the check waits for it",
               );
             }
-            arm(key, entry.token, Math.min(writtenRetryMaxMs, writtenRetryMs * 2 ** (tries - 1)));
+            arm(
+              key,
+              entry.token,
+              Math.min(writtenRetryMaxMs, writtenRetryMs * 2 ** (tries - 1)),
+              true,
+            );
             continue;
           }
           writtenTries.delete(k);
