@@ -515,7 +515,11 @@ describe.sequential("fault injection under a checked history", () => {
           ).toBe(true);
         }
         for (const i of [0, 1, 2]) await untilListening(instance(i).directUrl);
-        await direct(2).release({ key: held, runId: before.lease?.runId ?? "" });
+        // A pooled connection still open to the old primary answers its next
+        // statement 57P01 (UNAVAILABLE) once; the release is tried again.
+        await untilAvailable(() =>
+          direct(2).release({ key: held, runId: before.lease?.runId ?? "" }),
+        );
         detail = `promoted ${killToPromotedMs} ms after the kill; instances served at ${servedAfter.join("/")} ms; tokens > ${highestBefore}`;
       } finally {
         const rebuildFrom = performance.now();
