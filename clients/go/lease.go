@@ -195,14 +195,9 @@ func (l *Lease) HandoffRequests() <-chan HandoffRequest { return l.handoffs }
 // one) and returns the *LeaseLostError. Releasing twice is a no-op.
 func (l *Lease) Release(ctx context.Context) error {
 	l.mu.Lock()
-	if l.lost != nil {
-		err := l.lost
+	if ended, err := l.endedLocked(); ended {
 		l.mu.Unlock()
 		return err
-	}
-	if l.released {
-		l.mu.Unlock()
-		return nil
 	}
 	// No new renewal from here on; the one on the way is waited for.
 	if l.stop != nil {
@@ -242,14 +237,9 @@ func (l *Lease) Release(ctx context.Context) error {
 	}
 
 	l.mu.Lock()
-	if l.lost != nil {
-		err := l.lost
+	if ended, err := l.endedLocked(); ended {
 		l.mu.Unlock()
 		return err
-	}
-	if l.released {
-		l.mu.Unlock()
-		return nil
 	}
 	l.released = true
 	l.stopLocked()
@@ -261,6 +251,16 @@ func (l *Lease) Release(ctx context.Context) error {
 		l.client.log(slog.LevelWarn, "leasehold: release failed", "key", l.key.String(), "run_id", l.runID, "err", err)
 	}
 	return err
+}
+
+// endedLocked says whether the lease has ended: lost (with its
+// *LeaseLostError) or released (nil), where Release has nothing to do.
+// l.mu is held.
+func (l *Lease) endedLocked() (bool, error) {
+	if l.lost != nil {
+		return true, l.lost
+	}
+	return l.released, nil
 }
 
 // stopLocked stops renewing and watching the deadline. l.mu is held.
