@@ -536,10 +536,12 @@ describe("fencing interceptor", () => {
           const options = { contextValues: createContextValues().set(fencingContextKey, ctx) };
           await store.put({ key, name: "before" }, options);
           // Block the event loop past the local deadline and on past the
-          // lease's deadline in the database (the local one is at least the
-          // margin, 100 ms, earlier): no timer runs meanwhile, so the signal
+          // lease's deadline in the database, which is later by the margin
+          // (150 ms) and the last counted renewal's way to the database (an
+          // answer later than the renew interval, 450 ms, is a stalled
+          // stream's, not counted): no timer runs meanwhile, so the signal
           // has not aborted when the call is made.
-          const blockedUntil = performance.now() + ctx.remainingMs() + 600;
+          const blockedUntil = performance.now() + ctx.remainingMs() + 1_000;
           while (performance.now() < blockedUntil) {
             // busy: the event loop is blocked
           }
@@ -549,7 +551,7 @@ describe("fencing interceptor", () => {
             .catch((e: unknown) => toLeaseholdError(e));
           return { abortedBeforeCall, refused, reason: ctx.signal.reason as unknown };
         },
-        { ttlMs: 1_000 },
+        { ttlMs: 1_500 },
       );
       expect(result.abortedBeforeCall).toBe(false);
       expect(result.refused).toBeInstanceOf(LeaseLostError);
