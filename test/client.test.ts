@@ -45,6 +45,7 @@ import {
   fencingInterceptor as serverFencingInterceptor,
 } from "../src/guarded/interceptor.js";
 import { listen } from "../src/host/listener.js";
+import { createLeaseStore } from "../src/server/db/lease-store.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { startTcpProxy } from "./support/tcp-proxy.js";
@@ -472,6 +473,99 @@ describe("fencing interceptor", () => {
     } finally {
       endpoint.close();
       staleEndpoint.close();
+      await service.close();
+    }
+  });
+
+  /** What `f` throws (undefined when it returns). */
+  function thrownBy(f: () => unknown): unknown {
+    try {
+      f();
+    } catch (error) {
+      return error;
+    }
+    return undefined;
+  }
+
+  it("L2: a run's headers() and callOptions() refuse once its lease is revoked (its LeaseLostError) and once it has released", async () => {
+    const c = client();
+    const key = freshKey("headers");
+    const revoked = await c.runExclusive(
+      key,
+      async (ctx) => {
+        const held = ctx.headers();
+        expect(held.get(fencingHeaderNames.fencingToken)).toBe(ctx.fencingToken.toString());
+        expect(ctx.callOptions().signal).toBe(ctx.signal);
+        await createLeaseStore(db.sql).revoke(key, "moved to the browser");
+        if (!ctx.signal.aborted) await once(ctx.signal, "abort");
+        return {
+          ctx,
+          headers: thrownBy(() => ctx.headers()),
+          options: thrownBy(() => ctx.callOptions()),
+        };
+      },
+      { ttlMs: 5_000 },
+    );
+    const lost = revoked.ctx.signal.reason as LeaseLostError;
+    expect(lost).toBeInstanceOf(LeaseLostError);
+    expect(lost.lossReason).toBe("revoked");
+    expect(revoked.headers).toBe(lost);
+    expect(revoked.options).toBe(lost);
+    // After runExclusive has returned: still the loss, not a release.
+    expect(thrownBy(() => revoked.ctx.headers())).toBe(lost);
+
+    const ended = await c.runExclusive(freshKey("headers-released"), (ctx) => ctx);
+    for (const refusal of [thrownBy(() => ended.headers()), thrownBy(() => ended.callOptions())]) {
+      expect(refusal).toBeInstanceOf(LeaseLostError);
+      expect((refusal as LeaseLostError).lossReason).toBe("released");
+      expect((refusal as LeaseLostError).message).toBe("the run ended and released its lease");
+    }
+  });
+
+  it("L2: a call through fencingInterceptor with the event loop blocked past the local deadline is not sent: the clock decides, not the timer", async () => {
+    const service = await fencedService();
+    const endpoint = createEndpoint(service.url, { interceptors: [fencingInterceptor()] });
+    const store = createClient(GuardedStoreService, endpoint.transport);
+    const key = freshKey("blocked");
+    try {
+      const result = await client().runExclusive(
+        key,
+        async (ctx) => {
+          // The context value alone (no signal in the call options): what
+          // the interceptor itself decides.
+          const options = { contextValues: createContextValues().set(fencingContextKey, ctx) };
+          await store.put({ key, name: "before" }, options);
+          // Block the event loop past the local deadline and on past the
+          // lease's deadline in the database, which is later by the margin
+          // (150 ms) and the last counted renewal's way to the database (an
+          // answer later than the renew interval, 450 ms, is a stalled
+          // stream's, not counted): no timer runs meanwhile, so the signal
+          // has not aborted when the call is made.
+          const blockedUntil = performance.now() + ctx.remainingMs() + 1_000;
+          while (performance.now() < blockedUntil) {
+            // busy: the event loop is blocked
+          }
+          const abortedBeforeCall = ctx.signal.aborted;
+          const refused = await store
+            .put({ key, name: "after" }, options)
+            .catch((e: unknown) => toLeaseholdError(e));
+          return { abortedBeforeCall, refused, reason: ctx.signal.reason as unknown };
+        },
+        { ttlMs: 1_500 },
+      );
+      expect(result.abortedBeforeCall).toBe(false);
+      expect(result.refused).toBeInstanceOf(LeaseLostError);
+      expect((result.refused as LeaseLostError).lossReason).toBe("deadline");
+      // The run's own loss: the call made it, and the signal carries it.
+      expect(result.refused).toBe(result.reason);
+      // The second call never reached the service: no headers were sent.
+      expect(service.claims).toHaveLength(1);
+      const [row] = await db.sql<{ valid: boolean }[]>`
+        SELECT expires_at > clock_timestamp() AS valid FROM leases
+        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId}`;
+      expect(row?.valid).toBe(false);
+    } finally {
+      endpoint.close();
       await service.close();
     }
   });

@@ -441,10 +441,13 @@ describe("writing to the guarded store", () => {
             next.callOptions(),
           ),
         );
-        const viaContext = await store
-          .put(
-            { key, name: "transcript", value: text("A2"), fencingToken: ctx.fencingToken },
-            ctx.callOptions(),
+        // ctx.callOptions() itself refuses once the lease is lost (it throws).
+        const viaContext = await Promise.resolve()
+          .then(() =>
+            store.put(
+              { key, name: "transcript", value: text("A2"), fencingToken: ctx.fencingToken },
+              ctx.callOptions(),
+            ),
           )
           .catch((e: unknown) => toLeaseholdError(e));
         const raw = await store

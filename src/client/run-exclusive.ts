@@ -23,7 +23,7 @@ import {
   NotAcquiredError,
   toLeaseholdError,
 } from "./errors.js";
-import { type FencingSource, fencingContextKey, fencingHeaders } from "./fencing.js";
+import { type FencingSource, fencingContextKey, fencingHeaders, refusalOf } from "./fencing.js";
 import type { KeepAliveChannel } from "./keepalive.js";
 import { leaseTiming, localDeadline } from "./local-deadline.js";
 
@@ -80,12 +80,25 @@ export interface LeaseContext extends FencingSource {
    */
   onHandoffRequested(listener: (request: HandoffRequested) => void): () => void;
   /**
+   * Throws the run's LeaseLostError once its lease is lost — the local
+   * deadline read from the monotonic clock now, so a deadline whose timer
+   * has not run yet (an event loop blocked past it) counts — or once the run
+   * has ended and released it (`lossReason` `released`); a CanceledError
+   * once the caller cancelled the run. `fencingInterceptor` calls it before
+   * every call made for this run.
+   */
+  throwIfLost(): void;
+  /**
    * Call options for a request made on behalf of this lease: the run's
    * signal, and the context value that `fencingInterceptor()` turns into the
-   * fencing headers.
+   * fencing headers. Throws as `throwIfLost` does once the lease has ended.
    */
   callOptions(): CallOptions;
-  /** The fencing headers, for clients that do not use `fencingInterceptor`. */
+  /**
+   * The fencing headers, for clients that do not use `fencingInterceptor`.
+   * Throws as `throwIfLost` does once the lease has ended: a lost lease has
+   * no headers.
+   */
   headers(): Headers;
 }
 
@@ -293,10 +306,22 @@ export async function runExclusive<T>(
       for (const request of handoffs) queueMicrotask(() => listener(request));
       return () => handoffListeners.delete(listener);
     },
-    callOptions: () => ({
-      signal: controller.signal,
-      contextValues: createContextValues().set(fencingContextKey, ctx),
-    }),
+    throwIfLost: () => {
+      // L2 by the clock, not only by the timer: the deadline timer cannot
+      // fire while the event loop is busy, and a call made meanwhile would
+      // present a lease that may already be gone from the database.
+      if (now() >= deadline) {
+        lose("deadline", "the local deadline passed without a confirmed renewal");
+      }
+      if (controller.signal.aborted) throw refusalOf(controller.signal.reason);
+    },
+    callOptions: () => {
+      ctx.throwIfLost();
+      return {
+        signal: controller.signal,
+        contextValues: createContextValues().set(fencingContextKey, ctx),
+      };
+    },
     headers: () => fencingHeaders(ctx),
   };
 

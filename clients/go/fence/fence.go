@@ -6,6 +6,12 @@
 //
 // It uses database/sql: bring a PostgreSQL driver (pgx's stdlib, lib/pq)
 // and apply migrations/fence/0001_fence.sql to the database.
+//
+// Given the lease server (Options.Leases), the interceptor runs the guarded
+// store's grant check (src/guarded/live-check.ts): a call whose token would
+// raise the session's fence must present the newest token the lease server
+// granted for that session, so nobody who reaches the service can poison a
+// fence with 2^63−1. Options.Live checks every call instead (live mode).
 package fence
 
 import (
@@ -19,6 +25,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -143,7 +150,7 @@ func Live(client *leasehold.Client) LiveCheck {
 	return func(ctx context.Context, key leasehold.SessionKey, token int64) error {
 		current, highest, err := client.CheckFence(ctx, key, token)
 		if err != nil {
-			return status.Errorf(codes.Unavailable, "the lease server could not confirm the fencing token: %v", err)
+			return unconfirmed(err)
 		}
 		if current {
 			return nil
@@ -155,17 +162,83 @@ func Live(client *leasehold.Client) LiveCheck {
 		if highest == token {
 			cause = "expired"
 		}
-		st := status.New(codes.FailedPrecondition, "the fencing token's lease is not held ("+cause+")")
-		st, _ = st.WithDetails(&errdetails.ErrorInfo{Reason: leasehold.ReasonLeaseNotHeld, Domain: leasehold.ErrorDomain, Metadata: map[string]string{"cause": cause}})
-		return st.Err()
+		return notHeld("the fencing token's lease is not held ("+cause+")", cause)
 	}
+}
+
+// unconfirmed is the answer when the lease server could not answer
+// CheckFence: whatever it said (its UNAUTHENTICATED between the two servers
+// too), the token could not be confirmed, and the caller may retry.
+func unconfirmed(err error) error {
+	return status.Errorf(codes.Unavailable, "the lease server could not confirm the fencing token: %v", err)
+}
+
+func notHeld(msg, cause string) error {
+	st := status.New(codes.FailedPrecondition, msg)
+	st, _ = st.WithDetails(&errdetails.ErrorInfo{Reason: leasehold.ReasonLeaseNotHeld, Domain: leasehold.ErrorDomain, Metadata: map[string]string{"cause": cause}})
+	return st.Err()
+}
+
+// FenceChecker is what the grant check needs of the lease server:
+// *leasehold.Client's CheckFence.
+type FenceChecker interface {
+	CheckFence(ctx context.Context, key leasehold.SessionKey, token int64) (current bool, highest int64, err error)
+}
+
+// DefaultLeaseTimeout bounds each CheckFence of the grant check when
+// Options.LeaseTimeout is zero, as the guarded store's LEASEHOLD_LEASE_TIMEOUT.
+const DefaultLeaseTimeout = 2 * time.Second
+
+// GrantCheck is the grant check alone: nil when token is the newest token
+// the lease server granted for key (valid lease or not). One above every
+// grant was never granted (FAILED_PRECONDITION LEASE_NOT_HELD not_found),
+// one below the newest grant belongs to a replaced run (ABORTED
+// STALE_FENCING_TOKEN with the lease server's highest); UNAVAILABLE when
+// the lease server cannot answer. The interceptor asks it only for a token
+// above the highest the resource has seen (HighestSeen).
+func GrantCheck(ctx context.Context, leases FenceChecker, key leasehold.SessionKey, token int64) error {
+	_, highest, err := leases.CheckFence(ctx, key, token)
+	switch {
+	case err != nil:
+		return unconfirmed(err)
+	case highest == token:
+		return nil
+	case highest > token:
+		return staleError(token, highest)
+	}
+	return notHeld(fmt.Sprintf("lease not held: fencing token %d was never granted for this session (the newest grant is %d)", token, highest), "not_found")
+}
+
+// HighestSeen is the highest token the resource behind db has seen for key
+// (0 when none): a plain read, no lock, no transaction.
+func HighestSeen(ctx context.Context, db *sql.DB, key leasehold.SessionKey) (int64, error) {
+	var highest int64
+	err := db.QueryRowContext(ctx, `SELECT highest_token FROM leasehold_fences WHERE account_id = $1 AND session_id = $2`,
+		key.AccountID, key.SessionID).Scan(&highest)
+	if errors.Is(err, sql.ErrNoRows) {
+		return 0, nil
+	}
+	return highest, err
 }
 
 // Options of UnaryServerInterceptor.
 type Options struct {
 	// Fenced says which methods need a token (full method names); default all.
 	Fenced func(fullMethod string) bool
-	// Live, when set, also checks that the token is the valid lease's.
+	// Leases is the lease server (a *leasehold.Client, whose token needs the
+	// fence scope for sessions of other accounts). Given, the grant check is
+	// on: a call whose token is above the highest this resource has seen
+	// for the session is first confirmed with CheckFence (GrantCheck), and
+	// is UNAVAILABLE, writing nothing, while the lease server cannot answer;
+	// calls at or below that highest need no call and go on. Without Leases
+	// (or Live) the interceptor trusts the token in the headers: whoever
+	// reaches the service can raise a fence to any number.
+	Leases FenceChecker
+	// LeaseTimeout bounds each CheckFence of the grant check; zero means
+	// DefaultLeaseTimeout.
+	LeaseTimeout time.Duration
+	// Live, when set, also checks that the token is the valid lease's, for
+	// every call; it needs no grant check (live is stricter).
 	Live LiveCheck
 }
 
@@ -239,13 +312,39 @@ func UnaryServerInterceptor(db *sql.DB, o Options) grpc.UnaryServerInterceptor {
 			return nil, err
 		}
 		// Before the transaction: no row lock is held across a network call.
-		if o.Live != nil {
-			if err := o.Live(ctx, claim.Key, claim.Token); err != nil {
-				return nil, err
-			}
+		if err := o.confirm(ctx, db, claim); err != nil {
+			return nil, err
 		}
 		return fencedCall(ctx, db, claim, req, handler)
 	}
+}
+
+// confirm runs the live check, or the grant check for a token that would
+// raise the session's fence (as checkWrite of src/guarded/live-check.ts).
+// Sound because a fence only rises: the transaction's fence then accepts
+// this token only if the fence has not passed it meanwhile, and never
+// raises it past a token that was checked here.
+func (o Options) confirm(ctx context.Context, db *sql.DB, claim Claim) error {
+	switch {
+	case o.Live != nil:
+		return o.Live(ctx, claim.Key, claim.Token)
+	case o.Leases == nil:
+		return nil
+	}
+	highest, err := HighestSeen(ctx, db, claim.Key)
+	if err != nil {
+		return undecided(ctx, "read of the highest token", err)
+	}
+	if claim.Token <= highest {
+		return nil
+	}
+	timeout := o.LeaseTimeout
+	if timeout <= 0 {
+		timeout = DefaultLeaseTimeout
+	}
+	checkCtx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return GrantCheck(checkCtx, o.Leases, claim.Key, claim.Token)
 }
 
 func fencedCall(ctx context.Context, db *sql.DB, claim Claim, req any, handler grpc.UnaryHandler) (any, error) {

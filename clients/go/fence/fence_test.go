@@ -7,9 +7,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -68,6 +70,18 @@ type fixture struct {
 // in live mode, checking tokens with that lease server.
 func setup(t *testing.T, live bool) *fixture {
 	t.Helper()
+	return setupWith(t, func(f *fixture) fence.Options {
+		if live {
+			return fence.Options{Live: fence.Live(f.leases)}
+		}
+		return fence.Options{}
+	})
+}
+
+// setupWith starts a lease server and the store fenced with the options
+// options returns (f.leases and f.admin are set by then).
+func setupWith(t *testing.T, options func(f *fixture) fence.Options) *fixture {
+	t.Helper()
 	db, err := sql.Open("pgx", testenv.Get().FenceDB)
 	if err != nil {
 		t.Fatal(err)
@@ -82,10 +96,7 @@ func setup(t *testing.T, live bool) *fixture {
 	f := &fixture{db: db}
 	f.leases = dial(t, server.Addr, testenv.Token(account, time.Hour))
 	f.admin = dial(t, server.Addr, testenv.Token(account, time.Hour, "leasehold:admin"))
-	var o fence.Options
-	if live {
-		o.Live = fence.Live(f.leases)
-	}
+	o := options(f)
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -254,4 +265,141 @@ func metadataContext(ctx context.Context, l *leasehold.Lease) context.Context {
 		leasehold.AccountIDHeader, l.Key().AccountID,
 		leasehold.SessionIDHeader, l.Key().SessionID,
 	))
+}
+
+// forged sends fencing headers with a token of the sender's choosing.
+func (f *fixture) forged(ctx context.Context, token int64) context.Context {
+	return metadata.NewOutgoingContext(ctx, metadata.Pairs(
+		leasehold.FencingTokenHeader, strconv.FormatInt(token, 10),
+		leasehold.AccountIDHeader, account,
+		leasehold.SessionIDHeader, f.session,
+	))
+}
+
+// fence is the highest token the resource has seen for the session, -1
+// when it has no fence row.
+func (f *fixture) fence(t *testing.T) int64 {
+	t.Helper()
+	var highest int64
+	err := f.db.QueryRow(`SELECT highest_token FROM leasehold_fences WHERE account_id = $1 AND session_id = $2`, account, f.session).Scan(&highest)
+	if errors.Is(err, sql.ErrNoRows) {
+		return -1
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return highest
+}
+
+// S7, DESIGN §7: given the lease server (Options.Leases), the interceptor
+// confirms a token that would raise the fence with CheckFence: 2^63−1, or
+// any token never granted, is FAILED_PRECONDITION LEASE_NOT_HELD not_found
+// and does not raise the fence; a replaced run's token the resource has
+// not seen is ABORTED with the lease server's highest; the real runs'
+// writes pass before and after.
+func TestGrantCheckRefusesATokenNeverGranted(t *testing.T) {
+	f := setupWith(t, func(f *fixture) fence.Options { return fence.Options{Leases: f.leases} })
+	ctx := context.Background()
+	neverGranted := func(token int64) {
+		t.Helper()
+		_, err := f.put(f.forged(ctx, token), "forged")
+		var nh *leasehold.LeaseNotHeldError
+		if status.Code(err) != codes.FailedPrecondition || !errors.As(leasehold.FromError(err), &nh) || nh.Cause != leasehold.LossNotFound {
+			t.Fatalf("a write with token %d, never granted: %v; want FAILED_PRECONDITION LEASE_NOT_HELD not_found", token, err)
+		}
+	}
+	stale := func(c context.Context, presented, highest int64) {
+		t.Helper()
+		_, err := f.put(c, "stale")
+		var se *leasehold.StaleFencingTokenError
+		if status.Code(err) != codes.Aborted || !errors.As(leasehold.FromError(err), &se) || se.Presented != presented || se.Highest != highest {
+			t.Fatalf("a write with token %d: %v; want ABORTED STALE_FENCING_TOKEN below %d", presented, err, highest)
+		}
+	}
+
+	// 2^63−1 before anyone wrote: refused, and no fence row appears.
+	neverGranted(math.MaxInt64)
+	if h := f.fence(t); h != -1 {
+		t.Fatalf("the fence after the refused write: %d, want none", h)
+	}
+	first, err := f.leases.Hold(ctx, f.key(), hold)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t1 := first.FencingToken()
+	if _, err := f.put(leasehold.WithLease(ctx, first), "real 1"); err != nil {
+		t.Fatal(err)
+	}
+	// Once the resource has seen t1: 2^63−1 and t1+1 are refused, the fence
+	// stays at t1, and the run writes on.
+	neverGranted(math.MaxInt64)
+	neverGranted(t1 + 1)
+	if h := f.fence(t); h != t1 {
+		t.Fatalf("the fence: %d, want %d", h, t1)
+	}
+	if _, err := f.put(leasehold.WithLease(ctx, first), "real 2"); err != nil {
+		t.Fatal(err)
+	}
+	oldHeaders := metadataContext(ctx, first)
+	if err := first.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	second, err := f.leases.Hold(ctx, f.key(), hold)
+	if err != nil {
+		t.Fatal(err)
+	}
+	replaced := metadataContext(ctx, second)
+	if err := second.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	third, err := f.leases.Hold(ctx, f.key(), hold)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = third.Release(ctx) }()
+	t3 := third.FencingToken()
+	stale(replaced, second.FencingToken(), t3)
+	if _, err := f.put(leasehold.WithLease(ctx, third), "real 3"); err != nil {
+		t.Fatal(err)
+	}
+	stale(oldHeaders, t1, t3)
+	if h := f.fence(t); h != t3 {
+		t.Fatalf("the fence: %d, want %d", h, t3)
+	}
+	want := []string{fmt.Sprintf("real 1@%d", t1), fmt.Sprintf("real 2@%d", t1), fmt.Sprintf("real 3@%d", t3)}
+	if got := f.rows(t); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("rows %v, want %v", got, want)
+	}
+}
+
+// S7: with the lease server unreachable, a write at or below the highest
+// token the resource has seen needs no CheckFence and goes on; one that
+// would raise the fence is UNAVAILABLE and writes nothing.
+func TestGrantCheckWhileTheLeaseServerIsUnreachable(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	nobody := l.Addr().String()
+	l.Close()
+	f := setupWith(t, func(*fixture) fence.Options {
+		return fence.Options{Leases: dial(t, nobody, testenv.Token(account, time.Hour)), LeaseTimeout: 2 * time.Second}
+	})
+	ctx := context.Background()
+	if _, err := fence.Write(ctx, f.db, fence.Claim{Key: f.key(), Token: 40}, func(*sql.Tx) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.put(f.forged(ctx, 40), "at the fence"); err != nil {
+		t.Fatalf("a write at the fence with the lease server unreachable: %v", err)
+	}
+	_, err = f.put(f.forged(ctx, 41), "above the fence")
+	if status.Code(err) != codes.Unavailable || !strings.Contains(status.Convert(err).Message(), "the lease server could not confirm the fencing token") {
+		t.Fatalf("a write above the fence with the lease server unreachable: %v; want UNAVAILABLE", err)
+	}
+	if h := f.fence(t); h != 40 {
+		t.Fatalf("the fence: %d, want 40", h)
+	}
+	if got := f.rows(t); fmt.Sprint(got) != "[at the fence@40]" {
+		t.Fatalf("rows %v", got)
+	}
 }

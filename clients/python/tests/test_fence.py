@@ -5,6 +5,7 @@ function of migrations/fence), against tokens the lease server granted."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from contextlib import asynccontextmanager
@@ -21,14 +22,17 @@ from leasehold import (
     ACCOUNT_ID_HEADER,
     FENCING_TOKEN_HEADER,
     SESSION_ID_HEADER,
+    AsyncLeaseClient,
     InvalidArgumentError,
     LeaseClient,
+    LeaseNotHeldError,
     StaleFencingTokenError,
     UnavailableError,
 )
 from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
 from leasehold.errors import DATABASE_UNAVAILABLE, from_rpc_error
 from leasehold.fence import (
+    MAX_TOKEN,
     AsyncFencingInterceptor,
     FencingInterceptor,
     current_fenced_call,
@@ -195,6 +199,160 @@ async def test_s7_the_aio_interceptor_refuses_the_old_runs_late_write(
     """S7, as above, on a grpc.aio server."""
     c = clients(server.address, token=token())
     await asyncio.to_thread(stale_late_write_story, async_store, fence_db, admin, c, "pyafence")
+
+
+# The grant check: given the lease server, the interceptor raises a
+# session's fence only to the newest token the lease server granted for it.
+
+
+def serve_sync(fence_db: str, leases: LeaseClient) -> tuple[grpc.Server, str]:
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        interceptors=[FencingInterceptor(lambda: psycopg.connect(fence_db), leases=leases)],
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(Store(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def granted_store(
+    fence_db: str, server: Server, token: Callable[..., str], clients: Callable[..., LeaseClient]
+) -> Iterator[str]:
+    """The blocking interceptor given the lease server: the grant check is on."""
+    grpc_server, address = serve_sync(fence_db, clients(server.address, token=token()))
+    yield address
+    grpc_server.stop(None)
+
+
+@pytest_asyncio.fixture
+async def async_granted_store(
+    fence_db: str, server: Server, token: Callable[..., str]
+) -> AsyncIterator[str]:
+    leases = AsyncLeaseClient(server.address, token=token())
+    grpc_server = grpc.aio.server(
+        interceptors=[AsyncFencingInterceptor(lambda: connect_async(fence_db), leases=leases)]
+    )
+    guarded_pb2_grpc.add_GuardedStoreServiceServicer_to_server(AsyncStore(), grpc_server)  # type: ignore[abstract]
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    yield f"127.0.0.1:{port}"
+    await grpc_server.stop(None)
+    await leases.close()
+
+
+def forged(k: SessionKey, token: int) -> tuple[tuple[str, str], ...]:
+    """Fencing headers with a token of the sender's choosing."""
+    return (
+        (FENCING_TOKEN_HEADER, str(token)),
+        (ACCOUNT_ID_HEADER, k.account_id),
+        (SESSION_ID_HEADER, k.session_id),
+    )
+
+
+def fence_of(url: str, k: SessionKey) -> int | None:
+    """The highest token the resource has seen for the session (None: none)."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT highest_token FROM leasehold_fences WHERE account_id = %s AND session_id = %s",
+            (k.account_id, k.session_id),
+        ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def never_granted(address: str, k: SessionKey, token: int) -> None:
+    with pytest.raises(LeaseNotHeldError) as refused:
+        put(address, k, f"forged {token}", forged(k, token))
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.loss_cause == "not_found"
+
+
+def poisoning_story(address: str, fence_db: str, c: LeaseClient, label: str) -> None:
+    k = key(label)
+    # 2^63−1 from someone who merely reaches the service, before any write:
+    # refused, and the fence is not raised (nothing was recorded at all).
+    never_granted(address, k, MAX_TOKEN)
+    assert fence_of(fence_db, k) is None
+    with c.hold(k, ttl=TTL) as first:
+        t1 = first.fencing_token
+        assert put(address, k, "real 1", first.fencing_metadata()) == t1
+        # Now that the resource has seen t1: 2^63−1 and t1 + 1 (never
+        # granted) are refused; t1 stays the fence, and the run writes on.
+        never_granted(address, k, MAX_TOKEN)
+        never_granted(address, k, t1 + 1)
+        assert fence_of(fence_db, k) == t1
+        assert put(address, k, "real 2", first.fencing_metadata()) == t1
+        old_headers = first.fencing_metadata()
+    # A replaced run whose token the resource has not seen: the lease
+    # server's newer grant makes it stale (ABORTED, the lease server's
+    # highest token).
+    with c.hold(k, ttl=TTL) as second:
+        t2 = second.fencing_token
+    with c.hold(k, ttl=TTL) as third:
+        t3 = third.fencing_token
+        with pytest.raises(StaleFencingTokenError) as stale:
+            put(address, k, "replaced", forged(k, t2))
+        assert (stale.value.presented, stale.value.highest) == (t2, t3)
+        # The next real run raises the fence to its own token.
+        assert put(address, k, "real 3", third.fencing_metadata()) == t3
+        with pytest.raises(StaleFencingTokenError):
+            put(address, k, "old late", old_headers)
+    assert fence_of(fence_db, k) == t3
+    assert rows(fence_db, k) == [(t1, "real 1"), (t1, "real 2"), (t3, "real 3")]
+
+
+def test_s7_the_blocking_interceptor_given_the_lease_server_refuses_a_token_never_granted(
+    server: Server,
+    fence_db: str,
+    granted_store: str,
+    token: Callable[..., str],
+    clients: Callable[..., LeaseClient],
+) -> None:
+    """S7, DESIGN §7: given the lease server, the interceptor confirms a token
+    that would raise the fence with CheckFence: 2^63−1 (or any token never
+    granted) is FAILED_PRECONDITION LEASE_NOT_HELD not_found and does not
+    raise the fence, a replaced run's token is ABORTED; the real runs'
+    writes pass before and after."""
+    c = clients(server.address, token=token())
+    poisoning_story(granted_store, fence_db, c, "pyfence-poison")
+
+
+async def test_s7_the_aio_interceptor_given_the_lease_server_refuses_a_token_never_granted(
+    server: Server,
+    fence_db: str,
+    async_granted_store: str,
+    token: Callable[..., str],
+    clients: Callable[..., LeaseClient],
+) -> None:
+    """S7, DESIGN §7, as above, on a grpc.aio server with an AsyncLeaseClient."""
+    c = clients(server.address, token=token())
+    await asyncio.to_thread(poisoning_story, async_granted_store, fence_db, c, "pyafence-poison")
+
+
+def test_s7_the_grant_check_while_the_lease_server_is_unreachable(
+    fence_db: str, token: Callable[..., str], clients: Callable[..., LeaseClient]
+) -> None:
+    """S7: with the lease server unreachable, a write at or below the highest
+    token the resource has seen needs no CheckFence and goes on; one that
+    would raise the fence is UNAVAILABLE and writes nothing."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    grpc_server, address = serve_sync(fence_db, clients(nobody, token=token()))
+    try:
+        k = key("pyfence-unreachable")
+        with psycopg.connect(fence_db) as conn, fenced_write(conn, k, 40):
+            pass
+        assert put(address, k, "at the fence", forged(k, 40)) == 40
+        with pytest.raises(UnavailableError) as unconfirmed:
+            put(address, k, "above the fence", forged(k, 41))
+        assert unconfirmed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "the lease server could not confirm the fencing token" in unconfirmed.value.message
+        assert fence_of(fence_db, k) == 40
+        assert rows(fence_db, k) == [(40, "at the fence")]
+    finally:
+        grpc_server.stop(None)
 
 
 def test_s7_fenced_write_commits_with_the_check_or_not_at_all(fence_db: str) -> None:

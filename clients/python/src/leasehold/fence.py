@@ -10,6 +10,13 @@ A refusal is ABORTED with the guarded store's details (ErrorInfo reason
 ``STALE_FENCING_TOKEN``, metadata ``presented_token`` and ``highest_token``);
 bad or missing headers are INVALID_ARGUMENT naming the header.
 
+Given the lease server (``leases=``, a LeaseClient), the interceptor runs
+the guarded store's grant check (src/guarded/live-check.ts): a call whose
+token would raise the session's fence must present the newest token the
+lease server granted for that session (``CheckFence``), so nobody who
+reaches the service can poison a fence with 2^63−1. ``live=`` checks every
+call instead (live mode).
+
 Errors are classified as the TypeScript interceptor does
 (src/postgres/database-errors.ts), wherever they happened, in the fence
 check or in the handler: database trouble (a lock timeout, a serialization
@@ -46,7 +53,8 @@ from contextlib import (
     contextmanager,
 )
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import grpc.aio
@@ -67,7 +75,7 @@ from .errors import (
     StaleFencingTokenError,
     UnavailableError,
 )
-from .types import SessionKey
+from .types import CheckFenceResult, SessionKey
 
 # grpc-stubs makes the interceptor bases generic; at run time they are not.
 if TYPE_CHECKING:
@@ -162,13 +170,7 @@ def read_fence_claim(
 def _fence_error(error: psycopg.Error, token: int) -> Exception:
     diag = error.diag
     if error.sqlstate == STALE_TOKEN_SQLSTATE and (diag.message_detail or "").isdigit():
-        highest = int(diag.message_detail or "0")
-        return StaleFencingTokenError(
-            f"fencing token {token} is stale: the highest token seen is {highest}",
-            token,
-            highest,
-            {"presented_token": str(token), "highest_token": str(highest)},
-        )
+        return _stale(token, int(diag.message_detail or "0"))
     return error
 
 
@@ -229,6 +231,110 @@ async def fenced_write_async(
         yield FencedCall(FenceClaim(key, token), highest, conn)
 
 
+_HIGHEST_SQL = (
+    "SELECT highest_token FROM leasehold_fences WHERE account_id = %s AND session_id = %s"
+)
+
+
+def _idle(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def highest_seen(conn: psycopg.Connection[Any], key: SessionKey) -> int:
+    """The highest token this resource has seen for ``key`` (0 when none).
+    A plain read, no lock: on a connection that was idle, the transaction
+    the read opened is ended, so nothing stays open across what comes next
+    (the grant check's call to the lease server)."""
+    idle = _idle(conn)
+    row = conn.execute(_HIGHEST_SQL, (key.account_id, key.session_id)).fetchone()
+    if idle and not _idle(conn):
+        conn.rollback()
+    return int(row[0]) if row is not None else 0
+
+
+async def highest_seen_async(conn: psycopg.AsyncConnection[Any], key: SessionKey) -> int:
+    """:func:`highest_seen` on an asyncio connection."""
+    idle = _idle(conn)
+    cursor = await conn.execute(_HIGHEST_SQL, (key.account_id, key.session_id))
+    row = await cursor.fetchone()
+    if idle and not _idle(conn):
+        await conn.rollback()
+    return int(row[0]) if row is not None else 0
+
+
+class FenceChecker(Protocol):
+    """What the grant check needs of the lease server: LeaseClient's
+    ``check_fence``."""
+
+    def check_fence(
+        self, key: SessionKey, fencing_token: int, *, timeout: timedelta | float | None = None
+    ) -> CheckFenceResult: ...
+
+
+class AsyncFenceChecker(Protocol):
+    """:class:`FenceChecker` of the asyncio interceptor: AsyncLeaseClient's
+    ``check_fence``."""
+
+    async def check_fence(
+        self, key: SessionKey, fencing_token: int, *, timeout: timedelta | float | None = None
+    ) -> CheckFenceResult: ...
+
+
+def _unconfirmed(error: LeaseholdError) -> UnavailableError:
+    # Whatever the lease server said (its UNAUTHENTICATED between the two
+    # servers too), the token could not be confirmed; the caller may retry.
+    return UnavailableError(
+        f"the lease server could not confirm the fencing token: {error.message}"
+    )
+
+
+def _grant_verdict(highest: int, token: int) -> None:
+    """The grant check's answer: ``token`` must be the newest token granted
+    for the session, valid lease or not. One below it belongs to a replaced
+    run (stale); one above it was never granted (LEASE_NOT_HELD not_found)."""
+    if highest == token:
+        return
+    if highest > token:
+        raise _stale(token, highest)
+    raise LeaseNotHeldError(
+        f"lease not held: fencing token {token} was never granted for this session "
+        f"(the newest grant is {highest})",
+        "not_found",
+    )
+
+
+def _stale(token: int, highest: int) -> StaleFencingTokenError:
+    return StaleFencingTokenError(
+        f"fencing token {token} is stale: the highest token seen is {highest}",
+        token,
+        highest,
+        {"presented_token": str(token), "highest_token": str(highest)},
+    )
+
+
+def grant_check(leases: FenceChecker, key: SessionKey, token: int, timeout: float = 2.0) -> None:
+    """The grant check alone: raises unless ``token`` is the newest token the
+    lease server (``leases``) granted for ``key``; UnavailableError when it
+    cannot answer. The interceptor asks it only for a token above the
+    highest the resource has seen (:func:`highest_seen`)."""
+    try:
+        answer = leases.check_fence(key, token, timeout=timeout)
+    except LeaseholdError as error:
+        raise _unconfirmed(error) from error
+    _grant_verdict(answer.highest_token, token)
+
+
+async def grant_check_async(
+    leases: AsyncFenceChecker, key: SessionKey, token: int, timeout: float = 2.0
+) -> None:
+    """:func:`grant_check` with an AsyncLeaseClient."""
+    try:
+        answer = await leases.check_fence(key, token, timeout=timeout)
+    except LeaseholdError as error:
+        raise _unconfirmed(error) from error
+    _grant_verdict(answer.highest_token, token)
+
+
 def live_check(client: Any, timeout: float = 2.0) -> Callable[[SessionKey, int], None]:
     """Live mode for the blocking interceptor: also asks the lease server
     (``client``, a LeaseClient with the fence scope) that the token is the
@@ -239,9 +345,7 @@ def live_check(client: Any, timeout: float = 2.0) -> Callable[[SessionKey, int],
         try:
             answer = client.check_fence(key, token, timeout=timeout)
         except LeaseholdError as error:
-            raise UnavailableError(
-                f"the lease server could not confirm the fencing token: {error.message}"
-            ) from error
+            raise _unconfirmed(error) from error
         _live_verdict(answer.current, answer.highest_token, token)
 
     return check
@@ -251,12 +355,7 @@ def _live_verdict(current: bool, highest: int, token: int) -> None:
     if current:
         return
     if highest > token:
-        raise StaleFencingTokenError(
-            f"fencing token {token} is stale: the highest token seen is {highest}",
-            token,
-            highest,
-            {"presented_token": str(token), "highest_token": str(highest)},
-        )
+        raise _stale(token, highest)
     cause = "expired" if highest == token else "not_found"
     raise LeaseNotHeldError(f"lease not held: {cause}", cause)
 
@@ -365,9 +464,22 @@ class FencingInterceptor(_ServerInterceptor):
     of the resource's database (where migrations/fence/0001_fence.sql is
     applied), e.g. ``pool.connection`` of psycopg_pool or
     ``lambda: psycopg.connect(url)``. ``fenced`` picks the methods that need
-    a token (default: all). ``live`` adds a CheckFence (see
-    :func:`live_check`), made before the transaction so that no row lock is
-    held across a network call.
+    a token (default: all).
+
+    ``leases`` (a LeaseClient, whose token needs the lease server's fence
+    scope for sessions of other accounts) turns on the grant check: a call
+    whose token is above the highest this resource has seen for the session
+    is first confirmed with ``CheckFence`` (it must be the newest token
+    granted for the session: a higher one is FAILED_PRECONDITION
+    LEASE_NOT_HELD ``not_found``, a lower one ABORTED STALE_FENCING_TOKEN);
+    UNAVAILABLE, and nothing written, while the lease server cannot answer
+    (each ``CheckFence`` waits at most ``lease_timeout`` seconds). Calls at
+    or below that highest need no call and go on. Without ``leases`` (or
+    ``live``) the interceptor trusts the token in the headers: whoever
+    reaches the service can raise a fence to any number. ``live`` (see
+    :func:`live_check`) checks every call instead (live mode). Both are
+    asked before the transaction, so no row lock is held across a network
+    call.
     """
 
     def __init__(
@@ -375,11 +487,15 @@ class FencingInterceptor(_ServerInterceptor):
         connection: Callable[[], AbstractContextManager[psycopg.Connection[Any]]],
         *,
         fenced: Fenced | None = None,
+        leases: FenceChecker | None = None,
+        lease_timeout: float = 2.0,
         live: Callable[[SessionKey, int], None] | None = None,
         max_id_length: int = MAX_ID_LENGTH,
     ) -> None:
         self._connection = connection
         self._fenced = fenced
+        self._leases = leases
+        self._lease_timeout = lease_timeout
         self._live = live
         self._max_id_length = max_id_length
 
@@ -400,17 +516,29 @@ class FencingInterceptor(_ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(refuse)
         behavior = handler.unary_unary
 
+        def handle(
+            conn: psycopg.Connection[Any], claim: FenceClaim, request: Any, context: Any
+        ) -> Any:
+            with fenced_write(conn, claim.key, claim.token) as call:
+                token = _current.set(FencedCall(claim, call.highest_token, call.connection))
+                try:
+                    return behavior(request, context)
+                finally:
+                    _current.reset(token)
+
         def guarded(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 claim = read_fence_claim(context.invocation_metadata(), self._max_id_length)
                 if self._live is not None:
                     self._live(claim.key, claim.token)
-                with self._connection() as conn, fenced_write(conn, claim.key, claim.token) as call:
-                    token = _current.set(FencedCall(claim, call.highest_token, call.connection))
-                    try:
-                        return behavior(request, context)
-                    finally:
-                        _current.reset(token)
+                elif self._leases is not None:
+                    with self._connection() as conn:
+                        if claim.token <= highest_seen(conn, claim.key):
+                            return handle(conn, claim, request, context)
+                    # The connection went back first: none is held across the call.
+                    grant_check(self._leases, claim.key, claim.token, self._lease_timeout)
+                with self._connection() as conn:
+                    return handle(conn, claim, request, context)
             except LeaseholdError as error:
                 context.abort_with_status(rpc_status.to_status(_status_of(error)))
             except psycopg.Error as error:
@@ -432,8 +560,8 @@ class AsyncFencingInterceptor(_AioServerInterceptor):
     ``connection`` returns an async context manager yielding a
     ``psycopg.AsyncConnection`` (``pool.connection`` of psycopg_pool's
     AsyncConnectionPool, or an ``asynccontextmanager`` around
-    ``await psycopg.AsyncConnection.connect(url)``); ``live`` is an async
-    callable, if given.
+    ``await psycopg.AsyncConnection.connect(url)``); ``leases`` is an
+    AsyncLeaseClient (the grant check), ``live`` an async callable, if given.
     """
 
     def __init__(
@@ -441,11 +569,15 @@ class AsyncFencingInterceptor(_AioServerInterceptor):
         connection: Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]],
         *,
         fenced: Fenced | None = None,
+        leases: AsyncFenceChecker | None = None,
+        lease_timeout: float = 2.0,
         live: Callable[[SessionKey, int], Awaitable[None]] | None = None,
         max_id_length: int = MAX_ID_LENGTH,
     ) -> None:
         self._connection = connection
         self._fenced = fenced
+        self._leases = leases
+        self._lease_timeout = lease_timeout
         self._live = live
         self._max_id_length = max_id_length
 
@@ -469,20 +601,31 @@ class AsyncFencingInterceptor(_AioServerInterceptor):
         # grpc-stubs types every handler as blocking; an aio server's are coroutines.
         behavior: Any = handler.unary_unary
 
+        async def handle(
+            conn: psycopg.AsyncConnection[Any], claim: FenceClaim, request: Any, context: Any
+        ) -> Any:
+            async with fenced_write_async(conn, claim.key, claim.token) as call:
+                token = _current.set(FencedCall(claim, call.highest_token, call.connection))
+                try:
+                    return await behavior(request, context)
+                finally:
+                    _current.reset(token)
+
         async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             try:
                 claim = read_fence_claim(context.invocation_metadata(), self._max_id_length)
                 if self._live is not None:
                     await self._live(claim.key, claim.token)
-                async with (
-                    self._connection() as conn,
-                    fenced_write_async(conn, claim.key, claim.token) as call,
-                ):
-                    token = _current.set(FencedCall(claim, call.highest_token, call.connection))
-                    try:
-                        return await behavior(request, context)
-                    finally:
-                        _current.reset(token)
+                elif self._leases is not None:
+                    async with self._connection() as conn:
+                        if claim.token <= await highest_seen_async(conn, claim.key):
+                            return await handle(conn, claim, request, context)
+                    # The connection went back first: none is held across the call.
+                    await grant_check_async(
+                        self._leases, claim.key, claim.token, self._lease_timeout
+                    )
+                async with self._connection() as conn:
+                    return await handle(conn, claim, request, context)
             except LeaseholdError as error:
                 await _abort(context, _status_of(error))
             except psycopg.Error as error:
