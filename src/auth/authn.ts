@@ -7,6 +7,7 @@ import { createLocalJWKSet, errors, type JWTPayload, type JWTVerifyGetKey, jwtVe
 import { LRUCache } from "lru-cache";
 import type { TokenConfig, VerificationKeys } from "../config/ops-config.js";
 import { UnauthenticatedError } from "../lease/errors.js";
+import type { ClientCertificate } from "./client-certificate.js";
 
 /** Who is calling: the account it may act for, and what it may do there. */
 export interface Principal {
@@ -22,8 +23,12 @@ export interface Principal {
 }
 
 export interface Authenticator {
-  /** Verifies the `authorization` header value (undefined when absent). */
-  authenticate(authorization: string | null): Promise<Principal>;
+  /**
+   * Verifies the caller's credentials: the `authorization` header value (null
+   * when absent) and the connection's client certificate (undefined when it
+   * presented none, or the server asks for none).
+   */
+  authenticate(authorization: string | null, certificate?: ClientCertificate): Promise<Principal>;
 }
 
 /** What the cache of verified tokens holds right now. */

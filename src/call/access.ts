@@ -6,16 +6,21 @@
 
 import type { DescMessage } from "@bufbuild/protobuf";
 import type { Principal } from "../auth/authn.js";
+import type { ClientCertificate } from "../auth/client-certificate.js";
 
 export interface Access {
   /** Whether calls of this service are checked at all. */
   protects(serviceName: string): boolean;
   /**
-   * The caller of a call of `methodName`, from its authorization header;
-   * undefined in development mode. Refuses a bad token and a method the
-   * caller's scopes do not open.
+   * The caller of a call of `methodName`, from its authorization header and
+   * its connection's client certificate; undefined in development mode.
+   * Refuses bad credentials and a method the caller's scopes do not open.
    */
-  caller(methodName: string, authorization: string | null): Promise<Principal | undefined>;
+  caller(
+    methodName: string,
+    authorization: string | null,
+    certificate: ClientCertificate | undefined,
+  ): Promise<Principal | undefined>;
   /**
    * Checks one request message of the call: its account, then the session
    * authorizer. Returns the principal the call acts as (an anonymous one for

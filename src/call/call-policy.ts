@@ -28,6 +28,7 @@
 import type { DescMessage, DescMethod, DescService } from "@bufbuild/protobuf";
 import type { Code, ConnectError } from "@connectrpc/connect";
 import type { Principal } from "../auth/authn.js";
+import type { ClientCertificate } from "../auth/client-certificate.js";
 import { UnauthenticatedError } from "../lease/errors.js";
 import { requestIdHeader } from "../protocol/headers.js";
 import type { Access } from "./access.js";
@@ -128,6 +129,8 @@ export interface CallPolicy {
     method: DescMethod;
     protocol: string;
     header(name: string): string | null;
+    /** The client certificate of the call's connection; undefined without one (or without TLS). */
+    certificate?: () => ClientCertificate | undefined;
   }): PolicyCall;
 }
 
@@ -169,6 +172,7 @@ class Call implements PolicyCall {
   private readonly streaming: boolean;
   private readonly input: DescMessage;
   readonly header: (name: string) => string | null;
+  private readonly certificate: (() => ClientCertificate | undefined) | undefined;
   private readonly decided = new Map<string, number>();
   private caller: Principal | undefined;
   private admitted = false;
@@ -192,6 +196,7 @@ class Call implements PolicyCall {
     this.streaming = init.method.methodKind !== "unary";
     this.input = init.method.input;
     this.header = init.header;
+    this.certificate = init.certificate;
   }
 
   get requestId(): string {
@@ -210,7 +215,11 @@ class Call implements PolicyCall {
     if (this.admitted) return;
     this.admitted = true;
     if (this.access.protects(this.service)) {
-      this.caller = await this.access.caller(this.method, this.header("authorization"));
+      this.caller = await this.access.caller(
+        this.method,
+        this.header("authorization"),
+        this.certificate?.(),
+      );
       this.observed.principal = this.caller;
       this.scheduleExpiry();
     }

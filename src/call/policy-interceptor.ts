@@ -8,6 +8,7 @@ import { Code, ConnectError, type Interceptor, type StreamRequest } from "@conne
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
 import { requestIdHeader } from "../protocol/headers.js";
 import type { CallPolicy, PolicyCall } from "./call-policy.js";
+import { clientCertificateKey } from "./client-certificate-context.js";
 import { policyText } from "./error-texts.js";
 
 /** The protocol a request speaks, from its content type. */
@@ -24,6 +25,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
       method: req.method,
       protocol: protocolOf(req.header.get("content-type")),
       header: (name) => req.header.get(name),
+      certificate: () => req.contextValues.get(clientCertificateKey),
     });
     const fail = (error: unknown): ConnectError => {
       const answer = call.end(error);

@@ -2,10 +2,12 @@
 // them, and one way to report failures — a single readable line and an exit
 // code, never a stack trace.
 
+import { accessSync, constants } from "node:fs";
 import os from "node:os";
 import { parseArgs } from "node:util";
 import {
   type ClientEvent,
+  type ClientTls,
   createLeaseClient,
   type LeaseClient,
   LeaseholdError,
@@ -38,6 +40,9 @@ export const commonOptions = {
   server: { type: "string", multiple: true },
   protocol: { type: "string" },
   token: { type: "string" },
+  ca: { type: "string" },
+  cert: { type: "string" },
+  key: { type: "string" },
   json: { type: "boolean" },
   help: { type: "boolean", short: "h" },
 } as const;
@@ -65,6 +70,11 @@ export const commonHelp = `Connection flags:
                       several instances (default ${defaultServer}, or LEASEHOLD_SERVER)
   --protocol P        connect (default) or grpc
   --token JWT         bearer token (default LEASEHOLD_TOKEN)
+  --ca FILE           PEM CA bundle that an https:// server's certificate is
+                      checked against instead of Node's defaults (LEASEHOLD_CA)
+  --cert FILE         PEM client certificate for a server that authenticates
+                      clients by certificate (mutual TLS; LEASEHOLD_CLIENT_CERT)
+  --key FILE          its PEM private key (LEASEHOLD_CLIENT_KEY)
   --json              print protobuf JSON instead of text
   -h, --help          show this help`;
 
@@ -114,6 +124,8 @@ export interface CommonFlags {
   ttlMs: number;
   holder: string;
   token: string | undefined;
+  /** TLS files: the CA to trust, a client certificate and key. */
+  tls: ClientTls | undefined;
   json: boolean;
 }
 
@@ -152,8 +164,37 @@ export function commonFlags(
     ttlMs: durationFlag("ttl", values.ttl as string | undefined, 10_000),
     holder: (values.holder as string | undefined) ?? os.hostname(),
     token: (values.token as string | undefined) ?? (env.LEASEHOLD_TOKEN || undefined),
+    tls: tlsFlags(values, env),
     json: values.json === true,
   };
+}
+
+/** --ca, --cert and --key (or their environment variables), each file checked readable. */
+function tlsFlags(
+  values: Record<string, string | boolean | (string | boolean)[] | undefined>,
+  env: NodeJS.ProcessEnv,
+): ClientTls | undefined {
+  const pick = (flag: string, variable: string): string | undefined => {
+    const file = (values[flag] as string | undefined) ?? (env[variable] || undefined);
+    if (file === undefined) return undefined;
+    try {
+      accessSync(file, constants.R_OK);
+    } catch (error) {
+      throw new UsageError(
+        `--${flag} (${variable}): cannot read ${file}: ${(error as NodeJS.ErrnoException).code ?? (error as Error).message}`,
+      );
+    }
+    return file;
+  };
+  const tls: ClientTls = {
+    caFile: pick("ca", "LEASEHOLD_CA"),
+    certFile: pick("cert", "LEASEHOLD_CLIENT_CERT"),
+    keyFile: pick("key", "LEASEHOLD_CLIENT_KEY"),
+  };
+  if ((tls.certFile === undefined) !== (tls.keyFile === undefined)) {
+    throw new UsageError("--cert and --key go together: a client certificate needs its key");
+  }
+  return Object.values(tls).some((v) => v !== undefined) ? tls : undefined;
 }
 
 /** Milliseconds of a duration flag, or `fallback` when it is absent. */
@@ -188,6 +229,7 @@ export function clientFor(flags: CommonFlags, onEvent?: (event: ClientEvent) => 
     baseUrls: flags.servers,
     protocol: flags.protocol,
     token: flags.token,
+    tls: flags.tls,
     onEvent,
   });
 }

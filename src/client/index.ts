@@ -17,6 +17,7 @@ export {
   type RevokeInit,
   type WatchInit,
 } from "./client.js";
+export { type ClientTls, type ClientTlsOptions, clientTlsOptions } from "./client-tls.js";
 export { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
 export {
   type AuthFailure,

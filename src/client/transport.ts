@@ -9,6 +9,7 @@ import type { DescMethodUnary } from "@bufbuild/protobuf";
 import { Code, ConnectError, type Interceptor, type Transport } from "@connectrpc/connect";
 import { createConnectTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
+import { type ClientTls, clientTlsOptions } from "./client-tls.js";
 import { brokenConnection, LeaseholdError } from "./errors.js";
 import { createGrpcTransport } from "./grpc-transport.js";
 
@@ -38,6 +39,12 @@ export interface TransportOptions {
   traceparent?: () => string | undefined;
   /** Timeout of a unary call without its own, in ms; default 10 000. */
   defaultTimeoutMs?: number;
+  /**
+   * TLS files for https:// servers: a CA bundle, and a client certificate and
+   * key for servers that authenticate clients by certificate. Read again for
+   * new connections when they change.
+   */
+  tls?: ClientTls;
 }
 
 /** A transport to one server instance, and a way to drop its connection. */
@@ -77,6 +84,7 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
   ];
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
   const protocol = options.protocol ?? "connect";
+  const nodeOptions = options.tls ? clientTlsOptions(options.tls) : undefined;
   if (protocol === "connect" && options.httpVersion === "1.1") {
     return {
       baseUrl,
@@ -85,6 +93,7 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
         httpVersion: "1.1",
         interceptors,
         defaultTimeoutMs,
+        nodeOptions,
       }),
       close: () => {},
     };
@@ -92,14 +101,14 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
   if (protocol === "grpc") {
     // The client's own gRPC transport (grpc-transport.ts): the same codes
     // as connect-node's, at a fraction of its CPU per call.
-    const transport = createGrpcTransport({ baseUrl, interceptors, defaultTimeoutMs });
+    const transport = createGrpcTransport({ baseUrl, interceptors, defaultTimeoutMs, nodeOptions });
     return {
       baseUrl,
       transport,
       close: () => transport.close(new ConnectError("client closed", Code.Canceled)),
     };
   }
-  const sessionManager = new Http2SessionManager(baseUrl);
+  const sessionManager = new Http2SessionManager(baseUrl, undefined, nodeOptions);
   return {
     baseUrl,
     transport: createConnectTransport({

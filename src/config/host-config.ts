@@ -51,11 +51,23 @@ export interface HostConfig {
   jsonUnknownFields: "refuse" | "accept";
 }
 
+/** The TLS files, read at start; src/host/tls-credentials.ts reads them again as they change. */
 export interface TlsConfig {
   certFile: string;
   keyFile: string;
-  cert: Buffer;
-  key: Buffer;
+  /** Client certificates (mutual TLS): asked for, verified and mapped to accounts. */
+  clients: ClientCertificateConfig | undefined;
+}
+
+/** require: every call needs a client certificate; optional: a bearer token may stand in. */
+export type ClientAuthMode = "require" | "optional";
+
+export interface ClientCertificateConfig {
+  /** PEM bundle of the CAs whose client certificates are accepted. */
+  caFile: string;
+  mode: ClientAuthMode;
+  /** Which account each certificate acts for (src/auth/identity-map.ts reads it). */
+  identityMapFile: string;
 }
 
 export interface HostDefaults {
@@ -67,6 +79,18 @@ export interface HostDefaults {
 export const tlsSettings = {
   "tls-cert": { env: "LEASEHOLD_TLS_CERT", help: "PEM certificate chain file; enables TLS" },
   "tls-key": { env: "LEASEHOLD_TLS_KEY", help: "PEM private key file of --tls-cert" },
+  "tls-client-ca": {
+    env: "LEASEHOLD_TLS_CLIENT_CA",
+    help: "PEM CA bundle: ask for client certificates and verify them against it (mutual TLS; needs --identity-map)",
+  },
+  "tls-client-auth": {
+    env: "LEASEHOLD_TLS_CLIENT_AUTH",
+    help: "require (default: every call needs a client certificate) or optional (a bearer token may stand in)",
+  },
+  "identity-map": {
+    env: "LEASEHOLD_IDENTITY_MAP",
+    help: "YAML or JSON file mapping client certificates (SPIFFE ID, subject CN, DNS name) to accounts and scopes",
+  },
 } as const;
 
 type TlsSettingName = keyof typeof tlsSettings;
@@ -217,21 +241,62 @@ export function parseTls(read: {
 }): TlsConfig | undefined {
   const certFile = read.get("tls-cert");
   const keyFile = read.get("tls-key");
-  if (certFile === undefined && keyFile === undefined) return undefined;
+  if (certFile === undefined && keyFile === undefined) {
+    if (read.get("tls-client-ca") !== undefined || read.get("identity-map") !== undefined) {
+      throw new ConfigError(
+        "client certificates need TLS: set --tls-cert (LEASEHOLD_TLS_CERT) and --tls-key (LEASEHOLD_TLS_KEY) too",
+      );
+    }
+    return undefined;
+  }
   if (certFile === undefined || keyFile === undefined) {
     throw new ConfigError(
       "TLS needs both --tls-cert (LEASEHOLD_TLS_CERT) and --tls-key (LEASEHOLD_TLS_KEY)",
     );
   }
-  return {
-    certFile,
-    keyFile,
-    cert: Buffer.from(readSettingFile("tls-cert", certFile)),
-    key: Buffer.from(readSettingFile("tls-key", keyFile)),
-  };
+  const clients = parseClientCertificates(read);
+  // Read once here, so that a missing or unreadable file stops the start
+  // with a message naming the setting.
+  for (const [name, file] of [
+    ["tls-cert", certFile],
+    ["tls-key", keyFile],
+    ["tls-client-ca", clients?.caFile],
+    ["identity-map", clients?.identityMapFile],
+  ] as const) {
+    if (file !== undefined) readSettingFile(name, file);
+  }
+  return { certFile, keyFile, clients };
 }
 
-function readSettingFile(name: TlsSettingName, file: string): string {
+function parseClientCertificates(read: {
+  get(name: TlsSettingName): string | undefined;
+}): ClientCertificateConfig | undefined {
+  const caFile = read.get("tls-client-ca");
+  const mapFile = read.get("identity-map");
+  const modeText = read.get("tls-client-auth");
+  if (caFile === undefined) {
+    if (mapFile !== undefined || modeText !== undefined) {
+      throw new ConfigError(
+        "--identity-map and --tls-client-auth need --tls-client-ca (LEASEHOLD_TLS_CLIENT_CA): the CA bundle client certificates are verified against",
+      );
+    }
+    return undefined;
+  }
+  if (mapFile === undefined) {
+    throw new ConfigError(
+      "--tls-client-ca needs --identity-map (LEASEHOLD_IDENTITY_MAP): which account each client certificate acts for",
+    );
+  }
+  const mode = modeText ?? "require";
+  if (mode !== "require" && mode !== "optional") {
+    throw new ConfigError(
+      `--tls-client-auth (LEASEHOLD_TLS_CLIENT_AUTH) must be require or optional, got ${JSON.stringify(mode)}`,
+    );
+  }
+  return { caFile, mode, identityMapFile: mapFile };
+}
+
+export function readSettingFile(name: TlsSettingName, file: string): string {
   try {
     return readFileSync(file, "utf8");
   } catch (error) {

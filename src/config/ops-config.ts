@@ -7,6 +7,7 @@ import { readFileSync } from "node:fs";
 import net from "node:net";
 import { createLocalJWKSet, type JSONWebKeySet } from "jose";
 import { defaultLimits, type Limits } from "../lease/limits.js";
+import type { TlsConfig } from "./host-config.js";
 import { ConfigError } from "./settings.js";
 
 /** Where verification keys come from; undefined keys mean development mode. */
@@ -314,15 +315,16 @@ export function isLoopback(host: string): boolean {
 }
 
 /**
- * Development mode (no keys) accepts calls without tokens, so it may only
- * listen where nobody else can connect. Refuses anything else, saying how
- * to configure keys.
+ * Development mode (neither token keys nor client certificates) accepts
+ * calls without credentials, so it may only listen where nobody else can
+ * connect. Refuses anything else, saying how to configure authentication.
  */
-export function checkExposure(listenHost: string, auth: TokenConfig): void {
-  if (auth.keys !== undefined || isLoopback(listenHost)) return;
+export function checkExposure(listenHost: string, auth: TokenConfig, tls?: TlsConfig): void {
+  if (auth.keys !== undefined || tls?.clients !== undefined || isLoopback(listenHost)) return;
   throw new ConfigError(
     `refusing to listen on ${listenHost} without authentication keys: anyone could reach every account's leases. ` +
       "Set LEASEHOLD_JWT_SECRET or --jwt-secret-file (HS256) or --jwks-file (RS256/ES256), " +
+      "or client certificates (--tls-client-ca with --identity-map), " +
       "or listen on a loopback address such as 127.0.0.1 for development",
   );
 }

@@ -22,8 +22,8 @@ export function guardedAccess(authenticator: Authenticator | undefined): Access 
     protects: (serviceName) =>
       authenticator !== undefined && serviceName === GuardedStoreService.typeName,
 
-    async caller(methodName, authorization) {
-      const caller = await authenticator?.authenticate(authorization);
+    async caller(methodName, authorization, certificate) {
+      const caller = await authenticator?.authenticate(authorization, certificate);
       // Every method of the service is unary and names its session in `key`.
       const method = GuardedStoreService.methods.find((m) => m.name === methodName);
       if (method?.methodKind !== "unary") {

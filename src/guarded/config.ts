@@ -100,10 +100,12 @@ export function parseGuardedConfig(
   }
   const auth = parseTokenConfig(read);
   const leaseToken = parseLeaseToken(read.get("lease-token"), read.get("lease-token-file"));
-  if (auth.keys === undefined && !isLoopback(host.listenHost)) {
+  const clients = host.tls?.clients;
+  if (auth.keys === undefined && clients === undefined && !isLoopback(host.listenHost)) {
     throw new ConfigError(
       `refusing to listen on ${host.listenHost} without authentication keys: anyone could read and write every account's documents. ` +
         "Set LEASEHOLD_JWT_SECRET or --jwt-secret-file (HS256) or --jwks-file (RS256/ES256), as for the lease server, " +
+        "or client certificates (--tls-client-ca with --identity-map), " +
         "or listen on a loopback address such as 127.0.0.1 for development",
     );
   }

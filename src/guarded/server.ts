@@ -7,9 +7,10 @@
 
 import { createClient } from "@connectrpc/connect";
 import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-node";
-import { createAuthenticator } from "../auth/authn.js";
+import { createCallerAuthenticator } from "../auth/certificate-auth.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy } from "../call/call-policy.js";
+import { certificateContextValues } from "../call/client-certificate-context.js";
 import { policyInterceptor } from "../call/policy-interceptor.js";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
@@ -64,7 +65,7 @@ export async function startGuardedServer(
   return startHost(config, logger, {
     applicationName: "leasehold-guarded",
     migrationSets: guardedStoreSets,
-    build: (sql) => {
+    build: (sql, _shutdownSignal, _databaseUrl, _counters, tls) => {
       // Our own session manager, so shutdown can close the connection to
       // the lease server instead of waiting for it to idle out.
       const session = new Http2SessionManager(config.leaseUrl);
@@ -81,15 +82,19 @@ export async function startGuardedServer(
           ? { live: createLiveCheck(leases, options) }
           : { granted: createGrantCheck(leases, options) };
       const auth = config.auth;
-      if (auth.keys === undefined) {
+      const clients = config.tls?.clients;
+      if (auth.keys === undefined && clients === undefined) {
         logger.warn(
           { listen: config.listenHost },
           "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
         );
       }
-      const authenticator = auth.keys
-        ? createAuthenticator(auth, auth.keys, limits.maxIdLength)
-        : undefined;
+      // No /metrics here: a refused certificate is in the call's log line.
+      const authenticator = createCallerAuthenticator({
+        tokens: auth,
+        maxIdLength: limits.maxIdLength,
+        clientCertificates: clients && tls && { ...clients, use: tls.use },
+      });
       logger.info({ fenceMode: config.fenceMode, leaseUrl: config.leaseUrl }, "fencing");
       // The lease server's call policy and Connect adapter: the same
       // observation (request id, log line for every failure), authentication,
@@ -101,6 +106,7 @@ export async function startGuardedServer(
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
         interceptors: [policyInterceptor(policy)],
+        contextValues: clients ? certificateContextValues : undefined,
         http: (next) => (req, res) => {
           // Before connect-node reads them, as on the lease server.
           clampTimeoutHeaders(req.headers);

@@ -17,6 +17,7 @@ import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from ".
 
 import { type Listener, listen, type StreamHandler } from "./listener.js";
 import { createRpcEntry } from "./rpc-entry.js";
+import { createTlsCredentials, type TlsCredentials } from "./tls-credentials.js";
 
 export interface RunningServer {
   /** Base URL for clients, e.g. http://127.0.0.1:7070 */
@@ -48,6 +49,8 @@ export interface HostedServices {
   beginShutdown?: () => void;
   /** Serves HTTP/2 streams itself before the Connect adapter sees them (the native gRPC path). */
   streamHandler?: StreamHandler;
+  /** The context values of each call the Connect adapter serves (its client certificate). */
+  contextValues?: ConnectNodeAdapterOptions["contextValues"];
   /** Answers requests for paths that are not RPCs (the lease server's web page). */
   fallback?: ConnectNodeAdapterOptions["fallback"];
   /** Stops the services' own work; runs after requests drain, before the pool closes. */
@@ -59,12 +62,17 @@ export interface HostOptions {
   applicationName: string;
   /** The migration sets this server applies at start, in order. */
   migrationSets: readonly MigrationSet[];
-  /** Aborted at shutdown, so long-lived handlers can end. */
+  /**
+   * Builds the services on the open pool. `shutdownSignal` is aborted at
+   * shutdown, so long-lived handlers can end; `tls` holds the server's TLS
+   * files as they are reloaded (its identity map, with client certificates).
+   */
   build(
     sql: Sql,
     shutdownSignal: AbortSignal,
     databaseUrl: string,
     database: PoolCounters,
+    tls: TlsCredentials | undefined,
   ): HostedServices | Promise<HostedServices>;
 }
 
@@ -91,6 +99,8 @@ export async function startHost(
   let sql: Sql | undefined;
   let services: HostedServices | undefined;
   let listener: Listener | undefined;
+  const tls = config.tls ? createTlsCredentials(config.tls, logger) : undefined;
+  let stopWatchingTls: (() => void) | undefined;
   try {
     const applied = await migrate(databaseUrl, options.migrationSets);
     if (applied.length > 0) {
@@ -115,7 +125,7 @@ export async function startHost(
     // Every in-flight call links its own signal to this one; a busy server
     // has far more than Node's default of 10 listeners, and that is no leak.
     setMaxListeners(0, shutdown.signal);
-    services = await options.build(sql, shutdown.signal, databaseUrl, counters);
+    services = await options.build(sql, shutdown.signal, databaseUrl, counters, tls);
     // connect-es's own bound when none is given.
     const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
     const acceptUnknownJsonFields = config.jsonUnknownFields === "accept";
@@ -129,6 +139,7 @@ export async function startHost(
       // compressed body, a Connect GET's query): protobuf-es refuses the field.
       jsonOptions: { ignoreUnknownFields: acceptUnknownJsonFields },
       fallback: entry.fallback(services.fallback),
+      contextValues: services.contextValues,
     });
     listener = await listen({
       host: config.listenHost,
@@ -136,10 +147,11 @@ export async function startHost(
       handler: services.http ? services.http(handler) : handler,
       maxConcurrentStreams: services.maxStreamsPerConnection,
       streamHandler: services.streamHandler,
-      tls: config.tls,
+      tls: tls && { credentials: tls, clientCertificates: config.tls?.clients !== undefined },
       handshakeTimeoutMs: config.handshakeTimeoutMs,
       idleTimeoutMs: config.idleTimeoutMs,
     });
+    stopWatchingTls = tls?.watch();
     const host = listener.host.includes(":") ? `[${listener.host}]` : listener.host;
     const url = `${config.tls ? "https" : "http"}://${host}:${listener.port}`;
     const shown = redact(databaseUrl);
@@ -165,6 +177,7 @@ export async function startHost(
               Code.Unavailable,
             ),
           );
+          stopWatchingTls?.();
           await openListener.close(config.shutdownGraceMs);
           await openServices.close?.();
           await openSql.end({ timeout: 5 });
@@ -175,6 +188,7 @@ export async function startHost(
       },
     };
   } catch (error) {
+    stopWatchingTls?.();
     await listener?.close(0);
     await services?.close?.();
     await sql?.end({ timeout: 1 });

@@ -13,6 +13,7 @@ import http from "node:http";
 import http2 from "node:http2";
 import net from "node:net";
 import tls from "node:tls";
+import { secureContextOf, type TlsCredentials } from "./tls-credentials.js";
 
 type Handler = (
   req: http.IncomingMessage | http2.Http2ServerRequest,
@@ -47,8 +48,13 @@ export interface ListenerOptions {
   maxConcurrentStreams?: number;
   /** Largest accepted request body, in bytes (HTTP/2 frames and headers). */
   maxSessionMemoryMb?: number;
-  /** PEM certificate chain and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
-  tls?: { cert: Buffer; key: Buffer };
+  /**
+   * Serve TLS only (h2 and HTTP/1.1 by ALPN) with these files, taking new
+   * ones as they are reloaded. `clientCertificates`: ask every client for a
+   * certificate; none is refused at the handshake (the call policy refuses
+   * calls, naming why: tls-credentials.ts, client-certificate.ts).
+   */
+  tls?: { credentials: TlsCredentials; clientCertificates: boolean };
   /**
    * Time a connection has to finish its opening: the TLS handshake, then the
    * HTTP/2 preface and SETTINGS, or its first HTTP/1.1 request. Default 10 s.
@@ -101,10 +107,11 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
   const front = options.tls
     ? tls.createServer(
         {
-          cert: options.tls.cert,
-          key: options.tls.key,
+          ...secureContextOf(options.tls.credentials.files()),
           ALPNProtocols: ["h2", "http/1.1"],
           handshakeTimeout: handshakeTimeoutMs,
+          requestCert: options.tls.clientCertificates,
+          rejectUnauthorized: false,
         },
         (socket) => {
           openings.begin(socket);
@@ -130,6 +137,15 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
   // A client that fails the handshake, or resets its socket, must not leave
   // an error unhandled.
   front.on("tlsClientError", () => {});
+  if (front instanceof tls.Server && options.tls) {
+    const server = front;
+    options.tls.credentials.use((files) => {
+      const context = secureContextOf(files);
+      // Throws when the key is not the certificate's or a PEM does not parse.
+      tls.createSecureContext(context);
+      return () => server.setSecureContext(context);
+    });
+  }
   return serveOn(front, options, connections, () => h1.closeIdleConnections());
 }
 

@@ -84,7 +84,10 @@ export function asNotHeldCause(text: string | undefined): NotHeldCause | undefin
  * Why credentials were refused: the `cause` of UNAUTHENTICATED. No token, not
  * a JWT, expired (time to fetch a new one), a signature the server's keys do
  * not verify, an algorithm it does not accept, a failed `iss`/`aud`/`nbf`
- * check, or no valid account claim.
+ * check, or no valid account claim. For client certificates (mutual TLS):
+ * none presented where one is required, expired, not yet valid, not issued
+ * by the configured CA bundle, not for client authentication, otherwise
+ * unusable; and a bearer token whose account is not the certificate's.
  */
 export const authFailures = [
   "missing",
@@ -94,6 +97,13 @@ export const authFailures = [
   "algorithm",
   "claims",
   "account_claim",
+  "certificate_missing",
+  "certificate_expired",
+  "certificate_not_yet_valid",
+  "certificate_untrusted",
+  "certificate_usage",
+  "certificate_invalid",
+  "identity_conflict",
 ] as const;
 export type AuthFailure = (typeof authFailures)[number];
 

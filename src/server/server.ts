@@ -12,11 +12,12 @@
 import { randomUUID } from "node:crypto";
 import { Code, ConnectError } from "@connectrpc/connect";
 import type { TracerProvider } from "@opentelemetry/api";
-import { createAuthenticator } from "../auth/authn.js";
+import { createCallerAuthenticator } from "../auth/certificate-auth.js";
 import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-authorizer.js";
 import { createAccountSlots } from "../call/account-slots.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "../call/call-policy.js";
+import { certificateContextValues } from "../call/client-certificate-context.js";
 import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
 import { policyInterceptor } from "../call/policy-interceptor.js";
 import { checkExposure } from "../config/ops-config.js";
@@ -28,6 +29,7 @@ import {
   type RunningServer,
   startHost,
 } from "../host/host.js";
+import type { TlsCredentials } from "../host/tls-credentials.js";
 import type { LeaseStore } from "../lease/types.js";
 import { createLogger, type Logger } from "../log/logger.js";
 import { leaseServerSets } from "../postgres/migrate.js";
@@ -102,12 +104,12 @@ export async function startServer(
   extensions: LeaseServerExtensions = {},
 ): Promise<LeaseServer> {
   // Also here, not only in parseServerConfig: callers may build a config.
-  checkExposure(config.listenHost, config.ops.auth);
+  checkExposure(config.listenHost, config.ops.auth, config.tls);
   let streaming: Streaming | undefined;
   const running = await startHost(config, logger, {
     applicationName: "leasehold",
     migrationSets: leaseServerSets,
-    build: async (sql, shutdownSignal, databaseUrl, poolCounters) => {
+    build: async (sql, shutdownSignal, databaseUrl, poolCounters, tls) => {
       const built = await buildLeaseServer(
         config,
         logger,
@@ -116,6 +118,7 @@ export async function startServer(
         shutdownSignal,
         extensions,
         poolCounters,
+        tls,
       );
       streaming = built.streaming;
       return built.services;
@@ -133,6 +136,7 @@ async function buildLeaseServer(
   shutdownSignal: AbortSignal,
   extensions: LeaseServerExtensions,
   poolCounters: PoolCounters,
+  tls: TlsCredentials | undefined,
 ): Promise<{ services: HostedServices; streaming: Streaming }> {
   const { limits, ops, streams: tuning } = config;
   // Tracing (observability/tracing.ts), only when on: off, its module (the
@@ -279,7 +283,7 @@ async function buildLeaseServer(
   }
 
   const auth = ops.auth;
-  if (auth.keys === undefined) {
+  if (auth.keys === undefined && config.tls?.clients === undefined) {
     logger.warn(
       { listen: config.listenHost },
       "development mode: no authentication keys configured, calls without tokens are accepted (loopback only)",
@@ -296,7 +300,12 @@ async function buildLeaseServer(
   const observer = createCallObserver({ logger, metrics, accessLogSample: ops.accessLogSample });
   const access = createAccess({
     protectedServices: new Set([LeaseService.typeName]),
-    authenticator: auth.keys ? createAuthenticator(auth, auth.keys, limits.maxIdLength) : undefined,
+    authenticator: createCallerAuthenticator({
+      tokens: auth,
+      maxIdLength: limits.maxIdLength,
+      clientCertificates: config.tls?.clients && tls && { ...config.tls.clients, use: tls.use },
+      onRefused: (failure) => metrics.clientCertificatesRefused.inc({ reason: failure }),
+    }),
     authorizer:
       auth.sessionAuthorizer === "acl-table"
         ? aclTableAuthorizer(createSessionAclTable(sql))
@@ -361,6 +370,7 @@ async function buildLeaseServer(
         unaryParseErrorsAsInvalidArgument(router);
       },
       interceptors,
+      contextValues: config.tls?.clients ? certificateContextValues : undefined,
       streamHandler:
         config.grpcPath === "native"
           ? createNativeGrpc({

@@ -79,7 +79,7 @@ export function parseServerConfig(
     throw new ConfigError("--min-ttl must be at least 1ms and not above --max-ttl");
   }
   const ops = parseOpsConfig(read, host.statementTimeoutMs);
-  checkExposure(host.listenHost, ops.ops.auth);
+  checkExposure(host.listenHost, ops.ops.auth, host.tls);
   return {
     ...host,
     limits: { ...limits, ...ops.limits },

@@ -21,6 +21,8 @@ export interface LeaseMetrics {
   /** Renewals refused because the run no longer held the lease, by cause. */
   readonly losses: Counter<"reason">;
   readonly quotaRejections: Counter;
+  /** Calls refused for their client certificate (mutual TLS), by failure; `unmapped`: not in the identity map. */
+  readonly clientCertificatesRefused: Counter<"reason">;
   /** Statements of the lease service waiting for or holding a pool connection. */
   readonly queriesInFlight: Gauge;
   /** 1 while the health probe reaches the database. */
@@ -109,6 +111,12 @@ export function createMetrics(options: MetricsOptions): LeaseMetrics {
       "leasehold_quota_rejections_total",
       "acquires refused by the per-account lease quota",
     ),
+    clientCertificatesRefused: new Counter({
+      ...metric,
+      name: "leasehold_client_certificates_refused_total",
+      help: "calls refused for their client certificate, by reason (unmapped: not in the identity map)",
+      labelNames: ["reason"],
+    }),
     queriesInFlight: new Gauge({
       ...metric,
       name: "leasehold_db_queries_in_flight",

@@ -1,6 +1,8 @@
 // Authentication and authorization of LeaseService calls, the same for every
 // path that serves them (the Connect adapter's interceptor, the native gRPC
-// path). Order: the bearer token (UNAUTHENTICATED), the method's scope
+// path). Order: the credentials (the bearer token, the client certificate:
+// UNAUTHENTICATED; a certificate the identity map does not name:
+// PERMISSION_DENIED), the method's scope
 // (Revoke needs the admin scope), the account named in each request message
 // (it must be the caller's), then the session authorizer, before any lease
 // logic runs. One exception to the account rule: a guarded resource's token
@@ -56,12 +58,14 @@ export function createAccess(options: AccessOptions): Access {
   return {
     protects: (serviceName) => options.protectedServices.has(serviceName),
 
-    async caller(methodName, authorization) {
+    async caller(methodName, authorization, certificate) {
       const action = actions[methodName];
       if (action === undefined) {
         throw new PermissionDeniedError(`${methodName} is not open to callers`);
       }
-      const caller = authenticator ? await authenticator.authenticate(authorization) : undefined;
+      const caller = authenticator
+        ? await authenticator.authenticate(authorization, certificate)
+        : undefined;
       if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
         throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
       }

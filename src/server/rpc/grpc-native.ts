@@ -31,6 +31,7 @@ import {
   maxTimeoutMs,
   type PolicyCall,
 } from "../../call/call-policy.js";
+import { clientCertificateOfStream } from "../../call/client-certificate-context.js";
 import { policyText } from "../../call/error-texts.js";
 import { requestIdHeader } from "../../protocol/headers.js";
 import {
@@ -180,6 +181,7 @@ export class NativeCall {
       method: this.method,
       protocol: "grpc-native",
       header: (name) => header(headers, name),
+      certificate: () => clientCertificateOfStream(stream),
     });
     this.context = new NativeContext(this.service, this.method, headers, options.shutdownSignal);
     const timeout = parseTimeout(clampGrpcTimeout(header(headers, "grpc-timeout")), maxTimeoutMs);

@@ -1,0 +1,138 @@
+// The TLS files of a server, reloaded without a restart: its certificate
+// and key, the client CA bundle and the identity map (docs/security.md
+// "Client certificates"). Files are checked for changes every second (by
+// path, so a file replaced by rename or a swapped symlink, as cert-manager
+// and SPIRE's helpers do, is seen as well as one rewritten in place), and all
+// of them at once on SIGHUP.
+//
+// A reload is all or nothing: every file is read, and every user of them
+// (the listener's secure context, the identity map of the authenticator)
+// checks its part first — the key must match the certificate, the bundle
+// must parse, the map must be valid — and only when all agree do they take
+// the new files. A half-written rotation (a new certificate beside the old
+// key) keeps the previous files in force, logged, until the rest arrives.
+// New connections get the new files; open connections keep the certificate
+// they were verified with, so a rotation loses no call and no stream.
+
+import { readFileSync, type Stats, unwatchFile, watchFile } from "node:fs";
+import type tls from "node:tls";
+import type { TlsConfig } from "../config/host-config.js";
+import type { Logger } from "../log/logger.js";
+
+/** How often the files are looked at for a change. */
+const checkIntervalMs = 1_000;
+
+/** The contents of the TLS files. */
+export interface TlsFiles {
+  cert: Buffer;
+  key: Buffer;
+  /** The client CA bundle; undefined without client certificates. */
+  clientCa: Buffer | undefined;
+  /** The identity map's text; undefined without client certificates. */
+  identityMap: string | undefined;
+}
+
+/**
+ * A user of the files: checks them and returns what puts them in force (run
+ * only when every user accepted), or throws to keep the previous ones.
+ */
+export type TlsFilesUser = (files: TlsFiles) => () => void;
+
+export interface TlsCredentials {
+  /** The files in force. */
+  files(): TlsFiles;
+  /**
+   * Adds a user and puts the files in force for it at once; throws what the
+   * user throws (a bad file at start stops the start).
+   */
+  use(user: TlsFilesUser): void;
+  /** Re-reads every file; false (and the previous files kept) when one is unusable. */
+  reload(): boolean;
+  /** Starts watching the files and SIGHUP; returns what stops it. */
+  watch(): () => void;
+}
+
+/** The secure context options of a set of files: certificate, key, client CA. */
+export function secureContextOf(files: TlsFiles): tls.SecureContextOptions {
+  const { cert, key, clientCa } = files;
+  return clientCa ? { cert, key, ca: clientCa } : { cert, key };
+}
+
+export function createTlsCredentials(config: TlsConfig, logger: Logger): TlsCredentials {
+  const named: [string, string | undefined][] = [
+    ["--tls-cert", config.certFile],
+    ["--tls-key", config.keyFile],
+    ["--tls-client-ca", config.clients?.caFile],
+    ["--identity-map", config.clients?.identityMapFile],
+  ];
+  const paths = named.flatMap(([, file]) => (file === undefined ? [] : [file]));
+  const read = (): TlsFiles => {
+    const file = (i: number) => {
+      const [name, path] = named[i] as [string, string | undefined];
+      if (path === undefined) return undefined;
+      try {
+        return readFileSync(path);
+      } catch (error) {
+        throw new Error(`${name} ${path}: ${(error as Error).message}`);
+      }
+    };
+    return {
+      cert: file(0) as Buffer,
+      key: file(1) as Buffer,
+      clientCa: file(2),
+      identityMap: file(3)?.toString("utf8"),
+    };
+  };
+  let files = read();
+  const users: TlsFilesUser[] = [];
+
+  const reload = (): boolean => {
+    try {
+      const next = read();
+      const commits = users.map((user) => user(next));
+      files = next;
+      for (const commit of commits) commit();
+    } catch (error) {
+      logger.error(
+        { err: (error as Error).message, files: paths },
+        "TLS files not reloaded: the previous ones stay in force",
+      );
+      return false;
+    }
+    logger.info({ files: paths }, "TLS files reloaded: new connections use them");
+    return true;
+  };
+
+  return {
+    files: () => files,
+    use: (user) => {
+      user(files)();
+      users.push(user);
+    },
+    reload,
+    watch: () => {
+      // One reload for a burst of changes (a rotation writes several files).
+      let pending: NodeJS.Timeout | undefined;
+      const onChange = (current: Stats, previous: Stats) => {
+        if (current.mtimeMs === previous.mtimeMs && current.ino === previous.ino) return;
+        clearTimeout(pending);
+        pending = setTimeout(reload, 100);
+        pending.unref();
+      };
+      for (const path of paths) {
+        // Polled by path; the watcher keeps no process alive on its own.
+        watchFile(path, { interval: checkIntervalMs, persistent: false }, onChange);
+      }
+      const onHangup = () => {
+        clearTimeout(pending);
+        reload();
+      };
+      process.on("SIGHUP", onHangup);
+      return () => {
+        clearTimeout(pending);
+        for (const path of paths) unwatchFile(path, onChange);
+        process.off("SIGHUP", onHangup);
+      };
+    },
+  };
+}
