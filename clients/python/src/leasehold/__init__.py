@@ -1,8 +1,9 @@
 """Leasehold's Python client: hold a session's lease, stop the moment it is
 lost, fence every write. See clients/python/README.md and docs/clients.md."""
 
-from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
+from ._client import HoldOptions
 from ._core import KeepAliveEvent
+from ._metadata import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from .aio import AsyncHold, AsyncLeaseClient
 from .client import Hold, LeaseClient
 from .errors import (
@@ -52,6 +53,7 @@ __all__ = [
     "HandoffResult",
     "HistoryResult",
     "Hold",
+    "HoldOptions",
     "InvalidArgumentError",
     "KeepAliveEvent",
     "LateGrantError",
