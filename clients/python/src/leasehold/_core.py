@@ -162,6 +162,33 @@ class SendRelease:
     background: bool
 
 
+#: Answers in which the server refused an Acquire: nothing was granted.
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def may_have_granted(error: BaseException) -> bool:
+    """Whether an Acquire that failed with ``error`` may have been granted,
+    its answer lost (unavailable, past its deadline, cancelled, interrupted).
+    A refusal (held elsewhere, bad input, credentials, a bound) grants
+    nothing, nor does an error raised before anything was sent (the client
+    closed, the token callable failed): releasing then could only fail."""
+    if isinstance(error, UnauthenticatedError):
+        return False
+    if isinstance(error, LeaseholdError):
+        return error.code not in _REFUSED
+    return not isinstance(error, Exception)
+
+
 def acquire_flow(wait: float) -> Generator[SendAcquire | SendRelease, Grant | None, Grant]:
     """A hold's acquire, once for both holds: the grant to keep alive, or
     the error, after releasing whatever may have been granted. Each client
@@ -169,12 +196,13 @@ def acquire_flow(wait: float) -> Generator[SendAcquire | SendRelease, Grant | No
     errors it catches from a step."""
     try:
         grant = yield SendAcquire(wait)
-    except (GeneratorExit, NotAcquiredError):
+    except GeneratorExit:
         raise
-    except BaseException:
-        # The grant may have happened with its answer lost: release by run id
-        # (a no-op when nothing was granted) rather than block the session.
-        yield SendRelease(background=True)
+    except BaseException as error:
+        if may_have_granted(error):
+            # The grant may have happened with its answer lost: release by run
+            # id (a no-op when nothing was granted) rather than block the session.
+            yield SendRelease(background=True)
         raise
     assert grant is not None, "a SendAcquire is answered with its grant"
     if grant.late and wait > 0:

@@ -295,6 +295,11 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
         holds = builtins.list(self._holds)
         for h in holds:
             await h._finish()
+        # The releases of acquires whose answer was lost, or of holds
+        # cancelled while ending: done (or failed, and logged) before close()
+        # returns, never on closed channels after.
+        while self._background:
+            await asyncio.wait(builtins.list(self._background))
         self._closed = True
         self._keepalive.close()
         for channel in self._channels.values():

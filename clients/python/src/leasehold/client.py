@@ -200,7 +200,7 @@ class Hold(BaseHold):
             sent_at = time.monotonic()
             return self._grant(self._client._send(call), sent_at, time.monotonic())
         if step.background:
-            threading.Thread(target=self._send_release, daemon=True).start()
+            self._client._in_background(self._send_release)
         else:
             self._send_release()
         return None
@@ -247,10 +247,26 @@ class LeaseClient(BaseClient[Hold]):
         self._scheduler = _Scheduler(self, self._lock)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, lease_pb2_grpc.LeaseServiceStub] = {}
+        self._background: set[threading.Thread] = set()
         return ClientRuntime(self._scheduler.call_later, functools.partial(_ThreadStream, self))
 
     def _guard(self) -> threading.RLock:
         return self._lock
+
+    def _in_background(self, fn: Callable[[], object]) -> None:
+        """Runs ``fn`` on a thread of its own, which ``close()`` waits for."""
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._background.discard(thread)
+
+        thread = threading.Thread(target=run, name="leasehold-release", daemon=True)
+        with self._lock:
+            self._background.add(thread)
+        thread.start()
 
     # Connections and calls
 
@@ -350,6 +366,12 @@ class LeaseClient(BaseClient[Hold]):
             holds = builtins.list(self._holds)
         for h in holds:
             h._finish()
+        with self._lock:
+            background = builtins.list(self._background)
+        # The releases of acquires whose answer was lost: done (or failed,
+        # and logged) before close() returns, never on closed channels after.
+        for thread in background:
+            thread.join()
         with self._lock:
             self._closed = True
             self._keepalive.close()
