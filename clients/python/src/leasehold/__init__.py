@@ -20,6 +20,7 @@ from .errors import (
     StaleFencingTokenError,
     UnauthenticatedError,
     UnavailableError,
+    from_rpc_error,
 )
 from .types import (
     AcquireResult,
@@ -73,4 +74,5 @@ __all__ = [
     "StaleFencingTokenError",
     "UnauthenticatedError",
     "UnavailableError",
+    "from_rpc_error",
 ]

@@ -197,7 +197,7 @@ class rpc(Generic[P, Result]):
         self.describe = describe
         self.__doc__ = describe.__doc__
         self.__name__ = describe.__name__
-        # Parameters as callers pass them: without ``self``, returning the result.
+        # An unbound method's parameters; it returns the result, not the Call.
         self.__signature__ = inspect.signature(describe).replace(
             return_annotation=inspect.Signature.empty
         )
