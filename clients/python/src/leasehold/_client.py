@@ -197,13 +197,15 @@ class rpc(Generic[P, Result]):
         self.describe = describe
         self.__doc__ = describe.__doc__
         self.__name__ = describe.__name__
-        # An unbound method's parameters; it returns the result, not the Call.
-        self.__signature__ = inspect.signature(describe).replace(
-            return_annotation=inspect.Signature.empty
-        )
+
+        def unbound(client: BaseClient[Any], *args: Any, **kwargs: Any) -> Any:
+            return client._bind(describe)(*args, **kwargs)
+
+        # Read on the class (help(), inspect), an unbound method's parameters.
+        self._unbound = _presented(unbound, describe, inspect.signature(describe))
 
     @overload
-    def __get__(self, client: None, owner: type[Any]) -> rpc[P, Result]: ...
+    def __get__(self, client: None, owner: type[Any]) -> Callable[..., Any]: ...
 
     @overload
     def __get__(self, client: LeaseClient, owner: type[Any]) -> Callable[P, Result]: ...
@@ -215,14 +217,22 @@ class rpc(Generic[P, Result]):
 
     def __get__(self, client: BaseClient[Any] | None, owner: type[Any]) -> Any:
         if client is None:
-            return self
-        method = client._bind(self.describe)
-        functools.update_wrapper(method, self.describe)
-        del method.__wrapped__  # type: ignore[attr-defined]
-        method.__signature__ = inspect.signature(  # type: ignore[attr-defined]
-            functools.partial(self.describe, client)
-        ).replace(return_annotation=inspect.Signature.empty)
-        return method
+            return self._unbound
+        signature = inspect.signature(functools.partial(self.describe, client))
+        return _presented(client._bind(self.describe), self.describe, signature)
+
+
+def _presented(
+    method: Callable[..., Any], describe: Callable[..., Any], signature: inspect.Signature
+) -> Callable[..., Any]:
+    """``method`` named and documented as ``describe``, with its parameters;
+    it returns the call's result, not the Call."""
+    functools.update_wrapper(method, describe)
+    del method.__wrapped__  # type: ignore[attr-defined]
+    method.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        return_annotation=inspect.Signature.empty
+    )
+    return method
 
 
 class BaseClient(Generic[HoldT]):
