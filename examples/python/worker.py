@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 import leasehold
-from leasehold._gen.leasehold.guarded.v1 import guarded_pb2, guarded_pb2_grpc
+from leasehold import guarded
 
 EXIT_FINISHED, EXIT_ERROR, EXIT_LOST, EXIT_HELD_ELSEWHERE = 0, 1, 3, 75
 START = time.monotonic()
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
 
     client = leasehold.LeaseClient(args.server, token=os.environ.get("LEASEHOLD_TOKEN") or None,
                                    timeout=args.release_timeout_ms / 1000)
-    store = guarded_pb2_grpc.GuardedStoreServiceStub(grpc.insecure_channel(args.store))
+    store = guarded.GuardedStoreServiceStub(grpc.insecure_channel(args.store))
     # The guarded store authenticates its callers as the lease server does.
     bearer = os.environ.get("LEASEHOLD_TOKEN")
     store_auth = [("authorization", f"Bearer {bearer}")] if bearer else []
@@ -104,14 +104,14 @@ def main(argv: list[str]) -> int:
                         safety_margin=None if args.margin_ms is None else args.margin_ms / 1000,
                         renew_interval=None if args.renew_ms is None else args.renew_ms / 1000)
 
-    def put(token: int, text: str, metadata: Any, timeout: float) -> guarded_pb2.PutResponse:
-        request = guarded_pb2.PutRequest(key=key.to_proto(), name=args.document,
-                                         value=text.encode(), fencing_token=token)
+    def put(token: int, text: str, metadata: Any, timeout: float) -> guarded.PutResponse:
+        request = guarded.PutRequest(key=key.to_proto(), name=args.document,
+                                     value=text.encode(), fencing_token=token)
         try:
             return store.Put(  # type: ignore[no-any-return]
                 request, timeout=timeout, metadata=[*metadata, *store_auth])
         except grpc.RpcError as e:
-            raise leasehold.errors.from_rpc_error(e) from e
+            raise leasehold.from_rpc_error(e) from e
 
     events.emit("ready", server=args.server, store=args.store)
     if args.control and commands.get() != "go":

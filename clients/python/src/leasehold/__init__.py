@@ -1,8 +1,9 @@
 """Leasehold's Python client: hold a session's lease, stop the moment it is
 lost, fence every write. See clients/python/README.md and docs/clients.md."""
 
-from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
+from ._client import HoldOptions
 from ._core import KeepAliveEvent
+from ._metadata import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from .aio import AsyncHold, AsyncLeaseClient
 from .client import Hold, LeaseClient
 from .errors import (
@@ -19,6 +20,7 @@ from .errors import (
     StaleFencingTokenError,
     UnauthenticatedError,
     UnavailableError,
+    from_rpc_error,
 )
 from .types import (
     AcquireResult,
@@ -52,6 +54,7 @@ __all__ = [
     "HandoffResult",
     "HistoryResult",
     "Hold",
+    "HoldOptions",
     "InvalidArgumentError",
     "KeepAliveEvent",
     "LateGrantError",
@@ -71,4 +74,5 @@ __all__ = [
     "StaleFencingTokenError",
     "UnauthenticatedError",
     "UnavailableError",
+    "from_rpc_error",
 ]

@@ -1,5 +1,6 @@
-"""The KeepAlive channel and a held lease's local deadline, shared by the
-blocking and the asyncio client (DESIGN §6, L2).
+"""The KeepAlive channel, a held lease's local deadline, and the acquire /
+late-grant decision, shared by the blocking and the asyncio client
+(DESIGN §6, L2).
 
 Nothing here blocks or locks: a runtime (threads for ``LeaseClient``, the
 event loop for ``AsyncLeaseClient``) supplies the clock, timers and streams,
@@ -8,32 +9,44 @@ run-exclusive.ts: one stream per client shared by every lease (one more per
 ``max_leases_per_stream``), reconnecting to the next instance over a fresh
 connection after a jittered backoff, a renewal unanswered for one renewal
 interval counting as a stalled stream, and each lease's local deadline set
-from the monotonic time its renewal was sent.
+from the monotonic time its renewal was sent. The acquire / late-grant
+decision is a generator (``acquire_flow``) that yields the calls it needs;
+each client drives it (``_flow``).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
 import grpc
 
-from ._common import describe_holder, released_error, seconds
 from ._gen.leasehold.v1 import lease_pb2
 from .errors import (
     LIMIT_EXCEEDED,
     LIMIT_LEASES_PER_STREAM,
+    LateGrantError,
     LeaseholdError,
     LeaseLostError,
     NotAcquiredError,
     UnauthenticatedError,
     UnavailableError,
 )
-from .types import HandoffRequest, SessionKey, handoff_from, lease_from, loss_cause, seconds_of
+from .types import (
+    HandoffRequest,
+    Lease,
+    SessionKey,
+    handoff_from,
+    lease_from,
+    loss_cause,
+    seconds,
+    seconds_of,
+)
 
 DEFAULT_MARGIN_FRACTION = 0.1
 DEFAULT_RENEW_FRACTION = 1 / 3
@@ -115,6 +128,99 @@ def grant_of(
         )
     deadline = local_deadline(sent_at, response.lease, margin)
     return Grant(response.lease, deadline, arrived >= deadline, arrived - sent_at)
+
+
+def describe_holder(lease: Lease | None) -> str:
+    if lease is None:
+        return "another run"
+    who = json.dumps(lease.holder) if lease.holder else "another run"
+    return (
+        f"{who} (run {lease.run_id}, token {lease.fencing_token}), "
+        f"{lease.remaining.total_seconds():.1f}s left"
+    )
+
+
+def released_error() -> LeaseLostError:
+    return LeaseLostError("the hold ended and released its lease", "released")
+
+
+@dataclass(frozen=True, slots=True)
+class SendAcquire:
+    """Send the hold's Acquire with this ``wait``; answered with its Grant
+    (``grant_of``), or by throwing the call's error into the flow.
+    ``confirming``: the re-acquire that confirms a late waited grant."""
+
+    wait: float
+    confirming: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SendRelease:
+    """Release the hold's run (answered with None); ``background``: without
+    waiting for the answer, the flow raising meanwhile."""
+
+    background: bool
+
+
+#: Answers in which the server refused an Acquire: nothing was granted.
+_REFUSED = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+
+
+def may_have_granted(error: BaseException) -> bool:
+    """Whether an Acquire that failed with ``error`` may have been granted,
+    its answer lost (unavailable, past its deadline, cancelled, interrupted).
+    A refusal (held elsewhere, bad input, credentials, a bound) grants
+    nothing, nor does an error raised before anything was sent (the client
+    closed, the token callable failed): releasing then could only fail."""
+    if isinstance(error, UnauthenticatedError):
+        return False
+    if isinstance(error, LeaseholdError):
+        return error.code not in _REFUSED
+    return not isinstance(error, Exception)
+
+
+def acquire_flow(wait: float) -> Generator[SendAcquire | SendRelease, Grant | None, Grant]:
+    """A hold's acquire, once for both holds: the grant to keep alive, or
+    the error, after releasing whatever may have been granted. Each client
+    drives it (``_flow.drive``, ``_flow.drive_async``) and throws in the
+    errors it catches from a step."""
+    try:
+        grant = yield SendAcquire(wait)
+    except GeneratorExit:
+        raise
+    except BaseException as error:
+        if may_have_granted(error):
+            # The grant may have happened with its answer lost: release by run
+            # id (a no-op when nothing was granted) rather than block the session.
+            yield SendRelease(background=True)
+        raise
+    assert grant is not None, "a SendAcquire is answered with its grant"
+    if grant.late and wait > 0:
+        # A waited grant can be older than its answer: confirm it with an
+        # idempotent re-acquire (same run id, same token), its deadline
+        # counted from the new request.
+        try:
+            grant = yield SendAcquire(0, confirming=True)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            yield SendRelease(background=False)
+            raise
+        assert grant is not None, "a SendAcquire is answered with its grant"
+    if grant.late:
+        yield SendRelease(background=False)
+        raise LateGrantError(lease_from(grant.lease), grant.elapsed)
+    return grant
 
 
 def release_timeout(client_timeout: float, timing: LeaseTiming) -> float:

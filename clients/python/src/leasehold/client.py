@@ -1,60 +1,46 @@
-"""The blocking client: ``LeaseClient`` and its ``hold()``."""
+"""The blocking client: ``LeaseClient`` and its ``hold()``.
+
+The I/O half of the client (``_client.py`` has the rest): channels, calls
+sent on the calling thread, one timer thread and a reader thread per
+KeepAlive stream, and the client's reentrant lock as its guard.
+"""
 
 from __future__ import annotations
 
 import builtins
+import functools
 import heapq
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import grpc
 
-from . import _common as c
-from ._core import (
-    Grant,
-    HoldCore,
-    KeepAliveChannel,
-    KeepAliveEvent,
-    LeaseTiming,
-    OnEnd,
-    OnMessage,
-    grant_of,
-    lease_timing,
-    release_timeout,
-)
+from ._client import BaseClient, BaseHold, Call, ClientRuntime, HoldOptions, log
+from ._core import Grant, OnEnd, OnMessage, SendAcquire, SendRelease, acquire_flow
+from ._failover import Pause, Send
+from ._flow import drive
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
-from .errors import (
-    LateGrantError,
-    LeaseholdError,
-    NotAcquiredError,
-    UnavailableError,
-    from_rpc_error,
-)
-from .types import (
-    AcquireResult,
-    CheckFenceResult,
-    Event,
-    GetResult,
-    HandoffRequest,
-    HandoffResult,
-    HistoryResult,
-    Lease,
-    ListResult,
-    ReleaseFailure,
-    RevokeResult,
-    SessionKey,
-    Snapshot,
-    lease_from,
-    normalize_run_id,
-)
+from .errors import LeaseholdError, UnavailableError, from_rpc_error
+from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
 
 T = TypeVar("T")
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Result = TypeVar("Result")
+
+#: ``client``: the LeaseClient whose timer or KeepAlive reader this thread
+#: is. Its callbacks run there with the client's lock held.
+_client_thread = threading.local()
+
+
+def _on_thread_of(client: LeaseClient) -> bool:
+    return getattr(_client_thread, "client", None) is client
 
 
 class _Timer:
@@ -77,7 +63,8 @@ class _Scheduler:
     """One thread per client runs every timer (renewals, deadlines, stall
     checks) with the client's lock held."""
 
-    def __init__(self, lock: threading.RLock) -> None:
+    def __init__(self, client: LeaseClient, lock: threading.RLock) -> None:
+        self._client = client
         self._cond = threading.Condition(lock)
         self._heap: list[_Timer] = []
         self._seq = itertools.count()
@@ -104,6 +91,7 @@ class _Scheduler:
             self._cond.notify()
 
     def _run(self) -> None:
+        _client_thread.client = self._client
         with self._cond:
             while not self._stopped:
                 if not self._heap:
@@ -121,7 +109,7 @@ class _Scheduler:
                 try:
                     head.fn()
                 except Exception:  # a callback's bug must not stop every timer
-                    c.log.exception("leasehold: a timer callback failed")
+                    log.exception("leasehold: a timer callback failed")
 
 
 class _ThreadStream:
@@ -130,12 +118,9 @@ class _ThreadStream:
     def __init__(
         self, client: LeaseClient, address: str, on_message: OnMessage, on_end: OnEnd
     ) -> None:
-        metadata = client._auth.metadata()
         self._client = client
         self._queue: queue.SimpleQueue[lease_pb2.KeepAliveRequest | None] = queue.SimpleQueue()
-        self._channel = client._make_channel(address, c.FRESH_CONNECTION)
-        stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
-        self._call: Any = stub.KeepAlive(self._requests(), metadata=metadata)
+        self._channel, self._call = client._open_keepalive(address, self._requests())
         self._on_message = on_message
         self._on_end = on_end
         threading.Thread(target=self._read, name="leasehold-keepalive", daemon=True).start()
@@ -148,6 +133,7 @@ class _ThreadStream:
             yield item
 
     def _read(self) -> None:
+        _client_thread.client = self._client
         error: LeaseholdError | None = None
         lock = self._client._lock
         try:
@@ -175,21 +161,75 @@ class _ThreadStream:
         self._call.cancel()
 
 
-class _Runtime:
-    def __init__(self, client: LeaseClient) -> None:
-        self._client = client
+class Hold(BaseHold):
+    """A session's lease held by this process (``with client.hold(key) as h``).
 
-    def now(self) -> float:
-        return time.monotonic()
+    Entering acquires with a client-chosen run id (a retry after a lost answer
+    is idempotent: same token) and refuses a late grant; the lease is then
+    renewed on the client's shared KeepAlive stream. ``lost`` is set the
+    moment the client can no longer vouch for the lease (the server says it
+    is lost, renewals fail for good, or the local deadline passes); stop all
+    work and all writes then. Leaving releases the lease, unless it was lost:
+    nothing is sent for a lost lease.
+    """
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
-        return self._client._scheduler.call_later(delay, fn)
+    _client: LeaseClient
+    lost: threading.Event
+    handoff_requested: threading.Event
 
-    def open_stream(self, address: str, on_message: OnMessage, on_end: OnEnd) -> _ThreadStream:
-        return _ThreadStream(self._client, address, on_message, on_end)
+    def _new_flag(self) -> threading.Event:
+        return threading.Event()
+
+    def __enter__(self) -> Hold:
+        self._start(drive(acquire_flow(self._wait), self._perform, Exception))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._finish()
+
+    def _perform(self, step: SendAcquire | SendRelease) -> Grant | None:
+        """A step of ``acquire_flow``, on this thread (a release in the
+        background on a thread of its own)."""
+        if isinstance(step, SendAcquire):
+            call = self._acquire_call(step)
+            sent_at = time.monotonic()
+            return self._grant(self._client._send(call), sent_at, time.monotonic())
+        if step.background:
+            self._client._in_background(self._send_release)
+        else:
+            self._send_release()
+        return None
+
+    def _send_release(self) -> bool | None:
+        try:
+            return self._client._send(self._release_call())
+        except Exception as error:
+            self._release_failed(error)
+            return None
+
+    def _finish(self) -> None:
+        settled = threading.Event()
+        # Ended from a client callback (a handoff listener), this thread holds
+        # the client's lock and is the one that would read the renewal's
+        # answer or run the deadline timer: it releases at once instead.
+        in_callback = _on_thread_of(self._client)
+        core, waiting = self._stop_renewing(settled.set)
+        if core is None:
+            return
+        if waiting and not in_callback:
+            # Its renewal's answer (or a stall, or the deadline) first: see
+            # HoldCore.renewal_settled. Bounded by the release's timeout too.
+            settled.wait(self._release_timeout())
+        if self._end(core):
+            self.released = self._send_release()
 
 
-class LeaseClient:
+class LeaseClient(BaseClient[Hold]):
     """A blocking client of ``leasehold.v1.LeaseService``.
 
     ``addresses`` is one ``host:port`` or several instances of one server
@@ -200,45 +240,38 @@ class LeaseClient:
     TLS. ``timeout`` is the deadline of a call without its own.
     """
 
-    def __init__(
-        self,
-        addresses: str | Sequence[str],
-        *,
-        token: c.Token = None,
-        root_certificates: bytes | None = None,
-        timeout: timedelta | float = c.DEFAULT_TIMEOUT,
-        max_leases_per_stream: int = 1000,
-        on_event: Callable[[KeepAliveEvent], None] | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
-    ) -> None:
-        self.addresses = c.normalize_addresses(addresses)
-        self._auth = c.Auth(token)
-        self._credentials = (
-            grpc.ssl_channel_credentials(root_certificates)
-            if root_certificates is not None
-            else None
-        )
-        self._timeout = c.seconds("timeout", timeout) or c.DEFAULT_TIMEOUT
-        self._options = list(channel_options)
+    _hold_type = Hold
+
+    def _open_runtime(self) -> ClientRuntime:
         self._lock = threading.RLock()
-        self._scheduler = _Scheduler(self._lock)
+        self._scheduler = _Scheduler(self, self._lock)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, lease_pb2_grpc.LeaseServiceStub] = {}
-        self._preferred = 0
-        self._closed = False
-        self._holds: set[Hold] = set()
-        self._keepalive = KeepAliveChannel(
-            _Runtime(self),
-            self.addresses,
-            max_leases_per_stream=max_leases_per_stream,
-            refreshable_token=self._auth.refreshable,
-            on_event=on_event,
-        )
+        self._background: set[threading.Thread] = set()
+        return ClientRuntime(self._scheduler.call_later, functools.partial(_ThreadStream, self))
+
+    def _guard(self) -> threading.RLock:
+        return self._lock
+
+    def _in_background(self, fn: Callable[[], object]) -> None:
+        """Runs ``fn`` on a thread of its own, which ``close()`` waits for."""
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._background.discard(thread)
+
+        thread = threading.Thread(target=run, name="leasehold-release", daemon=True)
+        with self._lock:
+            self._background.add(thread)
+        thread.start()
 
     # Connections and calls
 
-    def _make_channel(self, address: str, extra: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-        options = [*self._options, *extra]
+    def _make_channel(self, address: str, *, fresh: bool = False) -> grpc.Channel:
+        options = self._channel_options(fresh)
         if self._credentials is not None:
             return grpc.secure_channel(address, self._credentials, options=options)
         return grpc.insecure_channel(address, options=options)
@@ -254,130 +287,26 @@ class LeaseClient:
                     stub = self._stubs[address] = lease_pb2_grpc.LeaseServiceStub(channel)
         return stub
 
-    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
-        """A unary call, failing over to the next instance on UNAVAILABLE;
-        an idempotent call then tries each instance once more (``attempt_plan``),
-        all within the call's one deadline."""
-        if self._closed:
-            raise RuntimeError("the client is closed")
-        metadata = self._auth.metadata()
-        limit = timeout if timeout is not None else self._timeout
-        attempts = c.Attempts(method, request, self.addresses, self._preferred, limit)
-        for position, index in enumerate(attempts.plan):
-            # Every attempt, a failover or a retry, shares the call's deadline.
-            pause = attempts.pause(position)
-            if pause > 0:
-                time.sleep(pause)
-            remaining = attempts.remaining()
-            if remaining is None:
-                break
-            address = self.addresses[index]
-            try:
-                response = getattr(self._stub(address), method)(
-                    request, timeout=remaining, metadata=metadata
-                )
-                self._preferred = index
-                return response
-            except grpc.RpcError as e:
-                attempts.failed(address, e)
-        raise attempts.unavailable() from attempts.last
+    def _send(self, call: Call[Request, Response, Result]) -> Result:
+        """Sends a unary call on this thread, failing over (``_failover``)."""
+        metadata = self._metadata()
 
-    # LeaseService, one method per RPC
+        def perform(step: Pause | Send) -> Response | None:
+            if isinstance(step, Pause):
+                time.sleep(step.seconds)
+                return None
+            method = call.method(self._stub(step.address))
+            return method(call.request, timeout=step.timeout, metadata=metadata)
 
-    def acquire(
-        self,
-        key: SessionKey,
-        *,
-        ttl: timedelta | float,
-        wait: timedelta | float | None = None,
-        holder: str = "",
-        run_id: str | None = None,
-        timeout: timedelta | float | None = None,
-    ) -> AcquireResult:
-        """Acquire once (no renewals). A random run id is chosen when none is
-        given, so a retry of this request is idempotent (same token)."""
-        request = c.acquire_request(c.as_key(key), normalize_run_id(run_id), ttl, wait, holder)
-        limit = c.seconds("timeout", timeout) or self._timeout + (c.seconds("wait", wait) or 0)
-        return c.acquire_result(self._call("Acquire", request, limit))
+        return self._answered(call, drive(self._failover(call), perform, grpc.RpcError))
 
-    def renew(
-        self,
-        key: SessionKey,
-        run_id: str,
-        *,
-        ttl: timedelta | float | None = None,
-        timeout: timedelta | float | None = None,
-    ) -> Lease:
-        request = c.renew_request(c.as_key(key), normalize_run_id(run_id), ttl)
-        response = self._call("Renew", request, c.seconds("timeout", timeout))
-        return lease_from(response.lease)
+    def _bind(self, describe: Callable[..., Call[Any, Any, Any]]) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self._send(describe(self, *args, **kwargs))
 
-    def release(
-        self, key: SessionKey, run_id: str, *, timeout: timedelta | float | None = None
-    ) -> bool:
-        request = c.release_request(c.as_key(key), normalize_run_id(run_id))
-        return bool(self._call("Release", request, c.seconds("timeout", timeout)).released)
+        return method
 
-    def get(self, key: SessionKey, *, timeout: timedelta | float | None = None) -> GetResult:
-        request = lease_pb2.GetRequest(key=c.as_key(key).to_proto())
-        return c.get_result(self._call("Get", request, c.seconds("timeout", timeout)))
-
-    def list(
-        self,
-        account_id: str,
-        *,
-        page_size: int = 0,
-        page_token: str = "",
-        timeout: timedelta | float | None = None,
-    ) -> ListResult:
-        request = lease_pb2.ListRequest(
-            account_id=account_id, page_size=page_size, page_token=page_token
-        )
-        return c.list_result(self._call("List", request, c.seconds("timeout", timeout)))
-
-    def request_handoff(
-        self,
-        key: SessionKey,
-        *,
-        requester_holder: str = "",
-        reason: str = "",
-        timeout: timedelta | float | None = None,
-    ) -> HandoffResult:
-        request = lease_pb2.RequestHandoffRequest(
-            key=c.as_key(key).to_proto(), requester_holder=requester_holder, reason=reason
-        )
-        return c.handoff_result(
-            self._call("RequestHandoff", request, c.seconds("timeout", timeout))
-        )
-
-    def history(
-        self,
-        key: SessionKey,
-        *,
-        page_size: int = 0,
-        page_token: str = "",
-        timeout: timedelta | float | None = None,
-    ) -> HistoryResult:
-        request = lease_pb2.HistoryRequest(
-            key=c.as_key(key).to_proto(), page_size=page_size, page_token=page_token
-        )
-        return c.history_result(self._call("History", request, c.seconds("timeout", timeout)))
-
-    def check_fence(
-        self, key: SessionKey, fencing_token: int, *, timeout: timedelta | float | None = None
-    ) -> CheckFenceResult:
-        request = lease_pb2.CheckFenceRequest(
-            key=c.as_key(key).to_proto(), fencing_token=fencing_token
-        )
-        return c.check_fence_result(
-            self._call("CheckFence", request, c.seconds("timeout", timeout))
-        )
-
-    def revoke(
-        self, key: SessionKey, *, reason: str, timeout: timedelta | float | None = None
-    ) -> RevokeResult:
-        request = lease_pb2.RevokeRequest(key=c.as_key(key).to_proto(), reason=reason)
-        return c.revoke_result(self._call("Revoke", request, c.seconds("timeout", timeout)))
+    # Streams
 
     def watch(
         self,
@@ -387,15 +316,14 @@ class LeaseClient:
         timeout: timedelta | float | None = None,
     ) -> Generator[Snapshot | Event, None, None]:
         """A snapshot, then every change, until the generator is closed (or ``timeout``)."""
-        request = lease_pb2.WatchRequest(
-            key=c.as_key(key).to_proto(), include_renewals=include_renewals
-        )
         call = self._stub(self.addresses[self._preferred]).Watch(
-            request, timeout=c.seconds("timeout", timeout), metadata=self._auth.metadata()
+            self._watch_request(key, include_renewals),
+            timeout=seconds("timeout", timeout),
+            metadata=self._auth.metadata(),
         )
         try:
             for message in call:
-                yield c.watch_item(message)
+                yield watch_item(message)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.CANCELLED and call.cancelled():  # type: ignore[attr-defined]
                 return
@@ -417,62 +345,17 @@ class LeaseClient:
 
     # Holding a lease
 
-    def hold(
-        self,
-        key: SessionKey,
-        *,
-        ttl: timedelta | float = timedelta(seconds=10),
-        wait: timedelta | float | None = None,
-        holder: str | None = None,
-        run_id: str | None = None,
-        safety_margin: timedelta | float | None = None,
-        renew_interval: timedelta | float | None = None,
-    ) -> Hold:
-        """A lease held for a ``with`` block: acquired on entry, kept alive,
-        released on exit (never after loss). See :class:`Hold`."""
-        return Hold(
-            self,
-            c.as_key(key),
-            lease_timing(ttl, safety_margin, renew_interval),
-            c.seconds("wait", wait) or 0.0,
-            holder or "",
-            normalize_run_id(run_id),
-        )
-
     def run_exclusive(
-        self,
-        key: SessionKey,
-        fn: Callable[[Hold], T],
-        *,
-        ttl: timedelta | float = timedelta(seconds=10),
-        wait: timedelta | float | None = None,
-        holder: str | None = None,
-        run_id: str | None = None,
-        safety_margin: timedelta | float | None = None,
-        renew_interval: timedelta | float | None = None,
+        self, key: SessionKey, fn: Callable[[Hold], T], **options: Unpack[HoldOptions]
     ) -> T:
-        """Runs ``fn(hold)`` while holding the lease. A thread cannot be
-        stopped from outside: ``fn`` checks ``hold.check()`` / ``hold.lost``
-        itself, and a result it returns after the loss is not returned:
-        :class:`LeaseLostError` is raised instead."""
-        with self.hold(
-            key,
-            ttl=ttl,
-            wait=wait,
-            holder=holder,
-            run_id=run_id,
-            safety_margin=safety_margin,
-            renew_interval=renew_interval,
-        ) as h:
+        """Runs ``fn(hold)`` while holding the lease (``options`` as ``hold()``
+        takes them). A thread cannot be stopped from outside: ``fn`` checks
+        ``hold.check()`` / ``hold.lost`` itself, and a result it returns after
+        the loss is not returned: :class:`LeaseLostError` is raised instead."""
+        with self.hold(key, **options) as h:
             result = fn(h)
             h.check()
             return result
-
-    @property
-    def keepalive_streams(self) -> int:
-        """KeepAlive streams open now."""
-        with self._lock:
-            return self._keepalive.open_streams
 
     def close(self) -> builtins.list[ReleaseFailure]:
         """Releases every lease still held (not lost) and closes the
@@ -480,20 +363,23 @@ class LeaseClient:
         with self._lock:
             if self._closed:
                 return []
-            holds = list(self._holds)
-        failures: builtins.list[ReleaseFailure] = []
+            holds = builtins.list(self._holds)
         for h in holds:
             h._finish()
-            if h.release_error is not None:
-                failures.append(ReleaseFailure(h.key, h.run_id, h.release_error))
+        with self._lock:
+            background = builtins.list(self._background)
+        # The releases of acquires whose answer was lost: done (or failed,
+        # and logged) before close() returns, never on closed channels after.
+        for thread in background:
+            thread.join()
         with self._lock:
             self._closed = True
             self._keepalive.close()
             self._scheduler.stop()
-            channels = list(self._channels.values())
+            channels = builtins.list(self._channels.values())
         for channel in channels:
             channel.close()
-        return failures
+        return self._release_failures(holds)
 
     def __enter__(self) -> LeaseClient:
         return self
@@ -505,209 +391,3 @@ class LeaseClient:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-class Hold:
-    """A session's lease held by this process (``with client.hold(key) as h``).
-
-    Entering acquires with a client-chosen run id (a retry after a lost answer
-    is idempotent: same token) and refuses a late grant; the lease is then
-    renewed on the client's shared KeepAlive stream. ``lost`` is set the
-    moment the client can no longer vouch for the lease (the server says it
-    is lost, renewals fail for good, or the local deadline passes); stop all
-    work and all writes then. Leaving releases the lease, unless it was lost:
-    nothing is sent for a lost lease.
-    """
-
-    def __init__(
-        self,
-        client: LeaseClient,
-        key: SessionKey,
-        timing: LeaseTiming,
-        wait: float,
-        holder: str,
-        run_id: str,
-    ) -> None:
-        self._client = client
-        self.key = key
-        self.run_id = run_id
-        self.holder = holder
-        self._timing = timing
-        self._wait = wait
-        self._core: HoldCore | None = None
-        self.fencing_token = 0
-        #: Set when the lease is lost (never by the hold's own release).
-        self.lost = threading.Event()
-        #: Set when another holder asked for the session (``handoff_requests`` has them).
-        self.handoff_requested = threading.Event()
-        self.handoff_requests: list[HandoffRequest] = []
-        self._handoff_listeners: list[Callable[[HandoffRequest], None]] = []
-        #: The release's answer: True released, False nothing to release, None not sent.
-        self.released: bool | None = None
-        #: Why the release failed, when it did (the lease then ends at its deadline).
-        self.release_error: Exception | None = None
-        self._finished = False
-        #: True when a waited grant came too late to trust and was confirmed
-        #: by an idempotent re-acquire (same run id, same token).
-        self.confirmed = False
-
-    # Acquiring
-
-    def _attempt(self, wait: float) -> Grant:
-        request = c.acquire_request(self.key, self.run_id, self._timing.ttl, wait, self.holder)
-        sent_at = time.monotonic()
-        response = self._client._call("Acquire", request, wait + self._client._timeout)
-        return grant_of(self.key, response, sent_at, time.monotonic(), self._timing.margin)
-
-    def _release_in_background(self) -> None:
-        # The grant may have happened with its answer lost: release by run id
-        # (a no-op when nothing was granted) rather than block the session.
-        threading.Thread(target=self._send_release, daemon=True).start()
-
-    def _release_timeout(self) -> float:
-        return release_timeout(self._client._timeout, self._timing)
-
-    def _send_release(self) -> bool | None:
-        try:
-            request = c.release_request(self.key, self.run_id)
-            return bool(self._client._call("Release", request, self._release_timeout()).released)
-        except Exception as error:
-            self.release_error = error
-            c.log_release_failure(self.key, self.run_id, error)
-            return None
-
-    def __enter__(self) -> Hold:
-        try:
-            grant = self._attempt(self._wait)
-        except NotAcquiredError:
-            raise
-        except Exception:
-            self._release_in_background()
-            raise
-        if grant.late and self._wait > 0:
-            self.confirmed = True
-            # A waited grant can be older than its answer: confirm it with an
-            # idempotent re-acquire (same run id, same token), its deadline
-            # counted from the new request.
-            try:
-                grant = self._attempt(0)
-            except Exception:
-                self._send_release()
-                raise
-        if grant.late:
-            self._send_release()
-            raise LateGrantError(lease_from(grant.lease), grant.elapsed)
-        self.fencing_token = grant.lease.fencing_token
-        with self._client._lock:
-            self._core = HoldCore(
-                _Runtime(self._client),
-                self._client._keepalive,
-                self.key,
-                self.run_id,
-                self._timing,
-                grant.lease,
-                grant.deadline,
-                self._on_lost,
-                self._on_handoff,
-            )
-            self._client._holds.add(self)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._finish()
-
-    def _finish(self) -> None:
-        settled = threading.Event()
-        # Ended from a client callback (a handoff listener), this thread holds
-        # the client's lock and is the one that would read the renewal's
-        # answer or run the deadline timer: it releases at once instead.
-        in_callback: bool = self._client._lock._is_owned()  # type: ignore[attr-defined]
-        with self._client._lock:
-            if self._finished or self._core is None:
-                return
-            core = self._core
-            self._finished = True
-            self._client._holds.discard(self)
-            waiting = not core.renewal_settled(settled.set)
-        if waiting and not in_callback:
-            # Its renewal's answer (or a stall, or the deadline) first: see
-            # HoldCore.renewal_settled. Bounded by the release's timeout too.
-            settled.wait(self._release_timeout())
-        with self._client._lock:
-            core.end()
-            lost = core.loss is not None
-        if not lost:
-            self.released = self._send_release()
-
-    # Called with the client's lock held
-
-    def _on_lost(self, reason: str, message: str) -> None:
-        self.lost.set()
-
-    def _on_handoff(self, request: HandoffRequest) -> None:
-        self.handoff_requests.append(request)
-        self.handoff_requested.set()
-        for listener in list(self._handoff_listeners):
-            listener(request)
-
-    # For the body
-
-    def _state(self) -> HoldCore:
-        if self._core is None:
-            raise RuntimeError("the lease is not held yet: use `with client.hold(key) as h`")
-        return self._core
-
-    @property
-    def lease(self) -> Lease:
-        """The lease as last confirmed by the server."""
-        with self._client._lock:
-            return lease_from(self._state().lease)
-
-    @property
-    def loss_reason(self) -> str | None:
-        """Why the lease was lost (see LeaseLostError), or None."""
-        with self._client._lock:
-            return self._state().loss_reason()
-
-    def remaining(self) -> timedelta:
-        """Time to the local deadline, read from the monotonic clock now."""
-        with self._client._lock:
-            return timedelta(seconds=self._state().remaining())
-
-    def check(self) -> None:
-        """Raises LeaseLostError when the lease is lost or its local deadline
-        has passed (read from the clock now, whatever the timer thread did),
-        or when the hold has ended."""
-        with self._client._lock:
-            self._state().check()
-
-    def on_handoff(self, listener: Callable[[HandoffRequest], None]) -> Callable[[], None]:
-        """Calls ``listener`` (on a client thread) for every handoff request,
-        including those that came before. Returns a function that removes it."""
-        with self._client._lock:
-            self._handoff_listeners.append(listener)
-            earlier = list(self.handoff_requests)
-        for request in earlier:
-            listener(request)
-
-        def remove() -> None:
-            with self._client._lock:
-                if listener in self._handoff_listeners:
-                    self._handoff_listeners.remove(listener)
-
-        return remove
-
-    def fencing_metadata(self) -> tuple[tuple[str, str], ...]:
-        """The three fencing headers as gRPC metadata. Raises LeaseLostError
-        once the lease is lost: a call for a lost lease is never sent."""
-        self.check()
-        return c.fencing_metadata(self.key, self.fencing_token)
-
-    def fencing_headers(self) -> dict[str, str]:
-        """The three fencing headers for an HTTP client (raises once lost)."""
-        return dict(self.fencing_metadata())

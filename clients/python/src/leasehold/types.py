@@ -1,4 +1,5 @@
-"""Results of the client's calls as typed dataclasses, and their conversion."""
+"""Results of the client's calls as typed dataclasses, their conversion
+from the answers, and the keys and durations a caller gives."""
 
 from __future__ import annotations
 
@@ -124,6 +125,30 @@ class ReleaseFailure:
     error: Exception = field(compare=False)
 
 
+def as_key(key: SessionKey | tuple[str, str]) -> SessionKey:
+    if isinstance(key, SessionKey):
+        return key
+    if isinstance(key, tuple) and len(key) == 2:
+        return SessionKey(str(key[0]), str(key[1]))
+    raise TypeError(f"key must be a SessionKey(account_id=…, session_id=…), got {key!r}")
+
+
+def seconds(name: str, value: timedelta | float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a datetime.timedelta or seconds, got {value!r}")
+    return float(value)
+
+
+def as_timedelta(name: str, value: timedelta | float) -> timedelta:
+    s = seconds(name, value)
+    assert s is not None
+    return timedelta(seconds=s)
+
+
 def duration(value: timedelta) -> duration_pb2.Duration:
     d = duration_pb2.Duration()
     d.FromTimedelta(value)
@@ -183,6 +208,56 @@ def handoff_from(h: lease_pb2.HandoffRequested) -> HandoffRequest:
         reason=h.reason,
         requested_at=_time(h.requested_at, h.HasField("requested_at")),
     )
+
+
+def acquire_result(r: lease_pb2.AcquireResponse) -> AcquireResult:
+    return AcquireResult(
+        r.acquired,
+        optional_lease(r.lease, r.HasField("lease")),
+        optional_lease(r.current, r.HasField("current")),
+    )
+
+
+def renew_result(r: lease_pb2.RenewResponse) -> Lease:
+    return lease_from(r.lease)
+
+
+def release_result(r: lease_pb2.ReleaseResponse) -> bool:
+    return bool(r.released)
+
+
+def get_result(r: lease_pb2.GetResponse) -> GetResult:
+    return GetResult(r.held, optional_lease(r.lease, r.HasField("lease")))
+
+
+def list_result(r: lease_pb2.ListResponse) -> ListResult:
+    return ListResult([lease_from(lease) for lease in r.leases], r.next_page_token)
+
+
+def handoff_result(r: lease_pb2.RequestHandoffResponse) -> HandoffResult:
+    return HandoffResult(r.delivered, optional_lease(r.current, r.HasField("current")))
+
+
+def history_result(r: lease_pb2.HistoryResponse) -> HistoryResult:
+    return HistoryResult([event_from(e) for e in r.events], r.next_page_token)
+
+
+def check_fence_result(r: lease_pb2.CheckFenceResponse) -> CheckFenceResult:
+    return CheckFenceResult(r.current, r.highest_token)
+
+
+def revoke_result(r: lease_pb2.RevokeResponse) -> RevokeResult:
+    return RevokeResult(r.revoked, optional_lease(r.lease, r.HasField("lease")))
+
+
+def watch_item(r: lease_pb2.WatchResponse) -> Snapshot | Event:
+    if r.WhichOneof("kind") == "snapshot":
+        at = r.snapshot.at
+        return Snapshot(
+            [lease_from(lease) for lease in r.snapshot.leases],
+            event_from(lease_pb2.Event(at=at)).at if r.snapshot.HasField("at") else None,
+        )
+    return event_from(r.event)
 
 
 def loss_cause(reason: int) -> str | None:
