@@ -3,6 +3,8 @@ package leasehold_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -106,6 +108,28 @@ func TestRunExclusive(t *testing.T) {
 	}
 	if n := countEvents(history(t, c, key), leasev1.EventType_EVENT_TYPE_RELEASED, runID); n != 1 {
 		t.Fatalf("%d releases after RunExclusive returned, want 1", n)
+	}
+}
+
+// RunExclusive: work that returns its context's cause, as the README
+// suggests, gets the *LeaseLostError back once, not joined with itself.
+func TestRunExclusiveReturnsTheLossOnceWhenTheWorkReturnsItsCause(t *testing.T) {
+	key := freshKey(t)
+	c := dial(t, []string{shared.Addr})
+	adm := admin(t, shared)
+	err := c.RunExclusive(context.Background(), key, holdOptions, func(ctx context.Context, l *leasehold.Lease) error {
+		if revoked, err := adm.Revoke(context.Background(), key, "test"); err != nil || !revoked {
+			t.Errorf("Revoke = %v, %v; want true, nil", revoked, err)
+		}
+		<-ctx.Done()
+		return fmt.Errorf("work stopped: %w", context.Cause(ctx))
+	})
+	var lost *leasehold.LeaseLostError
+	if !errors.As(err, &lost) || lost.Reason != leasehold.LossRevoked {
+		t.Fatalf("RunExclusive = %v, want a revoked *LeaseLostError", err)
+	}
+	if got := strings.Count(err.Error(), lost.Error()); got != 1 {
+		t.Fatalf("RunExclusive = %q: the loss appears %d times, want 1", err, got)
 	}
 }
 

@@ -482,7 +482,8 @@ func (c *Client) forget(l *Lease) {
 // RunExclusive holds the session's lease while fn runs, with fn's context
 // cancelled the moment the lease is lost (or ctx ends), and releases it
 // when fn returns (never after a loss). It returns fn's error, joined with
-// the *LeaseLostError when the lease was lost first.
+// the *LeaseLostError when the lease was lost first (once: an error of fn's
+// that already wraps it, such as context.Cause(ctx), is returned as it is).
 func (c *Client) RunExclusive(ctx context.Context, key SessionKey, o HoldOptions, fn func(ctx context.Context, lease *Lease) error) error {
 	lease, err := c.Hold(ctx, key, o)
 	if err != nil {
@@ -495,16 +496,25 @@ func (c *Client) RunExclusive(ctx context.Context, key SessionKey, o HoldOptions
 	defer cancel(nil)
 	ferr := fn(work, lease)
 	if lost := lease.Err(); lost != nil {
-		return errors.Join(ferr, lost)
+		return withLoss(ferr, lost)
 	}
 	rctx, rcancel := context.WithTimeout(context.Background(), min(c.cfg.callTimeout, lease.timing.ttl))
 	defer rcancel()
 	if err := lease.Release(rctx); err != nil {
 		if errors.Is(err, ErrLeaseLost) {
-			return errors.Join(ferr, err)
+			return withLoss(ferr, err)
 		}
 		// The lease then ends at its deadline; S5 makes that harmless.
 		c.log(slog.LevelWarn, "leasehold: release after RunExclusive failed", "key", key.String(), "run_id", lease.runID, "err", err)
 	}
 	return ferr
+}
+
+// withLoss is fn's error joined with the loss, unless it already wraps it
+// (fn returned context.Cause of its context): the loss is said once.
+func withLoss(ferr, lost error) error {
+	if errors.Is(ferr, lost) {
+		return ferr
+	}
+	return errors.Join(ferr, lost)
 }
