@@ -36,6 +36,7 @@ func (k SessionKey) String() string { return k.AccountID + "/" + k.SessionID }
 // database). Its methods are safe for concurrent use.
 type Client struct {
 	cfg       config
+	clock     clock
 	addrs     []string
 	endpoints []*endpoint
 	preferred atomic.Int32
@@ -70,7 +71,7 @@ func Dial(ctx context.Context, addrs []string, opts ...Option) (*Client, error) 
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{cfg: cfg, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}}
+	c := &Client{cfg: cfg, clock: realClock{}, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}}
 	for _, addr := range addrs {
 		ep, err := c.newEndpoint(addr)
 		if err != nil {

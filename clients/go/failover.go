@@ -110,6 +110,7 @@ func unaryAttempts[T any](ctx context.Context, c *Client, method string, idempot
 // pauseWithin waits d, or half of what is left of ctx's deadline if that is
 // less; false when ctx ends first.
 func pauseWithin(ctx context.Context, d time.Duration) bool {
+	// On the real clock, as ctx's deadline is.
 	if deadline, ok := ctx.Deadline(); ok {
 		d = min(d, time.Until(deadline)/2)
 	}

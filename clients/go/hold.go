@@ -159,12 +159,12 @@ func (a *acquisition) tryAcquire(ctx context.Context, wait time.Duration) (grant
 // acquire sends one Acquire with the run id, and counts the grant's local
 // deadline from the request's send time.
 func (a *acquisition) acquire(ctx context.Context, wait time.Duration) (grant, error) {
-	sentAt := time.Now()
+	sentAt := a.c.clock.Now()
 	resp, err := a.c.Acquire(ctx, a.key, AcquireOptions{RunID: a.runID, TTL: a.timing.ttl, Wait: wait, Holder: a.holder})
 	if err != nil {
 		return grant{}, err
 	}
-	arrived := time.Now()
+	arrived := a.c.clock.Now()
 	if !resp.GetAcquired() || resp.GetLease() == nil {
 		return grant{}, &NotAcquiredError{Current: resp.GetCurrent()}
 	}

@@ -39,10 +39,10 @@ type Lease struct {
 
 	mu       sync.Mutex
 	last     *leasev1.Lease
-	deadline time.Time // monotonic: from time.Now()
+	deadline time.Time // monotonic: from clock.Now()
 	lost     *LeaseLostError
 	released bool
-	timer    *time.Timer
+	timer    timer
 	stop     chan struct{}
 	reg      *registration
 	handoffs chan HandoffRequest
@@ -89,7 +89,7 @@ func (l *Lease) Remaining() time.Duration {
 	if l.lost != nil || l.released {
 		return 0
 	}
-	return max(0, time.Until(l.deadline))
+	return max(0, l.deadline.Sub(l.client.clock.Now()))
 }
 
 // check is nil while the lease may still be presented as held: else the
@@ -106,7 +106,7 @@ func (l *Lease) check() error {
 	case l.released:
 		l.mu.Unlock()
 		return ErrReleased
-	case !time.Now().Before(l.deadline):
+	case !l.client.clock.Now().Before(l.deadline):
 		reg := l.reg
 		l.mu.Unlock()
 		msg, cause := reg.deadlineLoss()
@@ -181,6 +181,7 @@ func (l *Lease) awaitRenewal(ctx context.Context, reg *registration) {
 	wait := ctx
 	if deadline, ok := ctx.Deadline(); ok {
 		var cancel context.CancelFunc
+		// ctx's deadline is on the real clock, not the client's.
 		wait, cancel = context.WithTimeout(ctx, time.Until(deadline)/2)
 		defer cancel()
 	}
@@ -265,7 +266,7 @@ func (l *Lease) renewed(lease *leasev1.Lease, sentAt time.Time) {
 	}
 	// L2: a confirmation arriving after the local deadline cannot revive
 	// the run: the lease may have expired and been taken meanwhile.
-	if !time.Now().Before(l.deadline) {
+	if !l.client.clock.Now().Before(l.deadline) {
 		l.mu.Unlock()
 		l.lose(LossDeadline, "the local deadline passed before a renewal was confirmed", nil)
 		return
@@ -276,7 +277,7 @@ func (l *Lease) renewed(lease *leasev1.Lease, sentAt time.Time) {
 			l.deadline = next
 		}
 	}
-	left := time.Until(l.deadline)
+	left := l.deadline.Sub(l.client.clock.Now())
 	l.mu.Unlock()
 	if c := l.client; c.debug() {
 		c.log(slog.LevelDebug, MsgRenewed, "key", l.key.String(), "run_id", l.runID, "token", lease.GetFencingToken(), "remaining", lease.GetRemaining().AsDuration(), "deadline_in", left)
@@ -298,7 +299,7 @@ func (l *Lease) checkDeadline() {
 		l.mu.Unlock()
 		return
 	}
-	left := time.Until(l.deadline)
+	left := l.deadline.Sub(l.client.clock.Now())
 	if left > 0 {
 		l.timer.Reset(left)
 		l.mu.Unlock()
@@ -311,13 +312,13 @@ func (l *Lease) checkDeadline() {
 }
 
 func (l *Lease) renewLoop(stop <-chan struct{}, reg *registration) {
-	ticker := time.NewTicker(l.timing.renewEvery)
+	ticker := l.client.clock.NewTicker(l.timing.renewEvery)
 	defer ticker.Stop()
 	for {
 		select {
 		case <-stop:
 			return
-		case <-ticker.C:
+		case <-ticker.C():
 			reg.renew()
 		}
 	}
@@ -346,7 +347,7 @@ func newLease(c *Client, key SessionKey, runID string, t timing, g grant) *Lease
 func (l *Lease) start() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.timer = time.AfterFunc(time.Until(l.deadline), l.checkDeadline)
+	l.timer = l.client.clock.AfterFunc(l.deadline.Sub(l.client.clock.Now()), l.checkDeadline)
 	l.reg = l.client.keepAlive.register(l)
 	go l.renewLoop(l.stop, l.reg)
 }
