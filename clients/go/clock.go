@@ -9,7 +9,9 @@ import "time"
 // clock, which is the one a context's deadline is on.
 type clock interface {
 	Now() time.Time
-	// AfterFunc calls f in its own goroutine once d has passed.
+	// AfterFunc calls f once d has passed, never before it returns: its
+	// caller may hold a lock f takes (the real clock calls f on a
+	// goroutine of its own, the tests' fake as it is moved).
 	AfterFunc(d time.Duration, f func()) timer
 	NewTicker(d time.Duration) ticker
 }
