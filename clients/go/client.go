@@ -1,12 +1,3 @@
-// Package leasehold is the Go client of Leasehold, a lease coordination
-// service: it decides which single run may work on a session right now and
-// hands that run a fencing token for its writes.
-//
-// Hold acquires a session's lease and keeps it alive on the client's one
-// shared KeepAlive stream; the lease's Context is cancelled the moment the
-// client can no longer vouch for the lease (the server says it is lost, a
-// renewal is refused, or the local deadline passes: DESIGN.md L2). See
-// clients/go/README.md.
 package leasehold
 
 import (
@@ -21,11 +12,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
@@ -43,87 +32,11 @@ func (k SessionKey) proto() *leasev1.SessionKey {
 
 func (k SessionKey) String() string { return k.AccountID + "/" + k.SessionID }
 
-// TokenFunc returns the current bearer token. The client calls it for every
-// unary call and every time a stream opens, so a token about to expire can
-// be replaced by a fresh one.
-type TokenFunc func(ctx context.Context) (string, error)
-
-// TraceparentFunc returns the W3C traceparent header of ctx, or "" for none.
-type TraceparentFunc func(ctx context.Context) string
-
-type config struct {
-	dialOptions        []grpc.DialOption
-	token              TokenFunc
-	staticToken        bool
-	logger             *slog.Logger
-	traceparent        TraceparentFunc
-	callTimeout        time.Duration
-	maxLeasesPerStream int
-	backoffInitial     time.Duration
-	backoffMax         time.Duration
-}
-
-// Option configures Dial.
-type Option func(*config)
-
-// WithDialOptions passes options to every grpc.NewClient the client makes:
-// TLS credentials, the caller's interceptors, keepalive parameters. They
-// come after the client's own, so transport credentials given here replace
-// the default (plaintext for "host:port" and "http://" addresses, TLS with
-// the system roots for "https://").
-func WithDialOptions(opts ...grpc.DialOption) Option {
-	return func(c *config) { c.dialOptions = append(c.dialOptions, opts...) }
-}
-
-// WithToken sets a static bearer token (a JWT). A stream the server ends
-// because that token expired cannot be reopened: its leases are lost with
-// reason LossTokenExpired. Use WithTokenFunc for tokens that expire.
-func WithToken(token string) Option {
-	return func(c *config) {
-		c.token = func(context.Context) (string, error) { return token, nil }
-		c.staticToken = true
-	}
-}
-
-// WithTokenFunc sets a function returning the current bearer token, called
-// for every call and every stream (re)open. When the server ends the
-// KeepAlive stream because the token it opened with expired, the client
-// reopens it with a fresh token and keeps its leases.
-func WithTokenFunc(f TokenFunc) Option {
-	return func(c *config) { c.token, c.staticToken = f, false }
-}
-
-// WithLogger receives the client's background events (stream opened,
-// failed and reopened; failovers; failed releases). Default: none.
-func WithLogger(l *slog.Logger) Option { return func(c *config) { c.logger = l } }
-
-// WithTraceparent sets the traceparent header of every call from f (for
-// example, from an OpenTelemetry span context). A caller already using
-// otelgrpc's stats handler (WithDialOptions(grpc.WithStatsHandler(...)))
-// gets it from there and needs no hook.
-func WithTraceparent(f TraceparentFunc) Option { return func(c *config) { c.traceparent = f } }
-
-// WithCallTimeout bounds every unary call whose context has no earlier
-// deadline; default 10s.
-func WithCallTimeout(d time.Duration) Option { return func(c *config) { c.callTimeout = d } }
-
-// WithMaxLeasesPerStream sets how many leases one KeepAlive stream carries
-// before the client opens another; default 1,000, the server's default
-// --max-leases-per-stream. A server with a lower bound refuses the stream
-// that passes it, naming its bound: the client lowers its own to it and
-// moves the leases beyond it to another stream.
-func WithMaxLeasesPerStream(n int) Option { return func(c *config) { c.maxLeasesPerStream = n } }
-
-// WithReconnectBackoff bounds the KeepAlive reconnect delay (full jitter);
-// default 100ms initial, 2s max.
-func WithReconnectBackoff(initial, max time.Duration) Option {
-	return func(c *config) { c.backoffInitial, c.backoffMax = initial, max }
-}
-
 // Client is a client of one Leasehold service (one or more instances on one
 // database). Its methods are safe for concurrent use.
 type Client struct {
 	cfg       config
+	clock     clock
 	addrs     []string
 	endpoints []*endpoint
 	preferred atomic.Int32
@@ -154,22 +67,11 @@ func Dial(ctx context.Context, addrs []string, opts ...Option) (*Client, error) 
 	if len(addrs) == 0 {
 		return nil, errors.New("leasehold: Dial needs at least one address")
 	}
-	cfg := config{
-		callTimeout:        10 * time.Second,
-		maxLeasesPerStream: 1000,
-		backoffInitial:     100 * time.Millisecond,
-		backoffMax:         2 * time.Second,
+	cfg, err := newConfig(opts)
+	if err != nil {
+		return nil, err
 	}
-	for _, o := range opts {
-		o(&cfg)
-	}
-	if cfg.maxLeasesPerStream < 1 {
-		return nil, fmt.Errorf("leasehold: max leases per stream must be at least 1, got %d", cfg.maxLeasesPerStream)
-	}
-	if cfg.callTimeout <= 0 {
-		return nil, fmt.Errorf("leasehold: call timeout must be positive, got %s", cfg.callTimeout)
-	}
-	c := &Client{cfg: cfg, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}}
+	c := &Client{cfg: cfg, clock: realClock{}, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}}
 	for _, addr := range addrs {
 		ep, err := c.newEndpoint(addr)
 		if err != nil {
@@ -280,117 +182,6 @@ func (c *Client) log(level slog.Level, msg string, args ...any) {
 	if c.cfg.logger != nil {
 		c.cfg.logger.Log(context.Background(), level, msg, args...)
 	}
-}
-
-// failsOver: the call reached no server that answered it: UNAVAILABLE
-// (refused, reset or closed connection), or ABORTED without an ErrorInfo (a
-// connection cut under the call; Leasehold's own ABORTED, a stale fencing
-// token, always carries one), as the Python client reads them. The next
-// instance may be asked, and an idempotent call each one again.
-func failsOver(err error) bool {
-	switch st := status.Convert(err); st.Code() {
-	case codes.Unavailable:
-		return true
-	case codes.Aborted:
-		return errorInfo(st) == nil
-	}
-	return false
-}
-
-// idempotentMethods change nothing when sent twice: reads, and writes keyed
-// by the caller's run id (S5: a Release can only end that run's own lease;
-// sent again after it succeeded it answers released=false). Revoke and
-// RequestHandoff are not among them: a second Revoke could end a lease
-// granted in between, a second RequestHandoff records a second request.
-// Acquire is idempotent with its run id (same run id, same token), which
-// Client.Acquire always sends (the caller's, or one it makes).
-var idempotentMethods = map[string]bool{
-	"Renew": true, "Release": true, "Get": true, "List": true, "History": true, "CheckFence": true,
-}
-
-// secondRoundPause comes before an idempotent call's second round, which
-// asks addresses already tried: a connection reset under the first attempt
-// may not yet be seen by the gRPC channel, whose next call would then go
-// out on the dead connection. A pause of this length, as a gRPC retry
-// policy's backoff, lets it close the connection and dial again (the
-// Python client's SECOND_ROUND_PAUSE_S).
-const secondRoundPause = 100 * time.Millisecond
-
-// unary runs call on the preferred instance, failing over to the others in
-// turn; an idempotent method then tries each instance once more. The
-// instance that answered is preferred next time.
-func unary[T any](ctx context.Context, c *Client, method string, call func(context.Context, leasev1.LeaseServiceClient) (T, error)) (T, error) {
-	return unaryAttempts(ctx, c, method, idempotentMethods[method], call)
-}
-
-// unaryAttempts is unary with the method's idempotence given: each address
-// once from the preferred one and, when idempotent, each again after a
-// pause (a connection reset under a call fails that call once though the
-// same address answers the next one; with a single address there is
-// nowhere else to go). Every attempt shares the call's one deadline.
-func unaryAttempts[T any](ctx context.Context, c *Client, method string, idempotent bool, call func(context.Context, leasev1.LeaseServiceClient) (T, error)) (T, error) {
-	var zero T
-	if _, ok := ctx.Deadline(); !ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, c.cfg.callTimeout)
-		defer cancel()
-	}
-	n := len(c.endpoints)
-	attempts := n
-	if idempotent {
-		attempts = 2 * n
-	}
-	start := int(c.preferred.Load())
-	var tried []string
-	var last error
-	for i := range attempts {
-		if i == n && !pauseWithin(ctx, secondRoundPause) {
-			break
-		}
-		index := (start + i) % n
-		ep := c.endpoints[index]
-		resp, err := call(ctx, ep.stub)
-		if err == nil {
-			c.preferred.Store(int32(index))
-			return resp, nil
-		}
-		if ctx.Err() != nil || !failsOver(err) {
-			if len(tried) == 0 {
-				return zero, fromStatus(err)
-			}
-			tried = append(tried, fmt.Sprintf("%s: %s", ep.addr, status.Convert(err).Message()))
-			return zero, fmt.Errorf("leasehold: %s after failover (%s): %w", method, strings.Join(tried, "; "), fromStatus(err))
-		}
-		tried = append(tried, fmt.Sprintf("%s: %s", ep.addr, status.Convert(err).Message()))
-		last = err
-		if i+1 < attempts {
-			c.log(slog.LevelWarn, "leasehold: failover", "method", method, "addr", ep.addr, "err", err, "next", c.endpoints[(index+1)%n].addr)
-		}
-	}
-	// Every attempt failed without an answer: UNAVAILABLE, whatever the
-	// last one read as (an ABORTED cut).
-	st := status.Convert(last)
-	if st.Code() != codes.Unavailable {
-		st = status.New(codes.Unavailable, st.Message())
-	}
-	return zero, &UnavailableError{serverError{st}, tried}
-}
-
-// pauseWithin waits d, or half of what is left of ctx's deadline if that is
-// less; false when ctx ends first.
-func pauseWithin(ctx context.Context, d time.Duration) bool {
-	if deadline, ok := ctx.Deadline(); ok {
-		d = min(d, time.Until(deadline)/2)
-	}
-	if d > 0 {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-		}
-	}
-	return ctx.Err() == nil
 }
 
 // AcquireOptions of Client.Acquire.
@@ -591,4 +382,29 @@ func (c *Client) closeEndpoints() {
 	for _, ep := range c.endpoints {
 		_ = ep.conn.Close()
 	}
+}
+
+// isClosed says whether Close has begun.
+func (c *Client) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
+}
+
+// track counts l among the leases Close releases; false once Close has begun.
+func (c *Client) track(l *Lease) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.leases[l] = struct{}{}
+	return true
+}
+
+// forget stops counting l among the leases Close releases.
+func (c *Client) forget(l *Lease) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.leases, l)
 }

@@ -34,21 +34,21 @@ func TestDocumentedErrors(t *testing.T) {
 		_, err = dial(t, []string{shared.Addr}).Hold(ctx, key, holdOptions)
 		var na *leasehold.NotAcquiredError
 		if !errors.Is(err, leasehold.ErrNotAcquired) || !errors.As(err, &na) || na.Current.GetRunId() != l.RunID() {
-			t.Fatalf("%v", err)
+			t.Fatalf("second Hold = %v, want a *NotAcquiredError naming run %s", err, l.RunID())
 		}
 	})
 	t.Run("LeaseNotHeldError with its cause", func(t *testing.T) {
 		_, err := c.Renew(ctx, freshKey(t), leasehold.NewRunID(), 0)
 		var nh *leasehold.LeaseNotHeldError
 		if !errors.Is(err, leasehold.ErrLeaseNotHeld) || !errors.As(err, &nh) || nh.Cause != leasehold.LossNotFound {
-			t.Fatalf("%v", err)
+			t.Fatalf("Renew of a never-held session = %v, want a *LeaseNotHeldError with cause %s", err, leasehold.LossNotFound)
 		}
 	})
 	t.Run("InvalidArgumentError names the field", func(t *testing.T) {
 		_, err := c.Acquire(ctx, freshKey(t), leasehold.AcquireOptions{TTL: 2 * time.Hour})
 		var ia *leasehold.InvalidArgumentError
 		if !errors.Is(err, leasehold.ErrInvalidArgument) || !errors.As(err, &ia) || ia.Field != "ttl" || !strings.Contains(ia.Rule, "between") {
-			t.Fatalf("%v (%+v)", err, ia)
+			t.Fatalf("Acquire with a 2h TTL = %v (%+v), want an *InvalidArgumentError on field ttl saying \"between\"", err, ia)
 		}
 	})
 	t.Run("ResourceExhaustedError names the limit", func(t *testing.T) {
@@ -63,22 +63,22 @@ func TestDocumentedErrors(t *testing.T) {
 		_, err = q.Hold(ctx, leasehold.SessionKey{AccountID: "quota-account", SessionID: "two"}, holdOptions)
 		var re *leasehold.ResourceExhaustedError
 		if !errors.Is(err, leasehold.ErrResourceExhausted) || !errors.As(err, &re) || re.Limit != "max-leases-per-account" || re.Max != 1 {
-			t.Fatalf("%v (%+v)", err, re)
+			t.Fatalf("second Hold = %v (%+v), want a *ResourceExhaustedError with limit max-leases-per-account, max 1", err, re)
 		}
 	})
 	t.Run("ErrUnauthenticated", func(t *testing.T) {
 		bad := dial(t, []string{shared.Addr}, leasehold.WithToken("not-a-jwt"))
 		if _, err := bad.Get(ctx, key); !errors.Is(err, leasehold.ErrUnauthenticated) {
-			t.Fatalf("%v", err)
+			t.Fatalf("Get with a malformed token = %v, want ErrUnauthenticated", err)
 		}
 	})
 	t.Run("ErrPermissionDenied", func(t *testing.T) {
 		if _, err := c.Revoke(ctx, key, "no admin scope"); !errors.Is(err, leasehold.ErrPermissionDenied) {
-			t.Fatalf("%v", err)
+			t.Fatalf("Revoke without the admin scope = %v, want ErrPermissionDenied", err)
 		}
 		other := leasehold.SessionKey{AccountID: "someone-else", SessionID: "s"}
 		if _, err := c.Get(ctx, other); !errors.Is(err, leasehold.ErrPermissionDenied) {
-			t.Fatalf("another account's session: %v", err)
+			t.Fatalf("Get of another account's session = %v, want ErrPermissionDenied", err)
 		}
 	})
 	t.Run("UnavailableError names every address tried", func(t *testing.T) {
@@ -88,13 +88,13 @@ func TestDocumentedErrors(t *testing.T) {
 		_, err := u.Get(ctx, key)
 		var ue *leasehold.UnavailableError
 		if !errors.Is(err, leasehold.ErrUnavailable) || !errors.As(err, &ue) || status.Code(err) != codes.Unavailable {
-			t.Fatalf("%v", err)
+			t.Fatalf("Get with every address closed = %v, want an *UnavailableError with code Unavailable", err)
 		}
 		var addrs []string
 		for _, attempt := range ue.Tried {
 			addr, what, _ := strings.Cut(attempt, ": ")
 			if what == "" {
-				t.Fatalf("attempt %q does not say what the address did", attempt)
+				t.Fatalf("attempt %q, want \"address: what it did\"", attempt)
 			}
 			addrs = append(addrs, addr)
 		}
@@ -121,12 +121,12 @@ func TestDocumentedErrors(t *testing.T) {
 		_, err := lc.Hold(ctx, lkey, leasehold.HoldOptions{TTL: 3 * time.Second, SafetyMargin: 2 * time.Second})
 		var lg *leasehold.LateGrantError
 		if !errors.Is(err, leasehold.ErrLateGrant) || !errors.Is(err, leasehold.ErrNotAcquired) || !errors.As(err, &lg) {
-			t.Fatalf("%v", err)
+			t.Fatalf("Hold with answers 1.3s late = %v, want a *LateGrantError (also ErrNotAcquired)", err)
 		}
 		p.Delay(0)
 		direct := dial(t, []string{shared.Addr})
 		if held, err := direct.Get(ctx, lkey); err != nil || held != nil {
-			t.Fatalf("the late grant is still held: %v %v", held, err)
+			t.Fatalf("Get after the late grant = %v, %v; want nil, nil (released)", held, err)
 		}
 		if n := countEvents(history(t, direct, lkey), leasev1.EventType_EVENT_TYPE_RELEASED, lg.Lease.GetRunId()); n != 1 {
 			t.Fatalf("late grant released %d times, want 1", n)
@@ -135,10 +135,10 @@ func TestDocumentedErrors(t *testing.T) {
 	t.Run("bad options name the option", func(t *testing.T) {
 		_, err := c.Hold(ctx, freshKey(t), leasehold.HoldOptions{TTL: time.Second, SafetyMargin: 2 * time.Second})
 		if err == nil || !strings.Contains(err.Error(), "SafetyMargin") {
-			t.Fatalf("%v", err)
+			t.Fatalf("Hold with SafetyMargin above TTL = %v, want an error naming SafetyMargin", err)
 		}
 		if _, err := leasehold.Dial(ctx, []string{"http://host/with/path"}); err == nil || !strings.Contains(err.Error(), "address") {
-			t.Fatalf("%v", err)
+			t.Fatalf("Dial with a path = %v, want an error naming the address", err)
 		}
 	})
 }
@@ -174,10 +174,10 @@ func TestCloseLeavesNoGoroutine(t *testing.T) {
 	}
 	for _, l := range leases {
 		if !errors.Is(context.Cause(l.Context()), leasehold.ErrReleased) || l.Err() != nil {
-			t.Fatalf("after Close: cause %v", context.Cause(l.Context()))
+			t.Fatalf("after Close: cause %v, Err() %v; want ErrReleased, nil", context.Cause(l.Context()), l.Err())
 		}
 	}
 	if _, err := c.Hold(context.Background(), freshKey(t), holdOptions); !errors.Is(err, leasehold.ErrClosed) {
-		t.Fatalf("Hold after Close: %v", err)
+		t.Fatalf("Hold after Close = %v, want ErrClosed", err)
 	}
 }

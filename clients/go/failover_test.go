@@ -45,15 +45,15 @@ func TestRetryAfterDroppedAnswerKeepsTheToken(t *testing.T) {
 		return granted.GetRunId() == runID
 	})
 	if p.Dropped() == 0 {
-		t.Fatal("the proxy swallowed no answer")
+		t.Fatal("the proxy swallowed 0 answers, want at least 1")
 	}
 	p.Cut()
 	<-done
 	if err != nil {
-		t.Fatalf("Hold after the dropped answer: %v", err)
+		t.Fatalf("Hold after the dropped answer = %v, want nil", err)
 	}
 	if lease.FencingToken() != granted.GetFencingToken() || lease.RunID() != runID {
-		t.Fatalf("retry got token %d run %s, the dropped grant was token %d run %s", lease.FencingToken(), lease.RunID(), granted.GetFencingToken(), runID)
+		t.Fatalf("retry got token %d run %s, want the dropped grant's token %d run %s", lease.FencingToken(), lease.RunID(), granted.GetFencingToken(), runID)
 	}
 	if n := countEvents(history(t, direct, key), leasev1.EventType_EVENT_TYPE_ACQUIRED, runID); n != 1 {
 		t.Fatalf("History shows %d grants of the run, want 1", n)
@@ -74,13 +74,13 @@ func TestReleaseWhoseConnectionIsResetIsSentAgain(t *testing.T) {
 	c := dial(t, []string{p.Addr})
 	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{RunID: leasehold.NewRunID(), TTL: 30 * time.Second})
 	if err != nil || !granted.GetAcquired() {
-		t.Fatalf("acquire: %v %v", granted, err)
+		t.Fatalf("Acquire = %v, %v; want acquired, nil", granted, err)
 	}
 	runID := granted.GetLease().GetRunId()
 	p.DropNextRequest()
 	released, err := c.Release(ctx, key, runID)
 	if err != nil || !released {
-		t.Fatalf("Release after a reset: released %v, %v", released, err)
+		t.Fatalf("Release after a reset = %v, %v; want true, nil", released, err)
 	}
 	if n := p.DroppedRequests(); n != 1 {
 		t.Fatalf("the proxy dropped %d requests, want 1", n)
@@ -90,7 +90,7 @@ func TestReleaseWhoseConnectionIsResetIsSentAgain(t *testing.T) {
 		t.Fatalf("History of the run: %v, want ACQUIRED, RELEASED", got)
 	}
 	if held, err := direct.Get(ctx, key); err != nil || held != nil {
-		t.Fatalf("the session is still held: %v %v", held, err)
+		t.Fatalf("Get after the Release = %v, %v; want nil, nil", held, err)
 	}
 }
 
@@ -105,7 +105,7 @@ func TestAcquireWithoutRunIDWhoseConnectionIsResetIsSentAgain(t *testing.T) {
 	p.DropNextRequest()
 	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{TTL: 30 * time.Second})
 	if err != nil || !granted.GetAcquired() {
-		t.Fatalf("Acquire after a reset: %v %v", granted, err)
+		t.Fatalf("Acquire after a reset = %v, %v; want acquired, nil", granted, err)
 	}
 	if n := p.DroppedRequests(); n != 1 {
 		t.Fatalf("the proxy dropped %d requests, want 1", n)
@@ -130,7 +130,7 @@ func TestRevokeWhoseConnectionIsResetIsNotSentAgain(t *testing.T) {
 	c := dial(t, []string{p.Addr}, leasehold.WithToken(token(time.Hour, "leasehold:admin")))
 	granted, err := c.Acquire(ctx, key, leasehold.AcquireOptions{RunID: leasehold.NewRunID(), TTL: 30 * time.Second})
 	if err != nil || !granted.GetAcquired() {
-		t.Fatalf("acquire: %v %v", granted, err)
+		t.Fatalf("Acquire = %v, %v; want acquired, nil", granted, err)
 	}
 	runID := granted.GetLease().GetRunId()
 	p.DropNextRequest()
@@ -182,13 +182,13 @@ func TestInstanceStoppedMidHold(t *testing.T) {
 	a.Stop()
 	testenv.WaitFor(t, 3*ttl, "a TTL after the stop", func() bool { return time.Since(stoppedAt) > ttl })
 	if err := lease.Err(); err != nil {
-		t.Fatalf("lease lost with an instance stopped: %v", err)
+		t.Fatalf("Err() with one instance stopped = %v, want nil", err)
 	}
 	if renewed := b.Metric(t, "leasehold_lease_renewals_total", nil); renewed == 0 {
-		t.Fatal("the other instance renewed nothing")
+		t.Fatal("the other instance renewed 0 leases, want at least 1")
 	}
 	if err := lease.Release(context.Background()); err != nil {
-		t.Fatalf("release through the other instance: %v", err)
+		t.Fatalf("Release through the other instance = %v, want nil", err)
 	}
 }
 
@@ -214,11 +214,11 @@ func TestOnlyInstanceGoneMidHold(t *testing.T) {
 	// No renewal can be confirmed from here on: this is the deadline.
 	remaining := lease.Remaining()
 	if remaining <= 0 {
-		t.Fatalf("the lease ended before its deadline: %v", lease.Err())
+		t.Fatalf("Remaining() = 0 right after the kill (Err() %v), want the time to the local deadline", lease.Err())
 	}
 	waitDone(t, lease.Context(), remaining+2*time.Second, "the loss at the local deadline")
 	if held := time.Since(killed); held < remaining {
-		t.Fatalf("lost %s after the kill, before its local deadline (%s)", held, remaining)
+		t.Fatalf("lost %s after the kill, want at least %s (its local deadline)", held, remaining)
 	}
 	lost := lostCause(t, lease)
 	t.Logf("lost: %v", lost)
@@ -226,7 +226,7 @@ func TestOnlyInstanceGoneMidHold(t *testing.T) {
 		t.Fatalf("loss reason %q, want deadline: %s", lost.Reason, lost.Message)
 	}
 	if !strings.Contains(lost.Message, s.Addr) || !strings.Contains(lost.Message, "connection refused") {
-		t.Fatalf("the loss does not name the instance and what it did: %s", lost.Message)
+		t.Fatalf("loss message %q, want it to name %s and \"connection refused\"", lost.Message, s.Addr)
 	}
 	var unavailable *leasehold.UnavailableError
 	if !errors.As(lost, &unavailable) || !errors.Is(lost, leasehold.ErrUnavailable) {
@@ -286,7 +286,7 @@ func renewedAll(t *testing.T, leases []*leasehold.Lease, within time.Duration) {
 	testenv.WaitFor(t, within, "a renewal of every lease", func() bool {
 		for i, l := range leases {
 			if l.Err() != nil {
-				t.Fatalf("lease %d lost: %v", i, l.Err())
+				t.Fatalf("lease %d: Err() = %v, want nil", i, l.Err())
 			}
 			if l.Lease() == granted[i] {
 				return false
@@ -335,7 +335,7 @@ func TestSecondStreamPastTheServersBound(t *testing.T) {
 	renewedAll(t, leases, 2*ttl)
 	refused := keepAliveStreams(t, s, "resource_exhausted")
 	if refused < 1 {
-		t.Fatalf("the server refused no stream for its bound")
+		t.Fatalf("the server refused %v streams for its bound, want at least 1", refused)
 	}
 	if err := c.Close(); err != nil {
 		t.Fatal(err)
@@ -354,6 +354,6 @@ func TestSecondStreamPastTheServersBound(t *testing.T) {
 		t.Fatalf("%v streams for 5 leases at 2 per stream, want 3", n)
 	}
 	if keepAliveStreams(t, s, "resource_exhausted") != refused {
-		t.Fatal("a stream was refused although the client knew the bound")
+		t.Fatalf("refused streams %v, want %v: none more once the client knew the bound", keepAliveStreams(t, s, "resource_exhausted"), refused)
 	}
 }

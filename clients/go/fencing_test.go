@@ -42,7 +42,7 @@ func TestFencingHeadersOnlyForAHeldLease(t *testing.T) {
 		defer func() { _ = lease.Release(ctx) }()
 		md, err := leasehold.FencingMetadata(lease)
 		if err != nil {
-			t.Fatalf("FencingMetadata of a held lease: %v", err)
+			t.Fatalf("FencingMetadata of a held lease: err = %v, want nil", err)
 		}
 		want := map[string]string{
 			leasehold.FencingTokenHeader: strconv.FormatInt(lease.FencingToken(), 10),
@@ -55,7 +55,7 @@ func TestFencingHeadersOnlyForAHeldLease(t *testing.T) {
 			}
 		}
 		if err := write(lease); err != nil {
-			t.Fatalf("a write through the interceptor for the held lease: %v", err)
+			t.Fatalf("a write through the interceptor for the held lease = %v, want nil", err)
 		}
 	})
 

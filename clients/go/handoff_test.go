@@ -3,6 +3,8 @@ package leasehold_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -34,19 +36,19 @@ func TestHandoffDelivered(t *testing.T) {
 		found = found || l.GetRunId() == lease.RunID()
 	}
 	if err != nil || !found {
-		t.Fatalf("List does not show the held lease: %v", err)
+		t.Fatalf("List = %d leases, err %v; want run %s among them, nil", len(listed), err, lease.RunID())
 	}
 	delivered, current, err := requester.RequestHandoff(context.Background(), key, "browser", "continue here")
 	if err != nil || !delivered || current.GetRunId() != lease.RunID() {
-		t.Fatalf("RequestHandoff: delivered %v, current %v, err %v", delivered, current, err)
+		t.Fatalf("RequestHandoff = delivered %v, current %v, err %v; want true, run %s, nil", delivered, current, err, lease.RunID())
 	}
 	select {
 	case h := <-lease.HandoffRequests():
 		if h.RequesterHolder != "browser" || h.Reason != "continue here" {
-			t.Fatalf("handoff %+v", h)
+			t.Fatalf("handoff %+v, want from browser, reason \"continue here\"", h)
 		}
 	case <-time.After(10 * time.Second):
-		t.Fatal("no handoff request delivered")
+		t.Fatal("no handoff request delivered within 10s, want one")
 	}
 	if err := lease.Release(context.Background()); err != nil {
 		t.Fatal(err)
@@ -57,14 +59,14 @@ func TestHandoffDelivered(t *testing.T) {
 		t.Fatal(err)
 	}
 	if next.FencingToken() <= lease.FencingToken() {
-		t.Fatalf("token %d after handoff, not above %d", next.FencingToken(), lease.FencingToken())
+		t.Fatalf("token %d after handoff, want above %d", next.FencingToken(), lease.FencingToken())
 	}
 	if lease.Err() != nil {
-		t.Fatalf("a self-release reported as a loss: %v", lease.Err())
+		t.Fatalf("Err() after its own Release = %v, want nil (not a loss)", lease.Err())
 	}
 	events := history(t, requester, key)
 	if countEvents(events, leasev1.EventType_EVENT_TYPE_HANDOFF_REQUESTED, lease.RunID()) != 1 || countEvents(events, leasev1.EventType_EVENT_TYPE_RELEASED, lease.RunID()) != 1 {
-		t.Fatalf("History: %v", events)
+		t.Fatalf("History %v, want one HANDOFF_REQUESTED and one RELEASED of run %s", events, lease.RunID())
 	}
 	_ = next.Release(context.Background())
 }
@@ -85,7 +87,7 @@ func TestRunExclusive(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 		if revoked, err := adm.Revoke(context.Background(), key, "test"); err != nil || !revoked {
-			t.Errorf("revoke: %v %v", revoked, err)
+			t.Errorf("Revoke = %v, %v; want true, nil", revoked, err)
 		}
 		<-ctx.Done()
 		return workErr
@@ -95,7 +97,7 @@ func TestRunExclusive(t *testing.T) {
 		t.Fatalf("RunExclusive = %v, want fn's error joined with a revoked *LeaseLostError", err)
 	}
 	if n := countEvents(history(t, c, key), leasev1.EventType_EVENT_TYPE_RELEASED, runID); n != 0 {
-		t.Fatalf("a release after the loss: %d", n)
+		t.Fatalf("History shows %d releases after the loss, want 0", n)
 	}
 	err = c.RunExclusive(context.Background(), key, holdOptions, func(ctx context.Context, l *leasehold.Lease) error {
 		runID = l.RunID()
@@ -106,6 +108,28 @@ func TestRunExclusive(t *testing.T) {
 	}
 	if n := countEvents(history(t, c, key), leasev1.EventType_EVENT_TYPE_RELEASED, runID); n != 1 {
 		t.Fatalf("%d releases after RunExclusive returned, want 1", n)
+	}
+}
+
+// RunExclusive: work that returns its context's cause, as the README
+// suggests, gets the *LeaseLostError back once, not joined with itself.
+func TestRunExclusiveReturnsTheLossOnceWhenTheWorkReturnsItsCause(t *testing.T) {
+	key := freshKey(t)
+	c := dial(t, []string{shared.Addr})
+	adm := admin(t, shared)
+	err := c.RunExclusive(context.Background(), key, holdOptions, func(ctx context.Context, l *leasehold.Lease) error {
+		if revoked, err := adm.Revoke(context.Background(), key, "test"); err != nil || !revoked {
+			t.Errorf("Revoke = %v, %v; want true, nil", revoked, err)
+		}
+		<-ctx.Done()
+		return fmt.Errorf("work stopped: %w", context.Cause(ctx))
+	})
+	var lost *leasehold.LeaseLostError
+	if !errors.As(err, &lost) || lost.Reason != leasehold.LossRevoked {
+		t.Fatalf("RunExclusive = %v, want a revoked *LeaseLostError", err)
+	}
+	if got := strings.Count(err.Error(), lost.Error()); got != 1 {
+		t.Fatalf("RunExclusive = %q: the loss appears %d times, want 1", err, got)
 	}
 }
 

@@ -83,14 +83,14 @@ type laneStream struct {
 	queue  []*leasev1.KeepAliveRequest
 	wake   chan struct{}
 	ended  bool // half-close once the queue is sent
-	stall  *time.Timer
+	stall  timer
 }
 
 type lane struct {
 	ch        *keepAliveChannel
 	entries   map[entryID]*entry
 	stream    *laneStream
-	reconnect *time.Timer
+	reconnect timer
 	addrIndex int
 	failures  int
 	// Opens of this lane since a renewal was last confirmed that ended
@@ -333,7 +333,7 @@ func (ln *lane) send(id entryID) {
 	if s == nil || e == nil {
 		return
 	}
-	now := time.Now()
+	now := ln.ch.c.clock.Now()
 	e.outstanding = append(e.outstanding, now)
 	s.queue = append(s.queue, &leasev1.KeepAliveRequest{
 		Key:   &leasev1.SessionKey{AccountId: id.accountID, SessionId: id.sessionID},
@@ -346,7 +346,7 @@ func (ln *lane) send(id entryID) {
 	}
 	if s.stall == nil {
 		gen := s.gen
-		s.stall = time.AfterFunc(e.lease.timing.renewEvery, func() { ln.checkStall(gen) })
+		s.stall = ln.ch.c.clock.AfterFunc(e.lease.timing.renewEvery, func() { ln.checkStall(gen) })
 	}
 }
 
@@ -361,7 +361,7 @@ func (ln *lane) checkStall(gen uint64) {
 		ch.mu.Unlock()
 		return
 	}
-	now := time.Now()
+	now := ch.c.clock.Now()
 	next := time.Duration(-1)
 	var stalled time.Duration
 	for _, e := range ln.entries {
@@ -630,7 +630,7 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 	if len(ln.entries) == 0 || ch.closed {
 		return nil
 	}
-	ln.reconnect = time.AfterFunc(delay, func() {
+	ln.reconnect = c.clock.AfterFunc(delay, func() {
 		ch.mu.Lock()
 		defer ch.mu.Unlock()
 		if ln.reconnect != nil && !ch.closed && len(ln.entries) > 0 {
@@ -690,5 +690,5 @@ func (ln *lane) shutdown(now bool) {
 	case s.wake <- struct{}{}:
 	default:
 	}
-	time.AfterFunc(time.Second, s.cancel)
+	ln.ch.c.clock.AfterFunc(time.Second, s.cancel)
 }

@@ -57,7 +57,7 @@ func TestLateWaitedGrantIsConfirmedByAnIdempotentReacquire(t *testing.T) {
 	// its request; the confirmation then has 1.35s to come back.
 	first, err := desktop.Acquire(ctx, key, leasehold.AcquireOptions{TTL: 2500 * time.Millisecond, Holder: "desktop"})
 	if err != nil || !first.GetAcquired() {
-		t.Fatalf("the first holder's acquire: %v %v", first, err)
+		t.Fatalf("the first holder's Acquire = %v, %v; want acquired, nil", first, err)
 	}
 	type outcome struct {
 		token, stored    int64
@@ -76,19 +76,19 @@ func TestLateWaitedGrantIsConfirmedByAnIdempotentReacquire(t *testing.T) {
 			return nil
 		})
 	if err != nil {
-		t.Fatalf("RunExclusive after the wait: %v", err)
+		t.Fatalf("RunExclusive after the wait = %v, want nil", err)
 	}
 	if n := log.count(leasehold.MsgConfirming); n != 1 {
 		t.Fatalf("the waited grant was confirmed %d times, want once (it arrived past its local deadline)", n)
 	}
 	if got.token <= first.GetLease().GetFencingToken() {
-		t.Errorf("the waited run's token %d is not above the first holder's %d (S6)", got.token, first.GetLease().GetFencingToken())
+		t.Errorf("the waited run's token %d, want above the first holder's %d (S6)", got.token, first.GetLease().GetFencingToken())
 	}
 	if got.left <= 0 {
 		t.Errorf("the work started with %s left to its local deadline, want some", got.left)
 	}
 	if got.stored != got.token || got.storedRun != got.runID {
-		t.Errorf("the server's lease is token %d of run %s, the work's token %d of run %s", got.stored, got.storedRun, got.token, got.runID)
+		t.Errorf("the server's lease is token %d of run %s, want the work's token %d of run %s", got.stored, got.storedRun, got.token, got.runID)
 	}
 	// The confirmation was the same grant asked again, not a second one.
 	if n := countEvents(history(t, c, key), leasev1.EventType_EVENT_TYPE_ACQUIRED, got.runID); n != 1 {

@@ -135,6 +135,6 @@ func waitDone(t *testing.T, ctx context.Context, within time.Duration, what stri
 	select {
 	case <-ctx.Done():
 	case <-time.After(within):
-		t.Fatalf("%s: not done within %s", what, within)
+		t.Fatalf("%s: not done within %s, want done", what, within)
 	}
 }

@@ -43,7 +43,7 @@ func TestReleaseAfterItsRenewalIsAnsweredIsNoLoss(t *testing.T) {
 			t.Fatal(err)
 		}
 		if err := lease.Release(ctx); err != nil {
-			t.Fatalf("Release: %v", err)
+			t.Fatalf("Release = %v, want nil", err)
 		}
 		if cause := context.Cause(lease.Context()); !errors.Is(cause, leasehold.ErrReleased) || lease.Err() != nil {
 			t.Fatalf("after Release: Context's cause %v, Err() %v; want ErrReleased and nil", cause, lease.Err())
@@ -57,7 +57,7 @@ func TestReleaseAfterItsRenewalIsAnsweredIsNoLoss(t *testing.T) {
 			return nil
 		})
 		if err != nil {
-			t.Fatalf("RunExclusive: %v", err)
+			t.Fatalf("RunExclusive = %v, want nil", err)
 		}
 		// The work's context ends naming the run's own release, never a loss.
 		if cause := context.Cause(work); !errors.Is(cause, leasehold.ErrReleased) {
@@ -103,7 +103,7 @@ func TestReleaseWaitLeavesTheReleaseHalfItsContext(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if err := lease.Release(ctx); err != nil {
-		t.Fatalf("Release with a 2 s ctx while the renewal is 3 s late: %v", err)
+		t.Fatalf("Release with a 2 s ctx while the renewal is 3 s late = %v, want nil", err)
 	}
 	if held, err := direct.Get(context.Background(), key); err != nil || held != nil {
 		t.Fatalf("after Release the session shows %v (%v), want free", held, err)
@@ -139,14 +139,14 @@ func TestReleaseCancelledBeforeSendingLeavesTheLeaseRenewed(t *testing.T) {
 				return at
 			}
 			if time.Now().After(until) {
-				t.Fatalf("the lease's deadline stayed at %v: not renewed", after)
+				t.Fatalf("the lease's deadline stayed at %v, want it moved later by a renewal", after)
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	granted, err := c.Get(ctx, key)
 	if err != nil || granted == nil {
-		t.Fatalf("Get: %v %v", granted, err)
+		t.Fatalf("Get = %v, %v; want the lease, nil", granted, err)
 	}
 	renewed := movedPast(granted.GetExpiresAt().AsTime()) // the renewal sent as the stream opened
 	cancelled, cancel := context.WithCancel(ctx)
@@ -156,7 +156,7 @@ func TestReleaseCancelledBeforeSendingLeavesTheLeaseRenewed(t *testing.T) {
 	}
 	movedPast(movedPast(renewed))
 	if err := lease.Err(); err != nil {
-		t.Fatalf("the lease was lost: %v", err)
+		t.Fatalf("Err() = %v, want nil (the lease renewed again)", err)
 	}
 	if err := lease.Release(ctx); err != nil {
 		t.Fatal(err)

@@ -51,11 +51,11 @@ func TestRaceExactlyOneWins(t *testing.T) {
 	}
 	var na *leasehold.NotAcquiredError
 	if !errors.As(errs[lost], &na) || !errors.Is(errs[lost], leasehold.ErrNotAcquired) {
-		t.Fatalf("loser's error %v is not a *NotAcquiredError", errs[lost])
+		t.Fatalf("loser's error %v, want a *NotAcquiredError", errs[lost])
 	}
 	winner := leases[won]
 	if na.Current.GetRunId() != winner.RunID() || na.Current.GetFencingToken() != winner.FencingToken() || na.Current.GetHolder() != fmt.Sprintf("racer-%d", won) {
-		t.Fatalf("the refusal names %v, not the winner (run %s, token %d)", na.Current, winner.RunID(), winner.FencingToken())
+		t.Fatalf("the refusal names %v, want the winner (run %s, token %d)", na.Current, winner.RunID(), winner.FencingToken())
 	}
 	if err := winner.Release(context.Background()); err != nil {
 		t.Fatal(err)
@@ -97,14 +97,14 @@ func TestStalledRoutesStopBeforeTheDatabaseDeadline(t *testing.T) {
 	}
 	// L2: asked right after, the database still counts the lease valid.
 	if state.GetRunId() != lease.RunID() || state.GetRemaining().AsDuration() <= 0 {
-		t.Fatalf("the lease ended on the server before the client stopped: %v", state)
+		t.Fatalf("Get right after the stop = %v, want run %s still valid in the database", state, lease.RunID())
 	}
 	if lost := lostCause(t, lease); lost.Reason != leasehold.LossDeadline {
 		t.Fatalf("loss reason %q, want deadline", lost.Reason)
 	}
 	t.Logf("stall to stop %s, database time left at stop %s", time.Since(stalledAt).Round(time.Millisecond), state.GetRemaining().AsDuration().Round(time.Millisecond))
 	if lease.Remaining() != 0 {
-		t.Fatalf("Remaining() = %s after loss", lease.Remaining())
+		t.Fatalf("Remaining() = %s after loss, want 0", lease.Remaining())
 	}
 	// No release after loss: Release returns the loss and sends nothing.
 	if err := lease.Release(context.Background()); !errors.Is(err, leasehold.ErrLeaseLost) {
@@ -120,7 +120,7 @@ func TestStalledRoutesStopBeforeTheDatabaseDeadline(t *testing.T) {
 	}
 	t2 := newer.FencingToken()
 	if t2 <= t1 {
-		t.Fatalf("takeover token %d not larger than %d", t2, t1)
+		t.Fatalf("takeover token %d, want larger than %d", t2, t1)
 	}
 	if _, err := docs.Put(bearer(context.Background()), &guardedv1.PutRequest{Key: key2proto(key), Name: "doc", Value: []byte("newer"), FencingToken: t2}); err != nil {
 		t.Fatal(err)
@@ -136,7 +136,7 @@ func TestStalledRoutesStopBeforeTheDatabaseDeadline(t *testing.T) {
 	// was taken over), the new one was acquired.
 	events := history(t, direct, key)
 	if n := countEvents(events, leasev1.EventType_EVENT_TYPE_RELEASED, lease.RunID()); n != 0 {
-		t.Fatalf("History shows %d release(s) of the lost run: %v", n, events)
+		t.Fatalf("History shows %d release(s) of the lost run, want 0: %v", n, events)
 	}
 	if n := countEvents(events, leasev1.EventType_EVENT_TYPE_ACQUIRED, newer.RunID()); n != 1 {
 		t.Fatalf("History shows %d grants of the new run, want 1: %v", n, events)
@@ -169,10 +169,10 @@ func TestCutStreamReconnectsAndKeepsTheLease(t *testing.T) {
 	// connection can have kept it.
 	testenv.WaitFor(t, 3*ttl, "a TTL after the cut", func() bool { return time.Since(cutAt) > ttl })
 	if err := lease.Err(); err != nil {
-		t.Fatalf("lease lost after a cut: %v", err)
+		t.Fatalf("Err() after a cut = %v, want nil", err)
 	}
 	if p.Accepted() <= before {
-		t.Fatalf("no new connection after the cut")
+		t.Fatalf("no new connection after the cut, want one")
 	}
 	if got, err := dial(t, []string{shared.Addr}).Get(context.Background(), key); err != nil || got.GetRunId() != lease.RunID() {
 		t.Fatalf("server says %v (%v), want run %s", got, err, lease.RunID())

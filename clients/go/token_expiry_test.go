@@ -110,12 +110,12 @@ func TestStreamEndedForAnExpiredTokenReopensWithAFreshOne(t *testing.T) {
 	testenv.WaitFor(t, 20*time.Second, "four streams", func() bool { return len(es.streams()) >= 4 })
 	testenv.WaitFor(t, 3*ttl, "past a TTL", func() bool { return time.Since(heldAt) > ttl })
 	if err := lease.Err(); err != nil {
-		t.Fatalf("lease lost although every stream reopened with a fresh token: %v", err)
+		t.Fatalf("Err() = %v, want nil: every stream reopened with a fresh token", err)
 	}
 	seen := map[string]bool{}
 	for _, tok := range es.streams() {
 		if seen[tok] {
-			t.Fatalf("a stream reopened with a token already used: %v", es.streams())
+			t.Fatalf("stream tokens %v, want each used once", es.streams())
 		}
 		seen[tok] = true
 	}
@@ -134,10 +134,10 @@ func TestStreamEndedForAnExpiredStaticTokenLosesTheLease(t *testing.T) {
 	waitDone(t, lease.Context(), 10*time.Second, "lease context")
 	lost := lostCause(t, lease)
 	if lost.Reason != leasehold.LossTokenExpired || !strings.Contains(lost.Message, "expired") || !strings.Contains(lost.Message, "static token") {
-		t.Fatalf("loss %q: %s", lost.Reason, lost.Message)
+		t.Fatalf("loss %q: %s, want %q naming the expiry and the static token", lost.Reason, lost.Message, leasehold.LossTokenExpired)
 	}
 	if err := lease.Release(context.Background()); err == nil {
-		t.Fatal("Release after the loss was sent")
+		t.Fatal("Release after the loss = nil, want the *LeaseLostError (nothing sent)")
 	}
 }
 

@@ -37,7 +37,7 @@ func TestTokenRefreshedMidHold(t *testing.T) {
 	})
 	testenv.WaitFor(t, 3*ttl, "a TTL past the second refusal", func() bool { return time.Since(heldAt) > 2*ttl })
 	if err := lease.Err(); err != nil {
-		t.Fatalf("lease lost although the token function gives fresh tokens: %v", err)
+		t.Fatalf("Err() = %v, want nil: the token function gives fresh tokens", err)
 	}
 	if calls.Load() < 3 {
 		t.Fatalf("token function called %d times, want one per stream open at least", calls.Load())

@@ -60,9 +60,9 @@ func TestTraceparentAndTokenHeaders(t *testing.T) {
 		t.Fatalf("traceparent %v, want %s", got, tp)
 	}
 	if got := md.Get("authorization"); len(got) != 1 || got[0] != "Bearer fresh" {
-		t.Fatalf("authorization %v", got)
+		t.Fatalf("authorization %v, want [Bearer fresh]", got)
 	}
 	if got := seenByCaller.Get("traceparent"); len(got) != 1 || got[0] != tp {
-		t.Fatalf("the caller's interceptor saw %v", seenByCaller)
+		t.Fatalf("the caller's interceptor saw %v, want traceparent %s", seenByCaller, tp)
 	}
 }

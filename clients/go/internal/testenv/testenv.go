@@ -224,7 +224,7 @@ func (s *Server) Metric(tb testing.TB, name string, want map[string]string) floa
 	tb.Helper()
 	resp, err := http.Get("http://" + s.Addr + "/metrics")
 	if err != nil {
-		tb.Fatalf("metrics: %v", err)
+		tb.Fatalf("GET /metrics = %v, want the metrics", err)
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
@@ -266,7 +266,7 @@ func WaitFor(tb testing.TB, timeout time.Duration, what string, cond func() bool
 	deadline := time.Now().Add(timeout)
 	for !cond() {
 		if time.Now().After(deadline) {
-			tb.Fatalf("no %s within %s", what, timeout)
+			tb.Fatalf("waited %s for %s, want it within that", timeout, what)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

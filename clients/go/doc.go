@@ -1,0 +1,10 @@
+// Package leasehold is the Go client of Leasehold, a lease coordination
+// service: it decides which single run may work on a session right now and
+// hands that run a fencing token for its writes.
+//
+// Hold acquires a session's lease and keeps it alive on the client's one
+// shared KeepAlive stream; the lease's Context is cancelled the moment the
+// client can no longer vouch for the lease (the server says it is lost, a
+// renewal is refused, or the local deadline passes: DESIGN.md L2). See
+// clients/go/README.md.
+package leasehold

@@ -1,0 +1,94 @@
+package leasehold_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"time"
+
+	leasehold "leasehold.dev/go"
+)
+
+// The examples run against the tests' lease server (TestMain starts it):
+// shared.Addr stands for your instances' addresses, token(…) for your
+// bearer token. Each uses a session of its own.
+
+// Hold takes a session's lease and keeps it alive until Release; a second
+// holder is told who holds the session.
+func ExampleClient_Hold() {
+	ctx := context.Background()
+	client, err := leasehold.Dial(ctx, []string{shared.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	key := leasehold.SessionKey{AccountID: account, SessionID: "example-hold-" + leasehold.NewRunID()}
+	lease, err := client.Hold(ctx, key, leasehold.HoldOptions{TTL: 10 * time.Second, Holder: "desktop"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("held by", lease.Lease().GetHolder())
+
+	// The browser tries the same session: not acquired, and told who holds it.
+	_, err = client.Hold(ctx, key, leasehold.HoldOptions{TTL: 10 * time.Second, Holder: "browser"})
+	var held *leasehold.NotAcquiredError
+	if errors.As(err, &held) {
+		fmt.Println("browser: running on", held.Current.GetHolder())
+	}
+
+	// Work under lease.Context(): it ends the moment the lease is lost.
+	// Present lease.FencingToken() with every write (WithLease adds it).
+	if err := lease.Release(ctx); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("after Release:", context.Cause(lease.Context()))
+	// Output:
+	// held by desktop
+	// browser: running on desktop
+	// after Release: leasehold: lease released by its run
+}
+
+// RunExclusive runs work under the lease and releases it when the work
+// returns; the work's context ends the moment the lease is lost, here by
+// an administrator's Revoke.
+func ExampleClient_RunExclusive() {
+	ctx := context.Background()
+	client, err := leasehold.Dial(ctx, []string{shared.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+	adminClient, err := leasehold.Dial(ctx, []string{shared.Addr}, leasehold.WithToken(token(time.Hour, "leasehold:admin")))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer adminClient.Close()
+
+	key := leasehold.SessionKey{AccountID: account, SessionID: "example-run-exclusive-" + leasehold.NewRunID()}
+	o := leasehold.HoldOptions{TTL: 10 * time.Second, Holder: "worker-3"}
+	err = client.RunExclusive(ctx, key, o, func(ctx context.Context, lease *leasehold.Lease) error {
+		fmt.Println("working as", lease.Lease().GetHolder())
+		return nil
+	})
+	fmt.Println("done:", err)
+
+	err = client.RunExclusive(ctx, key, o, func(ctx context.Context, lease *leasehold.Lease) error {
+		if _, err := adminClient.Revoke(ctx, key, "maintenance"); err != nil {
+			return err
+		}
+		<-ctx.Done()
+		return context.Cause(ctx)
+	})
+	var lost *leasehold.LeaseLostError
+	if errors.As(err, &lost) {
+		fmt.Println("lost:", lost.Reason)
+	}
+	fmt.Println(err)
+	// Output:
+	// working as worker-3
+	// done: <nil>
+	// lost: revoked
+	// leasehold: lease lost: the server reports the lease lost (revoked)
+}
