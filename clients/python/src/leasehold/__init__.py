@@ -3,6 +3,7 @@ lost, fence every write. See clients/python/README.md and docs/clients.md."""
 
 from ._common import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from ._core import KeepAliveEvent
+from ._tls import ClientTls
 from .aio import AsyncHold, AsyncLeaseClient
 from .client import Hold, LeaseClient
 from .errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "AsyncLeaseClient",
     "CanceledError",
     "CheckFenceResult",
+    "ClientTls",
     "DeadlineExceededError",
     "Event",
     "GetResult",

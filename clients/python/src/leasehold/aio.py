@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
@@ -34,6 +35,7 @@ from ._core import (
     release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._tls import ClientTls, TlsCredentials, credentials_of
 from .errors import (
     LateGrantError,
     LeaseholdError,
@@ -139,6 +141,7 @@ class AsyncLeaseClient:
         *,
         token: c.Token = None,
         root_certificates: bytes | None = None,
+        tls: ClientTls | None = None,
         timeout: timedelta | float = c.DEFAULT_TIMEOUT,
         max_leases_per_stream: int = 1000,
         on_event: Callable[[KeepAliveEvent], None] | None = None,
@@ -146,11 +149,11 @@ class AsyncLeaseClient:
     ) -> None:
         self.addresses = c.normalize_addresses(addresses)
         self._auth = c.Auth(token)
-        self._credentials = (
-            grpc.ssl_channel_credentials(root_certificates)
-            if root_certificates is not None
-            else None
-        )
+        self._tls = credentials_of(tls, root_certificates)
+        # The credentials' generation the unary channels were made with, and
+        # the channels made with older ones, closing once their calls end.
+        self._tls_generation = self._tls.current()[0] if self._tls is not None else 0
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self._timeout = c.seconds("timeout", timeout) or c.DEFAULT_TIMEOUT
         self._options = list(channel_options)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -163,7 +166,10 @@ class AsyncLeaseClient:
             _Runtime(self),
             self.addresses,
             max_leases_per_stream=max_leases_per_stream,
-            refreshable_token=self._auth.refreshable,
+            # A stream ended at its certificate's expiry reopens with the
+            # files read again, as one ended at its token's with a fresh token.
+            refreshable_token=self._auth.refreshable
+            or (token is None and self._tls is not None and self._tls.presents_certificate),
             on_event=on_event,
         )
 
@@ -171,11 +177,33 @@ class AsyncLeaseClient:
         self, address: str, extra: Sequence[tuple[str, Any]] = ()
     ) -> grpc.aio.Channel:
         options = [*self._options, *extra]
-        if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=options)
+        if self._tls is not None:
+            return grpc.aio.secure_channel(address, self._tls.current()[1], options=options)
         return grpc.aio.insecure_channel(address, options=options)
 
+    def _retire_stale_channels(self, tls: TlsCredentials) -> None:
+        """Once a TLS file has changed, the next calls go on new channels
+        (grpcio cannot change a channel's credentials). The old ones close
+        once the calls in flight on them have ended (a grace without bound:
+        a Watch opened before the rotation goes on), or at ``close()``."""
+        generation = tls.current()[0]
+        if generation == self._tls_generation:
+            return
+        self._tls_generation = generation
+        for channel in self._channels.values():
+            self._retired[channel] = asyncio.get_running_loop().create_task(
+                self._close_retired(channel)
+            )
+        self._channels.clear()
+        self._stubs.clear()
+
+    async def _close_retired(self, channel: grpc.aio.Channel) -> None:
+        await channel.close(math.inf)
+        self._retired.pop(channel, None)
+
     def _stub(self, address: str) -> lease_pb2_grpc.LeaseServiceStub:
+        if self._tls is not None:
+            self._retire_stale_channels(self._tls)
         stub = self._stubs.get(address)
         if stub is None:
             channel = self._make_channel(address)
@@ -424,6 +452,9 @@ class AsyncLeaseClient:
         self._closed = True
         self._keepalive.close()
         for channel in self._channels.values():
+            await channel.close(None)
+        for channel, task in list(self._retired.items()):
+            task.cancel()
             await channel.close(None)
         return failures
 

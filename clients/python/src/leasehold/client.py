@@ -29,6 +29,7 @@ from ._core import (
     release_timeout,
 )
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._tls import ClientTls, TlsCredentials, credentials_of
 from .errors import (
     LateGrantError,
     LeaseholdError,
@@ -197,7 +198,10 @@ class LeaseClient:
     stream reconnects to the next instance. ``token`` is a bearer JWT or a
     callable returning the current one (called for every call, and again
     whenever a stream reopens). ``root_certificates`` (PEM bytes) switches to
-    TLS. ``timeout`` is the deadline of a call without its own.
+    TLS; ``tls`` (:class:`ClientTls`) gives the CA bundle, and a client
+    certificate and key for mutual TLS, as files read again for new
+    connections once they change. ``timeout`` is the deadline of a call
+    without its own.
     """
 
     def __init__(
@@ -206,6 +210,7 @@ class LeaseClient:
         *,
         token: c.Token = None,
         root_certificates: bytes | None = None,
+        tls: ClientTls | None = None,
         timeout: timedelta | float = c.DEFAULT_TIMEOUT,
         max_leases_per_stream: int = 1000,
         on_event: Callable[[KeepAliveEvent], None] | None = None,
@@ -213,11 +218,9 @@ class LeaseClient:
     ) -> None:
         self.addresses = c.normalize_addresses(addresses)
         self._auth = c.Auth(token)
-        self._credentials = (
-            grpc.ssl_channel_credentials(root_certificates)
-            if root_certificates is not None
-            else None
-        )
+        self._tls = credentials_of(tls, root_certificates)
+        # The credentials' generation the unary channels were made with.
+        self._tls_generation = self._tls.current()[0] if self._tls is not None else 0
         self._timeout = c.seconds("timeout", timeout) or c.DEFAULT_TIMEOUT
         self._options = list(channel_options)
         self._lock = threading.RLock()
@@ -231,7 +234,10 @@ class LeaseClient:
             _Runtime(self),
             self.addresses,
             max_leases_per_stream=max_leases_per_stream,
-            refreshable_token=self._auth.refreshable,
+            # A stream ended at its certificate's expiry reopens with the
+            # files read again, as one ended at its token's with a fresh token.
+            refreshable_token=self._auth.refreshable
+            or (token is None and self._tls is not None and self._tls.presents_certificate),
             on_event=on_event,
         )
 
@@ -239,11 +245,26 @@ class LeaseClient:
 
     def _make_channel(self, address: str, extra: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         options = [*self._options, *extra]
-        if self._credentials is not None:
-            return grpc.secure_channel(address, self._credentials, options=options)
+        if self._tls is not None:
+            return grpc.secure_channel(address, self._tls.current()[1], options=options)
         return grpc.insecure_channel(address, options=options)
 
+    def _retire_stale_channels(self, tls: TlsCredentials) -> None:
+        """Once a TLS file has changed, the next calls go on new channels
+        (grpcio cannot change a channel's credentials). The old ones are
+        dropped, not closed: a call in flight on one goes on, and grpcio
+        closes its connection once nothing uses it."""
+        generation = tls.current()[0]
+        if generation == self._tls_generation:
+            return
+        with self._lock:
+            self._tls_generation = generation
+            self._channels.clear()
+            self._stubs.clear()
+
     def _stub(self, address: str) -> lease_pb2_grpc.LeaseServiceStub:
+        if self._tls is not None:
+            self._retire_stale_channels(self._tls)
         stub = self._stubs.get(address)
         if stub is None:
             with self._lock:
