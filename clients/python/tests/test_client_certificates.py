@@ -335,6 +335,10 @@ def test_rotated_files_are_used_for_new_connections(mtls: Mtls, tmp_path: Path) 
         with client.hold(k, ttl=2.0) as h:
             with pytest.raises(PermissionDeniedError):
                 client.revoke(key("not-held"), reason="needs the admin scope")
+            # A renewal answered: the KeepAlive stream's connection was made
+            # with the first certificate, before the rotation.
+            granted = h.lease.expires_at
+            wait_for("a renewal on the first stream", lambda: h.lease.expires_at != granted)
             install(next_pair, live)
             assert client.revoke(key("not-held"), reason="the new certificate").revoked is False
             wait_for(
@@ -357,6 +361,8 @@ async def test_async_rotated_files_are_used_for_new_connections(mtls: Mtls, tmp_
         async with client.hold(k, ttl=2.0) as h:
             with pytest.raises(PermissionDeniedError):
                 await client.revoke(key("not-held"), reason="needs the admin scope")
+            granted = h.lease.expires_at
+            await until("a renewal on the first stream", lambda: h.lease.expires_at != granted)
             install(next_pair, live)
             revoked = await client.revoke(key("not-held"), reason="the new certificate")
             assert revoked.revoked is False
