@@ -22,8 +22,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -61,6 +59,7 @@ type config struct {
 	maxLeasesPerStream int
 	backoffInitial     time.Duration
 	backoffMax         time.Duration
+	tlsOption
 }
 
 // Option configures Dial.
@@ -70,7 +69,7 @@ type Option func(*config)
 // TLS credentials, the caller's interceptors, keepalive parameters. They
 // come after the client's own, so transport credentials given here replace
 // the default (plaintext for "host:port" and "http://" addresses, TLS with
-// the system roots for "https://").
+// the system roots for "https://", WithTLSConfig's configuration for all).
 func WithDialOptions(opts ...grpc.DialOption) Option {
 	return func(c *config) { c.dialOptions = append(c.dialOptions, opts...) }
 }
@@ -205,12 +204,8 @@ func (c *Client) dial(addr string) (*grpc.ClientConn, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	creds := insecure.NewCredentials()
-	if useTLS {
-		creds = credentials.NewTLS(nil)
-	}
 	opts := []grpc.DialOption{
-		grpc.WithTransportCredentials(creds),
+		grpc.WithTransportCredentials(c.cfg.transportCredentials(useTLS)),
 		grpc.WithChainUnaryInterceptor(c.unaryMetadata),
 		grpc.WithChainStreamInterceptor(c.streamMetadata),
 	}
