@@ -204,11 +204,10 @@ func (c *Client) dial(addr string) (*grpc.ClientConn, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	opts := []grpc.DialOption{
-		grpc.WithTransportCredentials(c.cfg.transportCredentials(useTLS)),
+	opts := append(c.cfg.transportOptions(useTLS),
 		grpc.WithChainUnaryInterceptor(c.unaryMetadata),
 		grpc.WithChainStreamInterceptor(c.streamMetadata),
-	}
+	)
 	opts = append(opts, c.cfg.dialOptions...)
 	conn, err := grpc.NewClient(target, opts...)
 	if err != nil {

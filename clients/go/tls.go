@@ -1,14 +1,18 @@
 package leasehold
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 )
@@ -30,16 +34,86 @@ type tlsOption struct {
 	tlsConfig *tls.Config
 }
 
-// transportCredentials of a connection to an address that asks for TLS
-// (https://) or not.
-func (cfg *config) transportCredentials(useTLS bool) credentials.TransportCredentials {
+// transportOptions of a connection to an address that asks for TLS
+// (https://) or not: its credentials and, when its client certificate is
+// read for each connection, the interceptor that moves a call refused for
+// an expired one to a new connection.
+func (cfg *config) transportOptions(useTLS bool) []grpc.DialOption {
 	switch {
+	case cfg.tlsConfig != nil && cfg.tlsConfig.GetClientCertificate != nil:
+		creds := &reconnectingTLS{TransportCredentials: credentials.NewTLS(cfg.tlsConfig), conns: map[*trackedConn]struct{}{}}
+		return []grpc.DialOption{grpc.WithTransportCredentials(creds), grpc.WithChainUnaryInterceptor(creds.unary)}
 	case cfg.tlsConfig != nil:
-		return credentials.NewTLS(cfg.tlsConfig)
+		return []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(cfg.tlsConfig))}
 	case useTLS:
-		return credentials.NewTLS(nil)
+		return []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(nil))}
 	}
-	return insecure.NewCredentials()
+	return []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+}
+
+// reconnectingTLS is TLS whose connections can be closed by the client. A
+// connection keeps the certificate it was made with; once that certificate
+// has expired the server refuses every call on it (UNAUTHENTICATED,
+// certificate_expired) but keeps it open, so a busy connection would never
+// be made again with the rotated files. The unary interceptor closes the
+// connection then and sends the call again on a new one: the server refused
+// it before doing anything, so sending it again is safe for every method.
+type reconnectingTLS struct {
+	credentials.TransportCredentials
+
+	mu    sync.Mutex
+	conns map[*trackedConn]struct{}
+}
+
+type trackedConn struct {
+	net.Conn
+	owner *reconnectingTLS
+}
+
+func (t *trackedConn) Close() error {
+	t.owner.mu.Lock()
+	delete(t.owner.conns, t)
+	t.owner.mu.Unlock()
+	return t.Conn.Close()
+}
+
+func (r *reconnectingTLS) ClientHandshake(ctx context.Context, authority string, raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := r.TransportCredentials.ClientHandshake(ctx, authority, raw)
+	if err != nil {
+		return nil, nil, err
+	}
+	tracked := &trackedConn{Conn: conn, owner: r}
+	r.mu.Lock()
+	r.conns[tracked] = struct{}{}
+	r.mu.Unlock()
+	return tracked, info, nil
+}
+
+func (r *reconnectingTLS) Clone() credentials.TransportCredentials {
+	return &reconnectingTLS{TransportCredentials: r.TransportCredentials.Clone(), conns: map[*trackedConn]struct{}{}}
+}
+
+func (r *reconnectingTLS) unary(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	if authFailure(fromStatus(err)) != "certificate_expired" {
+		return err
+	}
+	ready := cc.GetState() == connectivity.Ready
+	r.mu.Lock()
+	conns := make([]*trackedConn, 0, len(r.conns))
+	for conn := range r.conns {
+		conns = append(conns, conn)
+	}
+	r.mu.Unlock()
+	for _, conn := range conns {
+		_ = conn.Close()
+	}
+	if ready {
+		// Not on the connection being closed: once gRPC has seen it close,
+		// the call makes a new one.
+		cc.WaitForStateChange(ctx, connectivity.Ready)
+	}
+	return invoker(ctx, method, req, reply, cc, opts...)
 }
 
 // reopensOnExpiry: a KeepAlive stream the server ended because the
