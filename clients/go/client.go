@@ -12,8 +12,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -107,15 +105,10 @@ func (c *Client) dial(addr string) (*grpc.ClientConn, string, error) {
 	if err != nil {
 		return nil, "", err
 	}
-	creds := insecure.NewCredentials()
-	if useTLS {
-		creds = credentials.NewTLS(nil)
-	}
-	opts := []grpc.DialOption{
-		grpc.WithTransportCredentials(creds),
+	opts := append(c.cfg.transportOptions(useTLS),
 		grpc.WithChainUnaryInterceptor(c.unaryMetadata),
 		grpc.WithChainStreamInterceptor(c.streamMetadata),
-	}
+	)
 	opts = append(opts, c.cfg.dialOptions...)
 	conn, err := grpc.NewClient(target, opts...)
 	if err != nil {

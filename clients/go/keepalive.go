@@ -596,8 +596,10 @@ func (ln *lane) fail(gen uint64, err error) callbacks {
 		// function gives a fresh one on the next open; a static token
 		// cannot (its expiry is LossTokenExpired, as in the TypeScript and
 		// Python clients; any other refusal is LossRenewalFailed), and
-		// neither can a function that keeps failing.
-		if c.cfg.token == nil || c.cfg.staticToken {
+		// neither can a function that keeps failing. A client certificate
+		// read again from its files for each connection is renewed as a
+		// token function's token is.
+		if (c.cfg.token == nil || c.cfg.staticToken) && !c.cfg.reopensOnExpiry() {
 			reason := LossRenewalFailed
 			if authFailure(lerr) == "expired" {
 				reason = LossTokenExpired

@@ -27,6 +27,7 @@ type config struct {
 	maxLeasesPerStream int
 	backoffInitial     time.Duration
 	backoffMax         time.Duration
+	tlsOption
 }
 
 // Option configures Dial.
@@ -36,7 +37,7 @@ type Option func(*config)
 // TLS credentials, the caller's interceptors, keepalive parameters. They
 // come after the client's own, so transport credentials given here replace
 // the default (plaintext for "host:port" and "http://" addresses, TLS with
-// the system roots for "https://").
+// the system roots for "https://", WithTLSConfig's configuration for all).
 func WithDialOptions(opts ...grpc.DialOption) Option {
 	return func(c *config) { c.dialOptions = append(c.dialOptions, opts...) }
 }

@@ -89,7 +89,7 @@ type Server struct {
 	log  strings.Builder
 }
 
-var servingOn = regexp.MustCompile(`serving on http://(\S+)`)
+var servingOn = regexp.MustCompile(`serving on https?://(\S+)`)
 
 func start(argv []string, extraEnv ...string) (*Server, error) {
 	cmd := exec.Command(env.Node, append([]string{env.CLI}, argv...)...)

@@ -4,6 +4,7 @@ lost, fence every write. See clients/python/README.md and docs/clients.md."""
 from ._client import HoldOptions
 from ._core import KeepAliveEvent
 from ._metadata import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
+from ._tls import ClientTls
 from .aio import AsyncHold, AsyncLeaseClient
 from .client import Hold, LeaseClient
 from .errors import (
@@ -47,6 +48,7 @@ __all__ = [
     "AsyncLeaseClient",
     "CanceledError",
     "CheckFenceResult",
+    "ClientTls",
     "DeadlineExceededError",
     "Event",
     "GetResult",

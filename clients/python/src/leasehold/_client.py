@@ -54,6 +54,7 @@ from ._core import (
 from ._failover import Answered, Pause, Send, failover_flow
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from ._metadata import Auth, Metadata, Token, fencing_metadata
+from ._tls import ClientTls, credentials_of
 from .types import (
     CheckFenceResult,
     GetResult,
@@ -246,6 +247,7 @@ class BaseClient(Generic[HoldT]):
         *,
         token: Token = None,
         root_certificates: bytes | None = None,
+        tls: ClientTls | None = None,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
         max_leases_per_stream: int = 1000,
         on_event: Callable[[KeepAliveEvent], None] | None = None,
@@ -253,11 +255,9 @@ class BaseClient(Generic[HoldT]):
     ) -> None:
         self.addresses = normalize_addresses(addresses)
         self._auth = Auth(token)
-        self._credentials = (
-            grpc.ssl_channel_credentials(root_certificates)
-            if root_certificates is not None
-            else None
-        )
+        self._tls = credentials_of(tls, root_certificates)
+        # The credentials' generation the unary channels were made with.
+        self._tls_generation = self._tls.current()[0] if self._tls is not None else 0
         self._timeout = seconds("timeout", timeout) or DEFAULT_TIMEOUT
         self._options = list(channel_options)
         self._preferred = 0
@@ -268,7 +268,10 @@ class BaseClient(Generic[HoldT]):
             self._runtime,
             self.addresses,
             max_leases_per_stream=max_leases_per_stream,
-            refreshable_token=self._auth.refreshable,
+            # A stream ended at its certificate's expiry reopens with the
+            # files read again, as one ended at its token's with a fresh token.
+            refreshable_token=self._auth.refreshable
+            or (token is None and self._tls is not None and self._tls.presents_certificate),
             on_event=on_event,
         )
 

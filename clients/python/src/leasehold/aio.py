@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import functools
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from datetime import timedelta
@@ -28,6 +29,7 @@ from ._core import Grant, OnEnd, OnMessage, SendAcquire, SendRelease, acquire_fl
 from ._failover import Pause, Send
 from ._flow import drive_async
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._tls import TlsCredentials
 from .errors import LeaseholdError, UnavailableError, from_rpc_error
 from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
 
@@ -177,6 +179,8 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
 
     def _open_runtime(self) -> ClientRuntime:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Channels made with older TLS files, closing once their calls end.
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self._stubs: dict[str, LeaseServiceAsyncStub] = {}
         self._background: set[asyncio.Task[Any]] = set()
         return ClientRuntime(_call_later, functools.partial(_AioStream, self))
@@ -186,11 +190,33 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
 
     def _make_channel(self, address: str, *, fresh: bool = False) -> grpc.aio.Channel:
         options = self._channel_options(fresh)
-        if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=options)
+        if self._tls is not None:
+            return grpc.aio.secure_channel(address, self._tls.current()[1], options=options)
         return grpc.aio.insecure_channel(address, options=options)
 
+    def _retire_stale_channels(self, tls: TlsCredentials) -> None:
+        """Once a TLS file has changed, the next calls go on new channels
+        (grpcio cannot change a channel's credentials). The old ones close
+        once the calls in flight on them have ended (a grace without bound:
+        a Watch opened before the rotation goes on), or at ``close()``."""
+        generation = tls.current()[0]
+        if generation == self._tls_generation:
+            return
+        self._tls_generation = generation
+        for channel in self._channels.values():
+            self._retired[channel] = asyncio.get_running_loop().create_task(
+                self._close_retired(channel)
+            )
+        self._channels.clear()
+        self._stubs.clear()
+
+    async def _close_retired(self, channel: grpc.aio.Channel) -> None:
+        await channel.close(math.inf)
+        self._retired.pop(channel, None)
+
     def _stub(self, address: str) -> LeaseServiceAsyncStub:
+        if self._tls is not None:
+            self._retire_stale_channels(self._tls)
         stub = self._stubs.get(address)
         if stub is None:
             channel = self._make_channel(address)
@@ -303,6 +329,9 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
         self._closed = True
         self._keepalive.close()
         for channel in self._channels.values():
+            await channel.close(None)
+        for channel, task in builtins.list(self._retired.items()):
+            task.cancel()
             await channel.close(None)
         return self._release_failures(holds)
 

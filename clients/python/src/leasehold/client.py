@@ -26,6 +26,7 @@ from ._core import Grant, OnEnd, OnMessage, SendAcquire, SendRelease, acquire_fl
 from ._failover import Pause, Send
 from ._flow import drive
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._tls import TlsCredentials
 from .errors import LeaseholdError, UnavailableError, from_rpc_error
 from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
 
@@ -237,7 +238,10 @@ class LeaseClient(BaseClient[Hold]):
     stream reconnects to the next instance. ``token`` is a bearer JWT or a
     callable returning the current one (called for every call, and again
     whenever a stream reopens). ``root_certificates`` (PEM bytes) switches to
-    TLS. ``timeout`` is the deadline of a call without its own.
+    TLS; ``tls`` (:class:`ClientTls`) gives the CA bundle, and a client
+    certificate and key for mutual TLS, as files read again for new
+    connections once they change. ``timeout`` is the deadline of a call
+    without its own.
     """
 
     _hold_type = Hold
@@ -272,11 +276,26 @@ class LeaseClient(BaseClient[Hold]):
 
     def _make_channel(self, address: str, *, fresh: bool = False) -> grpc.Channel:
         options = self._channel_options(fresh)
-        if self._credentials is not None:
-            return grpc.secure_channel(address, self._credentials, options=options)
+        if self._tls is not None:
+            return grpc.secure_channel(address, self._tls.current()[1], options=options)
         return grpc.insecure_channel(address, options=options)
 
+    def _retire_stale_channels(self, tls: TlsCredentials) -> None:
+        """Once a TLS file has changed, the next calls go on new channels
+        (grpcio cannot change a channel's credentials). The old ones are
+        dropped, not closed: a call in flight on one goes on, and grpcio
+        closes its connection once nothing uses it."""
+        generation = tls.current()[0]
+        if generation == self._tls_generation:
+            return
+        with self._lock:
+            self._tls_generation = generation
+            self._channels.clear()
+            self._stubs.clear()
+
     def _stub(self, address: str) -> lease_pb2_grpc.LeaseServiceStub:
+        if self._tls is not None:
+            self._retire_stale_channels(self._tls)
         stub = self._stubs.get(address)
         if stub is None:
             with self._lock:
