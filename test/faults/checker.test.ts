@@ -813,8 +813,23 @@ describe("history checker: the invoke/complete history", () => {
     ];
     const released = [acquiredEvent(1, "A", 10, t0), releasedEvent(2, "A", 10, t0 + 100)];
     expect(checkOperations(events, released).violations).toEqual([]);
+    // Never completed: read as info.
+    expect(checkOperations(events.slice(0, 1), released).violations).toEqual([]);
     const noWait = events.map((e) => ({ ...e, value: undefined }));
     expect(checkOperations(noWait, released).violations.map((v) => v.invariant)).toEqual(["S5"]);
+    // Answered, but an attempt on another instance was left behind unanswered.
+    const failedOver: HistoryEvent[] = [
+      events[0] as HistoryEvent,
+      { ...base, type: "fail", f: "acquire", process: 0, time: 2, value: { unanswered: 1 } },
+    ];
+    expect(checkOperations(failedOver, released).violations).toEqual([]);
+    const answeredAtOnce: HistoryEvent[] = [
+      events[0] as HistoryEvent,
+      { ...base, type: "fail", f: "acquire", process: 0, time: 2, value: {} },
+    ];
+    expect(checkOperations(answeredAtOnce, released).violations.map((v) => v.invariant)).toEqual([
+      "S5",
+    ]);
   });
 });
 

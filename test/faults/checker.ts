@@ -606,13 +606,15 @@ function pauseIndex(pauses: readonly PauseRecord[]): Map<number, PauseReach> {
  * - Renew and KeepAlive answers are renewals, Renew errors failed renewals;
  * - a Release invoked is a release sent (a lease the database shows
  *   released must have been asked for), its answer the release's answer;
- *   so is a waiting Acquire left without an answer (the server releases a
+ *   so is a waiting Acquire left without an answer (completed `info`, or
+ *   never), or with an attempt left without one (the server releases a
  *   grant made for an abandoned wait on the run's behalf);
  * - a Revoke invoked, and its answer; guarded writes with their times;
  * - the notes: a lost lease (an abort), a paused client.
  *
  * A renewal's deadline is known to its client (`deadlineKnown`) when no
- * earlier operation of the run ended unknown, none was under way when it
+ * earlier operation of the run ended unknown or left an attempt without
+ * an answer, none was under way when it
  * was invoked, and the run was not kept alive by KeepAlive (whose
  * renewals the library sends on its own).
  */
@@ -651,7 +653,10 @@ export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRec
     const { op, deadlineKnown } = call;
     const runId = op.runId ?? "";
     if (lease.has(e.f) && runId) underWay.set(runId, (underWay.get(runId) ?? 1) - 1);
-    if (e.type === "info" && lease.has(e.f)) unknownDeadline.add(runId);
+    // An answer lost, or an attempt left behind by a failover, may still
+    // extend the run's deadline unseen.
+    const unanswered = e.type === "info" || (e.value?.unanswered ?? 0) > 0;
+    if (unanswered && lease.has(e.f)) unknownDeadline.add(runId);
     const renewal = (via: RenewedRecord["via"]): RenewedRecord => ({
       type: "renewed",
       client: e.client,
@@ -689,7 +694,7 @@ export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRec
           });
         } else if (e.type === "ok") records.push(renewal("reacquire"));
         else if (e.error && granted.has(runId)) records.push(failedRenewal("reacquire"));
-        if (e.type === "info" && (op.value?.waitMs ?? 0) > 0) {
+        if (unanswered && (op.value?.waitMs ?? 0) > 0) {
           records.push({ type: "release", client: e.client, key: e.key, runId });
         }
         break;
@@ -742,6 +747,13 @@ export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRec
         break;
       default:
         break;
+    }
+  }
+  // An invocation never completed is read as `info`: a waiting Acquire
+  // among them may have been granted for a waiter that is gone.
+  for (const { op } of invoked.values()) {
+    if (op.f === "acquire" && (op.value?.waitMs ?? 0) > 0) {
+      records.push({ type: "release", client: op.client, key: op.key, runId: op.runId ?? "" });
     }
   }
   return records;

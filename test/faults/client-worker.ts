@@ -1,11 +1,12 @@
 // One client of the fault suite, as its own OS process so that the suite can
 // freeze it (SIGSTOP) without freezing the others. It runs seeded random
 // operations on a few shared keys for a bounded time and writes every
-// request as an invoke and a completion event (op-history.ts; the lease
-// client's requests are recorded by its interceptor, lease-recording.ts),
-// one JSON line each on stdout, and about once a second (and last) a line
-// of its counts, which carries its operations so far: the suite runs a soak
-// until the clients made a number of them.
+// request as an invoke and a completion event (op-history.ts; its lease
+// calls through recordCall, and those runExclusive makes on its own by the
+// client's interceptor, lease-recording.ts), one JSON line each on stdout,
+// and about once a second (and last) a line of its counts, which carries
+// its operations so far: the suite runs a soak until the clients made a
+// number of them.
 //
 // An operation is one request this client makes to the lease service or the
 // guarded store, whatever its outcome: an acquire (Acquire, or a
@@ -40,7 +41,7 @@ import {
 } from "../../src/client/index.js";
 import { GuardedStoreService } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import type { Lease } from "../../src/gen/leasehold/v1/lease_pb.js";
-import { errorOutcome, recordingInterceptor, usOf } from "./lease-recording.js";
+import { errorOutcome, recordCall, recordingInterceptor, usOf } from "./lease-recording.js";
 import { createRecorder, type HistoryEvent } from "./op-history.js";
 import { createPrng } from "./prng.js";
 
@@ -116,6 +117,21 @@ const client = createLeaseClient({
   reconnectBackoff: { initialMs: 50, maxMs: 500 },
   interceptors: [recordingInterceptor(recorder)],
 });
+// The workload's own calls, each recorded as one operation of the history.
+const calls = {
+  acquire: (r: Parameters<typeof client.acquire>[0]) =>
+    recordCall(recorder, "Acquire", r, (o) => client.acquire(r, o)),
+  renew: (r: Parameters<typeof client.renew>[0]) =>
+    recordCall(recorder, "Renew", r, (o) => client.renew(r, o)),
+  release: (r: Parameters<typeof client.release>[0]) =>
+    recordCall(recorder, "Release", r, (o) => client.release(r, o)),
+  revoke: (r: Parameters<typeof client.revoke>[0]) =>
+    recordCall(recorder, "Revoke", r, (o) => client.revoke(r, o)),
+  get: (r: Parameters<typeof client.get>[0]) =>
+    recordCall(recorder, "Get", r, (o) => client.get(r, o)),
+  checkFence: (r: Parameters<typeof client.checkFence>[0]) =>
+    recordCall(recorder, "CheckFence", r, (o) => client.checkFence(r, o)),
+};
 const guarded = createClient(
   GuardedStoreService,
   createConnectTransport({ baseUrl: config.guardedUrl, httpVersion: "2", defaultTimeoutMs: 2_000 }),
@@ -294,7 +310,7 @@ async function rawRun(sessionId: string) {
   let lease: Lease;
   operation("acquire");
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: sessionKey,
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -318,7 +334,7 @@ async function rawRun(sessionId: string) {
   const renew = async () => {
     operation("renew");
     try {
-      const renewed = await client.renew({ key: sessionKey, runId });
+      const renewed = await calls.renew({ key: sessionKey, runId });
       if (!renewed.lease) return;
       expiresAt = usOf(renewed.lease.expiresAt);
       count("renew-ok");
@@ -357,7 +373,7 @@ async function rawRun(sessionId: string) {
   } else {
     operation("release");
     try {
-      const answer = await client.release({ key: sessionKey, runId });
+      const answer = await calls.release({ key: sessionKey, runId });
       count(answer.released ? "release-released" : "release-nothing");
     } catch (error) {
       count(`release-${codeName(error)}`);
@@ -382,7 +398,7 @@ async function sameRunAcquire(
 ): Promise<{ expiresAt?: number }> {
   operation("acquire");
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: { accountId: config.accountId, sessionId },
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -427,7 +443,7 @@ async function heldRevoke(sessionId: string) {
   operation("acquire");
   let granted = false;
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: { accountId: config.accountId, sessionId },
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -451,7 +467,7 @@ async function heldRevoke(sessionId: string) {
 async function revoke(sessionId: string) {
   operation("revoke");
   try {
-    const answer = await client.revoke({
+    const answer = await calls.revoke({
       key: { accountId: config.accountId, sessionId },
       reason: `fault suite client ${config.client}`,
     });
@@ -464,7 +480,7 @@ async function revoke(sessionId: string) {
 /** Get: who holds the key now (recorded, as every lease call, by the client's interceptor). */
 async function readKey(sessionId: string) {
   try {
-    const answer = await client.get({ key: { accountId: config.accountId, sessionId } });
+    const answer = await calls.get({ key: { accountId: config.accountId, sessionId } });
     count(answer.held ? "get-held" : "get-free");
   } catch (error) {
     count(`get-${codeName(error)}`);
@@ -474,7 +490,7 @@ async function readKey(sessionId: string) {
 /** CheckFence of a run's token, as a resource in live mode asks before a write. */
 async function checkFence(sessionId: string, token: bigint) {
   try {
-    const answer = await client.checkFence({
+    const answer = await calls.checkFence({
       key: { accountId: config.accountId, sessionId },
       fencingToken: token,
     });
@@ -489,7 +505,7 @@ async function lateRelease() {
   if (!ended) return;
   operation("release");
   try {
-    const answer = await client.release({
+    const answer = await calls.release({
       key: { accountId: config.accountId, sessionId: ended.sessionId },
       runId: ended.runId,
     });

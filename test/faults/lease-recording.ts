@@ -1,12 +1,20 @@
-// Records every request the lease client sends as one operation of the
-// history (op-history.ts): an interceptor, so the calls runExclusive makes
-// on its own (its Acquire, its Release, the KeepAlive renewals) are
-// recorded as faithfully as the workload's. An operation is one request on
-// the wire: when the client fails over, the attempt left behind completes
-// (usually `info`) and the retry on the next instance is another operation.
+// Records the lease client's calls as operations of the history
+// (op-history.ts). The workload's own calls go through recordCall: one
+// operation per call, from before it is made to its answer, whatever the
+// client library retried inside it (failover to the next instance); its
+// completion counts the attempts left without an answer. The calls
+// runExclusive makes on its own (its Acquire, its Release, the KeepAlive
+// renewals) are out of the workload's sight: the interceptor records them
+// from their attempts on the wire.
 
 import type { Timestamp } from "@bufbuild/protobuf/wkt";
-import { Code, type Interceptor } from "@connectrpc/connect";
+import {
+  type CallOptions,
+  Code,
+  createContextKey,
+  createContextValues,
+  type Interceptor,
+} from "@connectrpc/connect";
 import { LeaseNotHeldError, toLeaseholdError } from "../../src/client/index.js";
 import type {
   AcquireRequest,
@@ -79,6 +87,9 @@ interface UnaryRecording {
   answer(message: never): Outcome;
 }
 
+// One entry per LeaseService method the workload calls: its operation's
+// name, what its request records, and what its answer does. A new kind of
+// call (a keeper's, an election's) is recorded by adding its entry.
 const unaryRecordings: Record<string, UnaryRecording> = {
   Acquire: {
     f: "acquire",
@@ -142,22 +153,87 @@ const unaryRecordings: Record<string, UnaryRecording> = {
   },
 };
 
-/** The interceptor that records the client's calls on `recorder`. */
+/** A call recorded by recordCall: the interceptor only counts its attempts left without an answer. */
+const recordedCall = createContextKey<{ unanswered: number } | undefined>(undefined, {
+  description: "a lease call recorded by its caller",
+});
+
+/**
+ * Makes one call of the workload (`call` with the call options it is given)
+ * and records it as one operation; `method` is the LeaseService method.
+ */
+export async function recordCall<T>(
+  recorder: Recorder,
+  method: "Acquire" | "Renew" | "Release" | "Revoke" | "Get" | "CheckFence",
+  request: unknown,
+  call: (options: CallOptions) => Promise<T>,
+): Promise<T> {
+  const recording = unaryRecordings[method] as UnaryRecording;
+  const attempts = { unanswered: 0 };
+  // An attempt left behind by a failover may still be decided later: the
+  // completion says how many there were.
+  const counted = (outcome: Outcome): Outcome =>
+    attempts.unanswered === 0
+      ? outcome
+      : { ...outcome, value: { ...outcome.value, unanswered: attempts.unanswered } };
+  return recorder.run(
+    recording.f,
+    recording.invoke(request as never),
+    () => call({ contextValues: createContextValues().set(recordedCall, attempts) }),
+    (answer) => counted(recording.answer(answer as never)),
+    (error) => counted(errorOutcome(error)),
+  );
+}
+
+/**
+ * The interceptor that records on `recorder` the calls no recordCall
+ * records. It sees each attempt of a call, not the call: an attempt left
+ * without an answer keeps its operation open, and the library's next
+ * attempt of the same method for the same run completes it; when no
+ * attempt follows (the library gave up), the operation stays open, which
+ * a reader of the history takes as `info`.
+ */
 export function recordingInterceptor(recorder: Recorder): Interceptor {
+  const retried = new Map<string, { op: PendingOp; unanswered: number }>();
   return (next) => async (req) => {
     if (req.stream) {
       if (req.method.name !== "KeepAlive") return next(req);
       return recordKeepAlive(recorder, req, next);
     }
+    const attempts = req.contextValues.get(recordedCall);
+    if (attempts) {
+      try {
+        return await next(req);
+      } catch (error) {
+        if (errorOutcome(error).type === "info") attempts.unanswered += 1;
+        throw error;
+      }
+    }
     const recording = unaryRecordings[req.method.name];
     if (!recording) return next(req);
-    const op = recorder.invoke(recording.f, recording.invoke(req.message as never));
+    const fields = recording.invoke(req.message as never);
+    // The library's next attempt of a call left without an answer (the same
+    // method for the same run) continues its operation.
+    const id = fields.runId ? `${req.method.name} ${fields.runId}` : undefined;
+    const call = (id && retried.get(id)) || {
+      op: recorder.invoke(recording.f, fields),
+      unanswered: 0,
+    };
+    if (id) retried.delete(id);
+    const counted = (outcome: Outcome): Outcome =>
+      call.unanswered === 0
+        ? outcome
+        : { ...outcome, value: { ...outcome.value, unanswered: call.unanswered } };
     try {
       const res = await next(req);
-      op.complete(recording.answer(res.message as never));
+      call.op.complete(counted(recording.answer(res.message as never)));
       return res;
     } catch (error) {
-      op.complete(errorOutcome(error));
+      const outcome = errorOutcome(error);
+      if (outcome.type === "info" && id) {
+        call.unanswered += 1;
+        retried.set(id, call);
+      } else call.op.complete(counted(outcome));
       throw error;
     }
   };

@@ -29,6 +29,12 @@ export interface OpValue {
   /** CheckFence: the token is the valid lease's. */
   fenceCurrent?: boolean;
   highestToken?: number;
+  /**
+   * Attempts of the call that ended without an answer (the client library
+   * failed over to the next instance, or gave up): each may still take
+   * effect later. Absent when there were none.
+   */
+  unanswered?: number;
 }
 
 /** One event of a client operation. */
