@@ -170,19 +170,21 @@ export async function recordCall<T>(
 ): Promise<T> {
   const recording = unaryRecordings[method] as UnaryRecording;
   const attempts = { unanswered: 0 };
-  // An attempt left behind by a failover may still be decided later: the
-  // completion says how many there were.
-  const counted = (outcome: Outcome): Outcome =>
-    attempts.unanswered === 0
-      ? outcome
-      : { ...outcome, value: { ...outcome.value, unanswered: attempts.unanswered } };
   return recorder.run(
     recording.f,
     recording.invoke(request as never),
     () => call({ contextValues: createContextValues().set(recordedCall, attempts) }),
-    (answer) => counted(recording.answer(answer as never)),
-    (error) => counted(errorOutcome(error)),
+    (answer) => withUnanswered(recording.answer(answer as never), attempts.unanswered),
+    (error) => withUnanswered(errorOutcome(error), attempts.unanswered),
   );
+}
+
+/**
+ * An attempt left behind by a failover may still be decided later: the
+ * completion says how many there were.
+ */
+function withUnanswered(outcome: Outcome, unanswered: number): Outcome {
+  return unanswered === 0 ? outcome : { ...outcome, value: { ...outcome.value, unanswered } };
 }
 
 /**
@@ -220,20 +222,16 @@ export function recordingInterceptor(recorder: Recorder): Interceptor {
       unanswered: 0,
     };
     if (id) retried.delete(id);
-    const counted = (outcome: Outcome): Outcome =>
-      call.unanswered === 0
-        ? outcome
-        : { ...outcome, value: { ...outcome.value, unanswered: call.unanswered } };
     try {
       const res = await next(req);
-      call.op.complete(counted(recording.answer(res.message as never)));
+      call.op.complete(withUnanswered(recording.answer(res.message as never), call.unanswered));
       return res;
     } catch (error) {
       const outcome = errorOutcome(error);
       if (outcome.type === "info" && id) {
         call.unanswered += 1;
         retried.set(id, call);
-      } else call.op.complete(counted(outcome));
+      } else call.op.complete(withUnanswered(outcome, call.unanswered));
       throw error;
     }
   };
