@@ -1,15 +1,144 @@
 // The checker must be able to fail: hand-made histories, one clean and one
-// per broken rule, each of which it has to flag.
+// per broken rule, each of which it has to flag. Every case is written as
+// the records the lease rules read and handed to the checker as the
+// invoke/complete history a client would have written for them
+// (historyOf), so each rule is checked as the suites check it: on the
+// history, through checkOperations.
 
 import { describe, expect, it } from "vitest";
 import {
-  checkHistory,
+  type CheckResult,
+  checkOperations,
   type GrantRecord,
   type HistoryRecord,
   type Invariant,
   type LeaseEvent,
   type RenewedRecord,
+  recordsFromHistory,
 } from "./checker.js";
+import type { HistoryEvent, OpEvent } from "./op-history.js";
+
+/**
+ * The invoke/complete history that yields `records`: each record is the
+ * operation (or note) behind it, one after another in time; a guarded
+ * write keeps its own times. A renewal whose client did not know its
+ * deadline follows a Renew of the same run whose answer was lost.
+ */
+function historyOf(records: readonly HistoryRecord[]): HistoryEvent[] {
+  const history: HistoryEvent[] = [];
+  let time = 1e15;
+  const tick = () => {
+    time += 10;
+    return time;
+  };
+  let process = 0;
+  const op = (
+    r: { client: number; key: string },
+    f: string,
+    invoke: Partial<OpEvent>,
+    completion?: Partial<OpEvent> & { type: OpEvent["type"] },
+    times?: [number, number],
+  ) => {
+    process += 1;
+    const base = { f, process, wallUs: 0, client: r.client, key: r.key };
+    history.push({ ...base, ...invoke, type: "invoke", time: times?.[0] ?? tick() });
+    if (completion) history.push({ ...base, ...completion, time: times?.[1] ?? tick() });
+  };
+  for (const r of records) {
+    switch (r.type) {
+      case "grant":
+        op(
+          r,
+          "acquire",
+          { runId: r.runId, value: { ttlMs: r.ttlUs / 1000 } },
+          {
+            type: "ok",
+            runId: r.runId,
+            token: r.token,
+            value: { acquiredAtUs: r.acquiredAt, expiresAtUs: r.expiresAt, ttlUs: r.ttlUs },
+          },
+        );
+        break;
+      case "renewed": {
+        if (!r.deadlineKnown && r.via !== "keepalive") {
+          op(r, "renew", { runId: r.runId }, { type: "info", error: { code: "Unavailable" } });
+        }
+        const f = r.via === "reacquire" ? "acquire" : r.via;
+        op(
+          r,
+          f,
+          { runId: r.runId },
+          {
+            type: "ok",
+            runId: r.runId,
+            token: r.token,
+            value: { expiresAtUs: r.expiresAt, ttlUs: r.ttlUs },
+          },
+        );
+        break;
+      }
+      case "renew-failed":
+        op(
+          r,
+          r.via === "reacquire" ? "acquire" : "renew",
+          { runId: r.runId },
+          {
+            type: "fail",
+            error: { code: r.code, cause: r.cause },
+          },
+        );
+        break;
+      case "release":
+        op(
+          r,
+          "release",
+          { runId: r.runId },
+          r.released === undefined ? undefined : { type: "ok", value: { released: r.released } },
+        );
+        break;
+      case "revoke":
+        op(
+          r,
+          "revoke",
+          {},
+          r.revoked === undefined
+            ? undefined
+            : { type: "ok", runId: r.runId, token: r.token, value: { revoked: r.revoked } },
+        );
+        break;
+      case "write":
+        op(
+          r,
+          "write",
+          { runId: r.runId, token: r.token },
+          r.accepted === true
+            ? { type: "ok" }
+            : r.accepted === false
+              ? { type: "fail", error: { code: "Aborted" } }
+              : { type: "info", error: { code: "Unavailable" } },
+          [r.startMs * 1e6, r.endMs * 1e6],
+        );
+        break;
+      case "abort": {
+        const { type: _, ...note } = r;
+        history.push({ ...note, type: "info", process: "signal", f: "lost", time: tick() });
+        break;
+      }
+      case "pause":
+        history.push({ ...r, type: "info", process: "nemesis", f: "pause" });
+        break;
+    }
+  }
+  return history;
+}
+
+/** The checker as the suites run it: on the history of `records`. */
+function checkHistory(
+  records: readonly HistoryRecord[],
+  events: readonly LeaseEvent[],
+): CheckResult {
+  return checkOperations(historyOf(records), events);
+}
 
 const key = "acct/s1";
 const ttlUs = 1_000_000;
@@ -575,6 +704,134 @@ function soakScaleHistory(runsPerKey: number) {
   event("acquired", "acct/unseen", "unseen", 1, t0);
   return { records, events, excused };
 }
+
+describe("history checker: the invoke/complete history", () => {
+  const at = (ms: number) => ms * 1e6;
+  // Client 0 is granted token 10 (run A); client 1 takes over with token 11
+  // (run B), its Acquire answered at 30 ms; client 2 reads the key.
+  function history(getFrom: number, getTo: number, shown: number): HistoryEvent[] {
+    const base = { wallUs: 0, key };
+    const leaseA = { acquiredAtUs: t0, expiresAtUs: t0 + ttlUs, ttlUs };
+    const leaseB = { acquiredAtUs: t0 + ttlUs, expiresAtUs: t0 + 2 * ttlUs, ttlUs };
+    return [
+      { ...base, type: "invoke", f: "acquire", process: 0, client: 0, runId: "A", time: at(1) },
+      {
+        ...base,
+        type: "ok",
+        f: "acquire",
+        process: 0,
+        client: 0,
+        runId: "A",
+        token: 10,
+        value: leaseA,
+        time: at(2),
+      },
+      { ...base, type: "invoke", f: "acquire", process: 1, client: 1, runId: "B", time: at(20) },
+      {
+        ...base,
+        type: "ok",
+        f: "acquire",
+        process: 1,
+        client: 1,
+        runId: "B",
+        token: 11,
+        value: leaseB,
+        time: at(30),
+      },
+      { ...base, type: "invoke", f: "get", process: 2, client: 2, time: at(getFrom) },
+      {
+        ...base,
+        type: "ok",
+        f: "get",
+        process: 2,
+        client: 2,
+        runId: shown === 10 ? "A" : "B",
+        token: shown,
+        value: { held: true },
+        time: at(getTo),
+      },
+    ];
+  }
+
+  it("get: flags a Get that shows a token older than one granted and answered before the Get began", () => {
+    const result = checkOperations(history(31, 32, 10), []);
+    expect(result.getsChecked).toBe(1);
+    expect(result.violations.filter((v) => v.invariant === "get").map((v) => v.message)).toEqual([
+      "a Get showed token 10 (run A) after token 11 (run B) was granted and answered",
+    ]);
+  });
+
+  it("get: a Get under way while the newer grant was answered may show either token", () => {
+    for (const shown of [10, 11]) {
+      const result = checkOperations(history(25, 35, shown), []);
+      expect(result.violations.filter((v) => v.invariant === "get")).toEqual([]);
+    }
+    expect(
+      checkOperations(history(31, 32, 11), []).violations.filter((v) => v.invariant === "get"),
+    ).toEqual([]);
+  });
+
+  it("history: flags a process that invokes during its operation, after an info, or completes what it never invoked", () => {
+    const base = { wallUs: 0, key, client: 0, f: "get" };
+    const events: HistoryEvent[] = [
+      { ...base, type: "invoke", process: 0, time: 1 },
+      { ...base, type: "invoke", process: 0, time: 2 },
+      { ...base, type: "info", process: 0, time: 3 },
+      { ...base, type: "invoke", process: 0, time: 4 },
+      { ...base, type: "ok", process: 4, time: 5 },
+    ];
+    expect(checkOperations(events, []).violations.map((v) => v.message)).toEqual([
+      "process 0 (client 0) invoked get during another operation at 2",
+      "process 0 (client 0) invoked get after an info completion at 4",
+      "process 4 (client 0) completed get without an invocation at 5",
+    ]);
+  });
+
+  it("derives the records the lease rules read from the history", () => {
+    const records = recordsFromHistory(historyOf(cleanRecords));
+    expect(records.filter((r) => r.type === "grant")).toEqual(
+      cleanRecords.filter((r) => r.type === "grant").map((r) => ({ ...r, client: r.client })),
+    );
+    expect(records.filter((r) => r.type === "renewed")).toEqual(
+      cleanRecords.filter((r) => r.type === "renewed"),
+    );
+    expect(records.filter((r) => r.type === "write")).toEqual(
+      cleanRecords.filter((r) => r.type === "write"),
+    );
+    // The release's invocation (sent) and its answer.
+    expect(records.filter((r) => r.type === "release")).toEqual([
+      { type: "release", client: 0, key, runId: "A" },
+      { type: "release", client: 0, key, runId: "A", released: true },
+    ]);
+  });
+
+  it("a waiting Acquire left without an answer counts as a release asked for (the server releases an abandoned wait's grant)", () => {
+    const base = { wallUs: 0, key, client: 0, runId: "A" };
+    const events: HistoryEvent[] = [
+      { ...base, type: "invoke", f: "acquire", process: 0, time: 1, value: { waitMs: 500 } },
+      { ...base, type: "info", f: "acquire", process: 0, time: 2, error: { code: "Unavailable" } },
+    ];
+    const released = [acquiredEvent(1, "A", 10, t0), releasedEvent(2, "A", 10, t0 + 100)];
+    expect(checkOperations(events, released).violations).toEqual([]);
+    // Never completed: read as info.
+    expect(checkOperations(events.slice(0, 1), released).violations).toEqual([]);
+    const noWait = events.map((e) => ({ ...e, value: undefined }));
+    expect(checkOperations(noWait, released).violations.map((v) => v.invariant)).toEqual(["S5"]);
+    // Answered, but an attempt on another instance was left behind unanswered.
+    const failedOver: HistoryEvent[] = [
+      events[0] as HistoryEvent,
+      { ...base, type: "fail", f: "acquire", process: 0, time: 2, value: { unanswered: 1 } },
+    ];
+    expect(checkOperations(failedOver, released).violations).toEqual([]);
+    const answeredAtOnce: HistoryEvent[] = [
+      events[0] as HistoryEvent,
+      { ...base, type: "fail", f: "acquire", process: 0, time: 2, value: {} },
+    ];
+    expect(checkOperations(answeredAtOnce, released).violations.map((v) => v.invariant)).toEqual([
+      "S5",
+    ]);
+  });
+});
 
 describe("history checker at soak scale", () => {
   // The unit tests' timeout, not a time bound: the checker is O(n log n)

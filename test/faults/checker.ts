@@ -1,7 +1,10 @@
 // The history checker of the fault suite: a pure function from what the
-// clients saw (every grant, renewal, release, guarded write and abort, with
-// the database times the server returned) and what the database recorded
-// (lease_events) to the list of broken invariants of DESIGN §1.
+// clients saw (the invoke/complete history of op-history.ts: every request
+// with its answer and the database times the server returned) and what the
+// database recorded (lease_events) to the list of broken invariants of
+// DESIGN §1. checkOperations reads the history: it derives the records the
+// lease rules are written in (grants, renewals, releases, writes, aborts;
+// recordsFromHistory) and checks Gets against the history's real-time order.
 //
 // Every rule errs towards silence only where the history cannot know more:
 // an answer lost on the way back (a dropped connection) hides a renewal from
@@ -14,9 +17,11 @@
 // hundreds of thousands of records is checked in seconds.
 //
 // Times are microseconds since the epoch on the database clock, except the
-// `*Ms` fields of guarded writes (the client's wall clock, used only to
+// `*Ms` fields of guarded writes (the history's monotonic time, used only to
 // order two writes in real time) and the `wallUs` of an abort (the same
 // host's clock as the database's, used only when the database was down).
+
+import type { HistoryEvent, LostNote, OpEvent } from "./op-history.js";
 
 export type HistoryRecord =
   | GrantRecord
@@ -144,7 +149,7 @@ export interface LeaseEvent {
   atUs: number;
 }
 
-export type Invariant = "S1" | "S4" | "S5" | "S6" | "S7" | "L2" | "audit";
+export type Invariant = "S1" | "S4" | "S5" | "S6" | "S7" | "L2" | "audit" | "get" | "history";
 
 export interface Violation {
   invariant: Invariant;
@@ -588,4 +593,269 @@ function pauseIndex(pauses: readonly PauseRecord[]): Map<number, PauseReach> {
     });
   }
   return index;
+}
+
+/**
+ * The records the lease rules read, derived from the invoke/complete
+ * history. Completions are taken in the order of their time, each with its
+ * invocation (the one before it on the same process):
+ *
+ * - an Acquire granted to a run for the first time is its grant; granted
+ *   again (the same run_id) it is a renewal (`reacquire`), and refused with
+ *   an error a failed renewal;
+ * - Renew and KeepAlive answers are renewals, Renew errors failed renewals;
+ * - a Release invoked is a release sent (a lease the database shows
+ *   released must have been asked for), its answer the release's answer;
+ *   so is a waiting Acquire left without an answer (completed `info`, or
+ *   never), or with an attempt left without one (the server releases a
+ *   grant made for an abandoned wait on the run's behalf);
+ * - a Revoke invoked, and its answer; guarded writes with their times;
+ * - the notes: a lost lease (an abort), a paused client.
+ *
+ * A renewal's deadline is known to its client (`deadlineKnown`) when no
+ * earlier operation of the run ended unknown or left an attempt without
+ * an answer, none was under way when it
+ * was invoked, and the run was not kept alive by KeepAlive (whose
+ * renewals the library sends on its own).
+ */
+export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRecord[] {
+  const records: HistoryRecord[] = [];
+  const ops: OpEvent[] = [];
+  for (const e of history) {
+    if (e.process === "nemesis") {
+      records.push({ type: "pause", client: e.client, fromUs: e.fromUs, toUs: e.toUs });
+    } else if (e.process === "signal") {
+      records.push(abortRecord(e));
+    } else ops.push(e);
+  }
+  // Stable: an invocation and its completion at the same nanosecond stay in order.
+  ops.sort((a, b) => a.time - b.time);
+  const invoked = new Map<number, { op: OpEvent; deadlineKnown: boolean }>();
+  const granted = new Set<string>();
+  const unknownDeadline = new Set<string>();
+  const underWay = new Map<string, number>();
+  const lease = new Set(["acquire", "renew", "keepalive"]);
+  for (const e of ops) {
+    const run = e.runId ?? "";
+    if (e.type === "invoke") {
+      if (e.f === "keepalive") unknownDeadline.add(run);
+      const deadlineKnown = !unknownDeadline.has(run) && (underWay.get(run) ?? 0) === 0;
+      if (lease.has(e.f) && run) underWay.set(run, (underWay.get(run) ?? 0) + 1);
+      invoked.set(e.process, { op: e, deadlineKnown });
+      if (e.f === "release") {
+        records.push({ type: "release", client: e.client, key: e.key, runId: run });
+      } else if (e.f === "revoke") records.push({ type: "revoke", client: e.client, key: e.key });
+      continue;
+    }
+    const call = invoked.get(e.process);
+    if (!call) continue;
+    invoked.delete(e.process);
+    const { op, deadlineKnown } = call;
+    const runId = op.runId ?? "";
+    if (lease.has(e.f) && runId) underWay.set(runId, (underWay.get(runId) ?? 1) - 1);
+    // An answer lost, or an attempt left behind by a failover, may still
+    // extend the run's deadline unseen.
+    const unanswered = e.type === "info" || (e.value?.unanswered ?? 0) > 0;
+    if (unanswered && lease.has(e.f)) unknownDeadline.add(runId);
+    const renewal = (via: RenewedRecord["via"]): RenewedRecord => ({
+      type: "renewed",
+      client: e.client,
+      key: e.key,
+      runId,
+      token: e.token ?? 0,
+      expiresAt: e.value?.expiresAtUs ?? 0,
+      ttlUs: e.value?.ttlUs ?? 0,
+      via,
+      deadlineKnown: via === "keepalive" ? false : deadlineKnown,
+    });
+    const failedRenewal = (via: "renew" | "reacquire"): RenewFailedRecord => ({
+      type: "renew-failed",
+      client: e.client,
+      key: e.key,
+      runId,
+      code: e.error?.code ?? "Error",
+      cause: e.error?.cause,
+      via,
+    });
+    switch (e.f) {
+      case "acquire":
+        if (e.type === "ok" && !granted.has(runId)) {
+          granted.add(runId);
+          records.push({
+            type: "grant",
+            client: e.client,
+            key: e.key,
+            runId,
+            token: e.token ?? 0,
+            acquiredAt: e.value?.acquiredAtUs ?? 0,
+            expiresAt: e.value?.expiresAtUs ?? 0,
+            ttlUs: e.value?.ttlUs ?? 0,
+            via: "acquire",
+          });
+        } else if (e.type === "ok") records.push(renewal("reacquire"));
+        else if (e.error && granted.has(runId)) records.push(failedRenewal("reacquire"));
+        if (unanswered && (op.value?.waitMs ?? 0) > 0) {
+          records.push({ type: "release", client: e.client, key: e.key, runId });
+        }
+        break;
+      case "renew":
+        if (e.type === "ok") records.push(renewal("renew"));
+        else records.push(failedRenewal("renew"));
+        break;
+      case "keepalive":
+        if (e.type === "ok") records.push(renewal("keepalive"));
+        break;
+      case "release":
+        if (e.type === "ok") {
+          records.push({
+            type: "release",
+            client: e.client,
+            key: e.key,
+            runId,
+            released: e.value?.released,
+          });
+        }
+        break;
+      case "revoke":
+        if (e.type === "ok") {
+          records.push({
+            type: "revoke",
+            client: e.client,
+            key: e.key,
+            revoked: e.value?.revoked,
+            runId: e.runId,
+            token: e.token,
+          });
+        }
+        break;
+      case "write":
+        records.push({
+          type: "write",
+          client: e.client,
+          key: e.key,
+          runId,
+          token: op.token ?? 0,
+          accepted:
+            e.type === "ok"
+              ? true
+              : e.type === "fail" && e.error?.code === "Aborted"
+                ? false
+                : undefined,
+          startMs: op.time / 1e6,
+          endMs: e.time / 1e6,
+        });
+        break;
+      default:
+        break;
+    }
+  }
+  // An invocation never completed is read as `info`: a waiting Acquire
+  // among them may have been granted for a waiter that is gone.
+  for (const { op } of invoked.values()) {
+    if (op.f === "acquire" && (op.value?.waitMs ?? 0) > 0) {
+      records.push({ type: "release", client: op.client, key: op.key, runId: op.runId ?? "" });
+    }
+  }
+  return records;
+}
+
+function abortRecord(note: LostNote): AbortRecord {
+  return {
+    type: "abort",
+    client: note.client,
+    key: note.key,
+    runId: note.runId,
+    reason: note.reason,
+    deadlineUs: note.deadlineUs,
+    dbUs: note.dbUs,
+    dbRttUs: note.dbRttUs,
+    wallUs: note.wallUs,
+    marginUs: note.marginUs,
+  };
+}
+
+export interface OperationsCheckResult extends CheckResult {
+  /** Gets answered with a held lease, checked against the grants completed before they began. */
+  getsChecked: number;
+}
+
+/**
+ * Checks an invoke/complete history: the lease rules of checkHistory on the
+ * records derived from it, and the Get rule: a Get that shows a token older
+ * than one already granted, its Acquire completed `ok` before the Get was
+ * invoked, is a violation (the grant had committed before the Get began,
+ * and Get answers the valid lease, which is never an older one).
+ *
+ * It also checks that the history is one a checker of Jepsen histories
+ * accepts ("history"): a process invokes only when its last operation
+ * completed `ok` or `fail`, never again after an `info`, and every
+ * completion follows an invocation of its process.
+ */
+export function checkOperations(
+  history: readonly HistoryEvent[],
+  events: readonly LeaseEvent[],
+): OperationsCheckResult {
+  const result = checkHistory(recordsFromHistory(history), events);
+  const invokedAt = new Map<number, number>();
+  const grants = new Map<string, { token: number; doneAt: number; runId: string }[]>();
+  const gets = new Map<string, { token: number; invokedAt: number; runId: string }[]>();
+  const ops = history
+    .filter((e): e is OpEvent => typeof e.process === "number")
+    .sort((a, b) => a.time - b.time);
+  const retired = new Set<number>();
+  const malformed = (e: OpEvent, why: string) =>
+    result.violations.push({
+      invariant: "history",
+      key: e.key,
+      message: `process ${e.process} (client ${e.client}) ${why} at ${e.time}`,
+    });
+  for (const e of ops) {
+    if (e.type === "invoke") {
+      if (invokedAt.has(e.process)) malformed(e, `invoked ${e.f} during another operation`);
+      else if (retired.has(e.process)) malformed(e, `invoked ${e.f} after an info completion`);
+      invokedAt.set(e.process, e.time);
+      continue;
+    }
+    const began = invokedAt.get(e.process);
+    invokedAt.delete(e.process);
+    if (began === undefined) malformed(e, `completed ${e.f} without an invocation`);
+    if (e.type === "info") retired.add(e.process);
+    if (e.type !== "ok" || e.token === undefined) continue;
+    if (e.f === "acquire") {
+      const list = grants.get(e.key) ?? [];
+      list.push({ token: e.token, doneAt: e.time, runId: e.runId ?? "" });
+      grants.set(e.key, list);
+    } else if (e.f === "get" && e.value?.held && began !== undefined) {
+      const list = gets.get(e.key) ?? [];
+      list.push({ token: e.token, invokedAt: began, runId: e.runId ?? "" });
+      gets.set(e.key, list);
+    }
+  }
+  let getsChecked = 0;
+  // One sweep per key: grants in order of completion, Gets in order of invocation.
+  for (const [key, list] of gets) {
+    const done = grants.get(key) ?? [];
+    list.sort((a, b) => a.invokedAt - b.invokedAt);
+    let next = 0;
+    let highest: (typeof done)[number] | undefined;
+    for (const get of list) {
+      getsChecked += 1;
+      for (
+        ;
+        next < done.length && (done[next] as (typeof done)[number]).doneAt < get.invokedAt;
+        next++
+      ) {
+        const grant = done[next] as (typeof done)[number];
+        if (!highest || grant.token > highest.token) highest = grant;
+      }
+      if (highest && get.token < highest.token) {
+        result.violations.push({
+          invariant: "get",
+          key,
+          message: `a Get showed token ${get.token} (run ${get.runId}) after token ${highest.token} (run ${highest.runId}) was granted and answered`,
+        });
+      }
+    }
+  }
+  return { ...result, getsChecked };
 }

@@ -1,10 +1,12 @@
 // One client of the fault suite, as its own OS process so that the suite can
 // freeze it (SIGSTOP) without freezing the others. It runs seeded random
 // operations on a few shared keys for a bounded time and writes every
-// request's outcome as one JSON line (a HistoryRecord) on stdout, and about
-// once a second (and last) a line of its counts, which carries its
-// operations so far: the suite runs a soak until the clients made a number
-// of them.
+// request as an invoke and a completion event (op-history.ts; its lease
+// calls through recordCall, and those runExclusive makes on its own by the
+// client's interceptor, lease-recording.ts), one JSON line each on stdout,
+// and about once a second (and last) a line of its counts, which carries
+// its operations so far: the suite runs a soak until the clients made a
+// number of them.
 //
 // An operation is one request this client makes to the lease service or the
 // guarded store, whatever its outcome: an acquire (Acquire, or a
@@ -12,8 +14,9 @@
 // (Renew; KeepAlive renewals, which the library makes on its own, are not
 // counted), a release (Release, or the release runExclusive sends for its
 // run), a write (a guarded Put) or a revoke (the admin's Revoke of whichever
-// run holds a key). Reading the database clock, sleeping on it and Get are
-// not operations.
+// run holds a key). Reading the database clock, sleeping on it, Get and
+// CheckFence are not counted here (the history records Get and CheckFence
+// all the same).
 //
 // The fault cluster's servers run in development mode, where every caller
 // may Revoke; with keys configured the revoking client would need a token
@@ -23,7 +26,6 @@
 
 import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
-import type { Timestamp } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-node";
 import postgres from "postgres";
@@ -39,11 +41,16 @@ import {
 } from "../../src/client/index.js";
 import { GuardedStoreService } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
 import type { Lease } from "../../src/gen/leasehold/v1/lease_pb.js";
-import type { HistoryRecord } from "./checker.js";
+import { errorOutcome, recordCall, recordingInterceptor, usOf } from "./lease-recording.js";
+import { createRecorder, type HistoryEvent } from "./op-history.js";
 import { createPrng } from "./prng.js";
 
 export interface WorkerConfig {
   client: number;
+  /** The number of clients of the run (history process ids step by it). */
+  clients: number;
+  /** process.hrtime.bigint() of the suite's origin, as a decimal string: history times count from it. */
+  originNs: string;
   seed: number;
   /** Lease server instances (through the suite's TCP proxies). */
   baseUrls: string[];
@@ -91,30 +98,40 @@ const operations = Object.fromEntries(operationKinds.map((k) => [k, 0])) as Reco
 const operation = (kind: OperationKind) => {
   operations[kind] += 1;
 };
-const emit = (record: HistoryRecord | CountsLine) =>
+const emit = (record: HistoryEvent | CountsLine) =>
   process.stdout.write(`${JSON.stringify(record)}\n`);
 const emitCounts = () => emit({ type: "counts", client: config.client, counts, operations });
-const wallUs = () => Math.round((performance.timeOrigin + performance.now()) * 1000);
-const wallMs = () => performance.timeOrigin + performance.now();
-const us = (ts: Timestamp | undefined) =>
-  ts ? Number(ts.seconds) * 1_000_000 + Math.round(ts.nanos / 1000) : 0;
-const durationUs = (d: Lease["ttl"]) =>
-  d ? Number(d.seconds) * 1_000_000 + Math.round(d.nanos / 1000) : 0;
+const recorder = createRecorder({
+  client: config.client,
+  stride: config.clients,
+  originNs: BigInt(config.originNs),
+  emit,
+});
+const wallUs = () => recorder.now().wallUs;
 
-// This process makes its unary calls one after another (but for a release
-// runExclusive may still be sending), so a change of this count during a
-// call means that call failed over; at worst it excuses one more run.
-let failovers = 0;
 const client = createLeaseClient({
   baseUrls: config.baseUrls,
   protocol: config.protocol,
   // A stalled connection must not hold a call for long: fail over instead.
   defaultTimeoutMs: 2_000,
   reconnectBackoff: { initialMs: 50, maxMs: 500 },
-  onEvent: (event) => {
-    if (event.type === "failover") failovers += 1;
-  },
+  interceptors: [recordingInterceptor(recorder)],
 });
+// The workload's own calls, each recorded as one operation of the history.
+const calls = {
+  acquire: (r: Parameters<typeof client.acquire>[0]) =>
+    recordCall(recorder, "Acquire", r, (o) => client.acquire(r, o)),
+  renew: (r: Parameters<typeof client.renew>[0]) =>
+    recordCall(recorder, "Renew", r, (o) => client.renew(r, o)),
+  release: (r: Parameters<typeof client.release>[0]) =>
+    recordCall(recorder, "Release", r, (o) => client.release(r, o)),
+  revoke: (r: Parameters<typeof client.revoke>[0]) =>
+    recordCall(recorder, "Revoke", r, (o) => client.revoke(r, o)),
+  get: (r: Parameters<typeof client.get>[0]) =>
+    recordCall(recorder, "Get", r, (o) => client.get(r, o)),
+  checkFence: (r: Parameters<typeof client.checkFence>[0]) =>
+    recordCall(recorder, "CheckFence", r, (o) => client.checkFence(r, o)),
+};
 const guarded = createClient(
   GuardedStoreService,
   createConnectTransport({ baseUrl: config.guardedUrl, httpVersion: "2", defaultTimeoutMs: 2_000 }),
@@ -127,41 +144,31 @@ const sql = postgres(config.databaseUrl, {
   connection: { statement_timeout: 10_000 },
 });
 
-/** Codes of a call that ended without the server's answer. */
-const unanswered = new Set(["Canceled", "DeadlineExceeded", "Unavailable"]);
-
 const codeName = (error: unknown) => {
   if (error instanceof LeaseholdError) return Code[error.code];
   if (error instanceof ConnectError) return Code[error.code];
   return "Error";
 };
 
-function grantRecord(key: string, lease: Lease, via: "acquire" | "exclusive"): HistoryRecord {
-  return {
-    type: "grant",
-    client: config.client,
-    key,
-    runId: lease.runId,
-    token: Number(lease.fencingToken),
-    acquiredAt: us(lease.acquiredAt),
-    expiresAt: us(lease.expiresAt),
-    ttlUs: durationUs(lease.ttl),
-    via,
-  };
-}
-
-/** A guarded write with the run's token, recorded with its real-time span. */
+/** A guarded write with the run's token: ok accepted, fail refused as stale (ABORTED), info unknown. */
 async function write(key: string, sessionId: string, runId: string, token: bigint) {
-  const startMs = wallMs();
   let accepted: boolean | undefined;
   operation("write");
   try {
-    await guarded.put({
-      key: { accountId: config.accountId, sessionId },
-      name: "transcript",
-      value: new TextEncoder().encode(`${runId} ${token}`),
-      fencingToken: token,
-    });
+    await recorder.run(
+      "write",
+      { key, runId, token: Number(token) },
+      () =>
+        guarded.put({
+          key: { accountId: config.accountId, sessionId },
+          name: "transcript",
+          value: new TextEncoder().encode(`${runId} ${token}`),
+          fencingToken: token,
+        }),
+      () => ({ type: "ok" }),
+      // ABORTED (a stale token) is a refusal: `fail`; no answer is `info`.
+      errorOutcome,
+    );
     accepted = true;
   } catch (error) {
     if (ConnectError.from(error).code === Code.Aborted) accepted = false;
@@ -171,16 +178,6 @@ async function write(key: string, sessionId: string, runId: string, token: bigin
   count(
     accepted === true ? "write-accepted" : accepted === false ? "write-refused" : "write-unknown",
   );
-  emit({
-    type: "write",
-    client: config.client,
-    key,
-    runId,
-    token: Number(token),
-    accepted,
-    startMs,
-    endMs: wallMs(),
-  });
 }
 
 /** Keeps the CPU busy: the event loop (timers, streams) does not run meanwhile. */
@@ -190,7 +187,14 @@ function busyPause(ms: number) {
   while (performance.now() < until) {
     // A stop-the-world pause, like a long GC or a blocking call.
   }
-  emit({ type: "pause", client: config.client, fromUs: from, toUs: wallUs() });
+  emit({
+    type: "info",
+    process: "nemesis",
+    f: "pause",
+    client: config.client,
+    fromUs: from,
+    toUs: wallUs(),
+  });
   count("pause-busy");
 }
 
@@ -220,44 +224,28 @@ async function exclusiveRun(sessionId: string) {
   const holdMs = steps.map(() => rng.int(50, config.ttlMs) * (config.holdScale ?? 1));
   const pauseMs = rng.int(Math.round(config.ttlMs / 2), 2 * config.ttlMs);
   let workDone = false;
-  let releaseSent = false;
   const pendingAborts: Promise<void>[] = [];
   const work = async (ctx: LeaseContext) => {
-    emit(grantRecord(key, ctx.lease, "exclusive"));
-    let lastExpires = us(ctx.lease.expiresAt);
-    const noteRenewals = () => {
-      const expires = us(ctx.lease.expiresAt);
-      if (expires === lastExpires) return;
-      lastExpires = expires;
-      emit({
-        type: "renewed",
-        client: config.client,
-        key,
-        runId,
-        token: Number(ctx.lease.fencingToken),
-        expiresAt: expires,
-        ttlUs: durationUs(ctx.lease.ttl),
-        via: "keepalive",
-        deadlineKnown: false,
-      });
-    };
     ctx.signal.addEventListener("abort", () => {
       if (workDone) return;
-      const at = wallUs();
-      noteRenewals();
+      const at = recorder.now();
+      // ctx.lease is the lease as last confirmed, renewals included.
+      const deadlineUs = usOf(ctx.lease.expiresAt);
       const reason =
         ctx.signal.reason instanceof LeaseLostError ? ctx.signal.reason.lossReason : "other";
       count(`abort-${reason}`);
       pendingAborts.push(
         databaseClock().then((clock) => {
           emit({
-            type: "abort",
+            type: "info",
+            process: "signal",
+            f: "lost",
             client: config.client,
             key,
             runId,
+            ...at,
             reason,
-            deadlineUs: lastExpires,
-            wallUs: at,
+            deadlineUs,
             marginUs: Math.round(safetyMarginMs * 1000),
             ...clock,
           });
@@ -265,7 +253,6 @@ async function exclusiveRun(sessionId: string) {
       );
     });
     for (const [i, step] of steps.entries()) {
-      noteRenewals();
       if (step < 0.08) {
         // The classic fencing story: a pause longer than the lease, then a
         // write with the old token before the process notices anything.
@@ -278,7 +265,6 @@ async function exclusiveRun(sessionId: string) {
       // The work's own duration, cut short when the lease is lost.
       await sleep(holdMs[i] ?? 0, undefined, { signal: ctx.signal }).catch(() => undefined);
     }
-    noteRenewals();
   };
   operation("acquire");
   try {
@@ -289,7 +275,6 @@ async function exclusiveRun(sessionId: string) {
           return await work(ctx);
         } finally {
           workDone = true;
-          releaseSent = true;
         }
       },
       {
@@ -301,24 +286,12 @@ async function exclusiveRun(sessionId: string) {
       },
     );
     count("exclusive-ran");
-  } catch (error) {
-    if (error instanceof LateGrantError) {
-      releaseSent = true;
-      count("exclusive-late-grant");
-    } else if (error instanceof NotAcquiredError) {
-      // A waited grant that arrived late is confirmed by a second acquire;
-      // when that one is refused, runExclusive releases the first grant.
-      if (waitMs > 0) releaseSent = true;
-      count("exclusive-not-acquired");
-    } else {
-      // runExclusive releases by run_id when the grant's answer may have been lost.
-      releaseSent = true;
-      count(`exclusive-${codeName(error)}`);
-    }
-  }
-  if (releaseSent) {
+    // runExclusive releases its run when the work settles.
     operation("release");
-    emit({ type: "release", client: config.client, key, runId });
+  } catch (error) {
+    if (error instanceof LateGrantError) count("exclusive-late-grant");
+    else if (error instanceof NotAcquiredError) count("exclusive-not-acquired");
+    else count(`exclusive-${codeName(error)}`);
   }
   await Promise.all(pendingAborts);
 }
@@ -335,17 +308,9 @@ async function rawRun(sessionId: string) {
   const plan = Array.from({ length: rng.int(0, 3) }, () => rng.next());
   const abandon = rng.chance(0.15);
   let lease: Lease;
-  // A waiting Acquire whose call ended unanswered on some instance (the
-  // call's error, or a failover on the way to its answer) may have been
-  // granted there just then: the server releases such a grant on the run's
-  // behalf (waiters.ts, releaseUnwanted). Abandoning the call asked for it.
-  const failoversBefore = failovers;
-  const abandonedWait = (error?: unknown) =>
-    wait > 0 &&
-    ((error !== undefined && unanswered.has(codeName(error))) || failovers !== failoversBefore);
   operation("acquire");
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: sessionKey,
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -354,74 +319,44 @@ async function rawRun(sessionId: string) {
     });
     if (!answer.acquired || !answer.lease) {
       count("acquire-not-acquired");
-      if (abandonedWait()) emit({ type: "release", client: config.client, key, runId });
       return;
     }
     lease = answer.lease;
     count(wait > 0 ? "acquire-waited" : "acquire");
   } catch (error) {
     count(`acquire-${codeName(error)}`);
-    if (abandonedWait(error)) emit({ type: "release", client: config.client, key, runId });
     return;
   }
-  emit(grantRecord(key, lease, "acquire"));
-  // Granted after a failover: the instance left behind may have granted
-  // this run just then and releases that grant on its behalf, unless this
-  // retry was answered the same grant first (a later deadline; the release
-  // then matches nothing); a retry after that release is refused (S4).
-  // After the grant's record, so the history reads in the order things
-  // happened.
-  const failedOver = abandonedWait();
-  if (failedOver) emit({ type: "release", client: config.client, key, runId });
-  let expiresAt = us(lease.expiresAt);
-  // After a failover the call left behind may still be decided for this
-  // run_id (an idempotent re-acquire extends the deadline), so the client
-  // does not know its deadline.
-  let deadlineKnown = !failedOver;
+  // The holder reads the key back: the checker's Get rule (no token older
+  // than one granted before the Get began) applies to this one at least.
+  await readKey(sessionId);
+  let expiresAt = usOf(lease.expiresAt);
   const renew = async () => {
     operation("renew");
     try {
-      const renewed = await client.renew({ key: sessionKey, runId });
+      const renewed = await calls.renew({ key: sessionKey, runId });
       if (!renewed.lease) return;
-      expiresAt = us(renewed.lease.expiresAt);
+      expiresAt = usOf(renewed.lease.expiresAt);
       count("renew-ok");
-      emit({
-        type: "renewed",
-        client: config.client,
-        key,
-        runId,
-        token: Number(renewed.lease.fencingToken),
-        expiresAt,
-        ttlUs: durationUs(renewed.lease.ttl),
-        via: "renew",
-        deadlineKnown,
-      });
     } catch (error) {
-      if (!(error instanceof LeaseNotHeldError)) deadlineKnown = false;
       count(
         `renew-${error instanceof LeaseNotHeldError ? `not-held-${error.lossCause}` : codeName(error)}`,
       );
-      emit({
-        type: "renew-failed",
-        client: config.client,
-        key,
-        runId,
-        code: codeName(error),
-        cause: error instanceof LeaseNotHeldError ? error.lossCause : undefined,
-      });
     }
   };
   // The same run's Acquire again: while its lease is valid an idempotent
   // retry (same token, a later deadline); once it ended, refused (S4).
   const reacquire = async () => {
-    const answer = await sameRunAcquire(key, sessionId, runId, deadlineKnown);
+    const answer = await sameRunAcquire(sessionId, runId);
     if (answer.expiresAt !== undefined) expiresAt = answer.expiresAt;
-    if (!answer.known) deadlineKnown = false;
   };
   for (const step of plan) {
     if (step < 0.4) await renew();
-    else if (step < 0.7) await write(key, sessionId, runId, lease.fencingToken);
-    else if (step < 0.85) await reacquire();
+    else if (step < 0.7) {
+      // A resource in live mode asks first whether the token is the valid lease's.
+      await checkFence(sessionId, lease.fencingToken);
+      await write(key, sessionId, runId, lease.fencingToken);
+    } else if (step < 0.85) await reacquire();
     else {
       // Sleeping past the TTL (a deliberate fault), on the database's clock;
       // the renew or same-run Acquire that follows must fail (S4).
@@ -437,11 +372,9 @@ async function rawRun(sessionId: string) {
     count("abandoned");
   } else {
     operation("release");
-    emit({ type: "release", client: config.client, key, runId });
     try {
-      const answer = await client.release({ key: sessionKey, runId });
+      const answer = await calls.release({ key: sessionKey, runId });
       count(answer.released ? "release-released" : "release-nothing");
-      emit({ type: "release", client: config.client, key, runId, released: answer.released });
     } catch (error) {
       count(`release-${codeName(error)}`);
     }
@@ -453,22 +386,19 @@ async function rawRun(sessionId: string) {
 }
 
 /**
- * The same run's Acquire again, recorded as a renewal when granted (it must
- * keep the token, and is judged against the run's end and deadline) and as
- * a failed renewal when refused. `known`: the answer was seen. Its outcomes
- * are counted under `label` (a late re-acquire of an ended run has its own,
- * so the suite can tell its refusals apart).
+ * The same run's Acquire again (the checker reads a granted one as a
+ * renewal: it must keep the token, and is judged against the run's end and
+ * deadline). Its outcomes are counted under `label` (a late re-acquire of
+ * an ended run has its own, so the suite can tell its refusals apart).
  */
 async function sameRunAcquire(
-  key: string,
   sessionId: string,
   runId: string,
-  deadlineKnown: boolean,
   label: "reacquire" | "late-reacquire" = "reacquire",
-): Promise<{ expiresAt?: number; known: boolean }> {
+): Promise<{ expiresAt?: number }> {
   operation("acquire");
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: { accountId: config.accountId, sessionId },
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -476,35 +406,14 @@ async function sameRunAcquire(
     });
     if (!answer.acquired || !answer.lease) {
       count(`${label}-held`);
-      return { known: true };
+      return {};
     }
     count(`${label}-ok`);
-    const expiresAt = us(answer.lease.expiresAt);
-    emit({
-      type: "renewed",
-      client: config.client,
-      key,
-      runId,
-      token: Number(answer.lease.fencingToken),
-      expiresAt,
-      ttlUs: durationUs(answer.lease.ttl),
-      via: "reacquire",
-      deadlineKnown,
-    });
-    return { expiresAt, known: true };
+    return { expiresAt: usOf(answer.lease.expiresAt) };
   } catch (error) {
     const notHeld = error instanceof LeaseNotHeldError;
     count(`${label}-${notHeld ? `not-held-${error.lossCause}` : codeName(error)}`);
-    emit({
-      type: "renew-failed",
-      client: config.client,
-      key,
-      runId,
-      code: codeName(error),
-      cause: notHeld ? error.lossCause : undefined,
-      via: "reacquire",
-    });
-    return { known: notHeld };
+    return {};
   }
 }
 
@@ -517,13 +426,7 @@ async function sameRunAcquire(
 async function lateReacquire() {
   const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
   if (!ended) return;
-  await sameRunAcquire(
-    `${config.accountId}/${ended.sessionId}`,
-    ended.sessionId,
-    ended.runId,
-    false,
-    "late-reacquire",
-  );
+  await sameRunAcquire(ended.sessionId, ended.runId, "late-reacquire");
 }
 
 /**
@@ -536,12 +439,11 @@ async function lateReacquire() {
  * like any other: a late re-acquire of it must be refused as revoked.
  */
 async function heldRevoke(sessionId: string) {
-  const key = `${config.accountId}/${sessionId}`;
   const runId = randomUUID();
   operation("acquire");
   let granted = false;
   try {
-    const answer = await client.acquire({
+    const answer = await calls.acquire({
       key: { accountId: config.accountId, sessionId },
       runId,
       ttl: durationFromMs(config.ttlMs),
@@ -550,7 +452,6 @@ async function heldRevoke(sessionId: string) {
     if (answer.acquired && answer.lease) {
       granted = true;
       count("revoke-held");
-      emit(grantRecord(key, answer.lease, "acquire"));
     } else count("revoke-held-by-another");
   } catch (error) {
     count(`revoke-held-${codeName(error)}`);
@@ -564,47 +465,51 @@ async function heldRevoke(sessionId: string) {
 
 /** The admin ends whichever run holds the key (audited); recorded with the lease it ended. */
 async function revoke(sessionId: string) {
-  const key = `${config.accountId}/${sessionId}`;
   operation("revoke");
-  emit({ type: "revoke", client: config.client, key });
   try {
-    const answer = await client.revoke({
+    const answer = await calls.revoke({
       key: { accountId: config.accountId, sessionId },
       reason: `fault suite client ${config.client}`,
     });
     count(answer.revoked ? "revoke-revoked" : "revoke-nothing");
-    emit({
-      type: "revoke",
-      client: config.client,
-      key,
-      revoked: answer.revoked,
-      runId: answer.lease?.runId,
-      token: answer.lease ? Number(answer.lease.fencingToken) : undefined,
-    });
   } catch (error) {
     count(`revoke-${codeName(error)}`);
+  }
+}
+
+/** Get: who holds the key now (recorded, as every lease call, by the client's interceptor). */
+async function readKey(sessionId: string) {
+  try {
+    const answer = await calls.get({ key: { accountId: config.accountId, sessionId } });
+    count(answer.held ? "get-held" : "get-free");
+  } catch (error) {
+    count(`get-${codeName(error)}`);
+  }
+}
+
+/** CheckFence of a run's token, as a resource in live mode asks before a write. */
+async function checkFence(sessionId: string, token: bigint) {
+  try {
+    const answer = await calls.checkFence({
+      key: { accountId: config.accountId, sessionId },
+      fencingToken: token,
+    });
+    count(answer.current ? "check-fence-current" : "check-fence-stale");
+  } catch (error) {
+    count(`check-fence-${codeName(error)}`);
   }
 }
 
 async function lateRelease() {
   const ended = endedRuns.length > 0 ? rng.pick(endedRuns) : undefined;
   if (!ended) return;
-  const key = `${config.accountId}/${ended.sessionId}`;
   operation("release");
-  emit({ type: "release", client: config.client, key, runId: ended.runId });
   try {
-    const answer = await client.release({
+    const answer = await calls.release({
       key: { accountId: config.accountId, sessionId: ended.sessionId },
       runId: ended.runId,
     });
     count(answer.released ? "late-release-released" : "late-release-nothing");
-    emit({
-      type: "release",
-      client: config.client,
-      key,
-      runId: ended.runId,
-      released: answer.released,
-    });
   } catch (error) {
     count(`late-release-${codeName(error)}`);
   }
@@ -642,10 +547,7 @@ while (!stopping && performance.now() < stopAt) {
   else if (op < 0.92) await lateRelease();
   else if (op < 0.94) await lateReacquire();
   else if (op < 0.96) await revoke(sessionId);
-  else {
-    await client.get({ key: { accountId: config.accountId, sessionId } }).catch(() => undefined);
-    count("get");
-  }
+  else await readKey(sessionId);
 }
 client.close();
 await sql.end({ timeout: 1 });

@@ -25,15 +25,16 @@ import { grpcClient, type LeaseClient, repoRoot } from "../support/server.js";
 import { openWatch } from "../support/streams.js";
 import { waitFor } from "../support/wait.js";
 import {
-  type CheckResult,
-  checkHistory,
-  type HistoryRecord,
+  checkOperations,
   type Invariant,
   type LeaseEvent,
+  type OperationsCheckResult,
+  recordsFromHistory,
   type Violation,
 } from "./checker.js";
 import type { CountsLine, OperationKind, WorkerConfig } from "./client-worker.js";
 import { type Cluster, startCluster } from "./cluster.js";
+import { countOperations, type HistoryEvent } from "./op-history.js";
 import { createPrng, soakBounds, suiteSeed } from "./prng.js";
 
 const soak = process.env.LEASEHOLD_SOAK === "1";
@@ -58,6 +59,8 @@ const soakCapMinutes = 6 * 60;
 const probeAccount = "faults-probe";
 const workerPath = fileURLToPath(new URL("./client-worker.ts", import.meta.url));
 const wallUs = () => Math.round((performance.timeOrigin + performance.now()) * 1000);
+/** The history's time 0, on the host's monotonic clock (the clients' `time` counts from it). */
+const originNs = process.hrtime.bigint();
 
 interface Worker {
   index: number;
@@ -74,12 +77,12 @@ interface Worker {
  * arrives, so a soak's history is never also built up as one string.
  */
 interface History {
-  records: HistoryRecord[];
+  events: HistoryEvent[];
   out: WriteStream;
 }
 
-function appendToHistory(history: History, record: HistoryRecord, line = JSON.stringify(record)) {
-  history.records.push(record);
+function appendToHistory(history: History, event: HistoryEvent, line = JSON.stringify(event)) {
+  history.events.push(event);
   history.out.write(`${line}\n`);
 }
 
@@ -114,6 +117,11 @@ const invariantChecks: [Invariant, string][] = [
   ["S7", "fenced writes: no accepted write carries a lower token than one accepted before it"],
   ["L2", "stop on loss: every run stopped its work before its last confirmed deadline"],
   ["audit", "every grant a client saw is in lease_events exactly once, with its token and time"],
+  ["get", "reads: no Get shows a token older than one granted and answered before the Get began"],
+  [
+    "history",
+    "the history is well formed: a process does one operation at a time, none after an info",
+  ],
 ];
 
 function startWorker(
@@ -127,6 +135,8 @@ function startWorker(
   const baseUrls = proxies.map((_, i) => proxies[(i + index) % proxies.length] as string);
   const config: WorkerConfig = {
     client: index,
+    clients: clientCount,
+    originNs: originNs.toString(),
     seed: (seed + index * 0x9e37_79b9) >>> 0,
     baseUrls,
     guardedUrl: cluster.guardedUrl,
@@ -152,7 +162,7 @@ function startWorker(
     exited: once(child, "close").then(([code]) => code as number | null),
   };
   createInterface({ input: child.stdout as NodeJS.ReadableStream }).on("line", (line) => {
-    const parsed = JSON.parse(line) as HistoryRecord | CountsLine;
+    const parsed = JSON.parse(line) as HistoryEvent | CountsLine;
     if (parsed.type === "counts") {
       worker.counts = parsed.counts;
       worker.operations = parsed.operations;
@@ -233,7 +243,7 @@ describe.sequential("fault injection under a checked history", () => {
   /** Fault cycles run: the first is declared as tests below; a soak adds more. */
   let cycles = 1;
   /** Set once the clients have finished and the history went through the checker. */
-  let result: CheckResult | undefined;
+  let result: OperationsCheckResult | undefined;
   let probe = 0;
   const probeKey = (what: string) => ({ accountId: probeAccount, sessionId: `${what}-${++probe}` });
   const direct = (i: number): LeaseClient =>
@@ -246,7 +256,7 @@ describe.sequential("fault injection under a checked history", () => {
     );
     const results = path.join(repoRoot, "test-results");
     await mkdir(results, { recursive: true });
-    history = { records: [], out: createWriteStream(path.join(results, "faults-history.jsonl")) };
+    history = { events: [], out: createWriteStream(path.join(results, "faults-history.jsonl")) };
     cluster = await startCluster(3);
     startedAt = performance.now();
     const budgetMs = soak ? (bounds.minutes ?? soakCapMinutes) * 60_000 : 0;
@@ -403,7 +413,14 @@ describe.sequential("fault injection under a checked history", () => {
       await sleep(pauseMs);
     } finally {
       worker.child.kill("SIGCONT");
-      appendToHistory(history, { type: "pause", client: worker.index, fromUs, toUs: wallUs() });
+      appendToHistory(history, {
+        type: "info",
+        process: "nemesis",
+        f: "pause",
+        client: worker.index,
+        fromUs,
+        toUs: wallUs(),
+      });
     }
     expect(worker.child.exitCode, "the frozen client resumes").toBe(null);
     return `client ${worker.index}, ${pauseMs} ms`;
@@ -734,10 +751,12 @@ describe.sequential("fault injection under a checked history", () => {
       history.out.write(`${JSON.stringify({ ...e, type: `event:${e.type}` })}\n`);
     history.out.end();
     await once(history.out, "close");
-    const records = history.records;
     const checkStartedAt = performance.now();
-    const checked = checkHistory(records, events);
+    const checked = checkOperations(history.events, events);
     const checkMs = Math.round(performance.now() - checkStartedAt);
+    // The records the lease rules read, for the figures below.
+    const records = recordsFromHistory(history.events);
+    const historyOperations = countOperations(history.events);
     result = checked;
 
     const counts: Record<string, number> = {};
@@ -781,7 +800,8 @@ describe.sequential("fault injection under a checked history", () => {
       instances: cluster.instances.length,
       operations: operations.total,
       operationsPerSecond: Math.round((10 * operations.total) / Math.max(durationS, 1)) / 10,
-      historyRecords: records.length,
+      historyEvents: history.events.length,
+      getsChecked: checked.getsChecked,
       grants,
       auditEvents: events.length,
       unseenGrants: checked.unseenGrants,
@@ -796,6 +816,7 @@ describe.sequential("fault injection under a checked history", () => {
       faultsFailed: faults.filter((f) => f.asserted !== "ok").length,
       violations: checked.violations.length,
       operationsByKind: operations.byKind,
+      historyOperations,
       faultsByKind,
       violationsByInvariant: byInvariant,
       faults,
@@ -854,6 +875,8 @@ describe.sequential("fault injection under a checked history", () => {
 /** Scalar figures first (one table row each), then the breakdowns. */
 interface Summary extends Record<string, unknown> {
   operationsByKind: Record<OperationKind, number>;
+  /** The history's operations by kind and outcome. */
+  historyOperations: Record<string, Record<string, number>>;
   faultsByKind: Record<string, { injected: number; failed: number }>;
   violationsByInvariant: Record<Invariant, number>;
   faults: FaultOutcome[];
@@ -869,6 +892,7 @@ async function writeSummary(summary: Summary, violations: Violation[]) {
   );
   const breakdowns = new Set([
     "operationsByKind",
+    "historyOperations",
     "faultsByKind",
     "violationsByInvariant",
     "faults",
@@ -893,6 +917,12 @@ async function writeSummary(summary: Summary, violations: Violation[]) {
     "| operation | count |",
     "| --- | --- |",
     ...Object.entries(summary.operationsByKind).map(([k, n]) => `| ${k} | ${n} |`),
+    "",
+    "| history operation | ok | fail | info | open |",
+    "| --- | --- | --- | --- | --- |",
+    ...Object.entries(summary.historyOperations).map(
+      ([f, n]) => `| ${f} | ${n.ok} | ${n.fail} | ${n.info} | ${n.open} |`,
+    ),
     "",
     "| invariant | violations |",
     "| --- | --- |",

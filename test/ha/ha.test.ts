@@ -25,12 +25,13 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { durationFromMs, LeaseholdError } from "../../src/client/index.js";
 import { openDatabase } from "../../src/postgres/pool.js";
 import {
-  type CheckResult,
-  checkHistory,
-  type HistoryRecord,
+  checkOperations,
   type Invariant,
   type LeaseEvent,
+  type OperationsCheckResult,
+  recordsFromHistory,
 } from "../faults/checker.js";
+import { countOperations, type HistoryEvent } from "../faults/op-history.js";
 import { createPrng, soakBounds, suiteSeed } from "../faults/prng.js";
 import { grpcClient, type LeaseClient, repoRoot } from "../support/server.js";
 import { waitFor } from "../support/wait.js";
@@ -48,6 +49,8 @@ const sessionIds = soak
   ? ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"]
   : ["alpha", "beta", "gamma"];
 const probeAccount = "ha-probe";
+/** The history's time 0, on the host's monotonic clock (the clients' `time` counts from it). */
+const originNs = process.hrtime.bigint();
 /** The DCS ttl of deploy/ha/patroni.yml: a frozen primary stays frozen past it. */
 const patroniTtlMs = 20_000;
 /** How long the suite waits for the stack to do something it must do (promote, rejoin). */
@@ -115,15 +118,16 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
   const workers: Worker[] = [];
   let history: History;
   const reports: FaultReport[] = [];
-  let result: CheckResult | undefined;
+  let result: OperationsCheckResult | undefined;
   let exitCodes: (number | null)[] = [];
   let startedAt = 0;
   let cycles = 1;
   let probe = 0;
   const probeKey = (what: string) => ({ accountId: probeAccount, sessionId: `${what}-${++probe}` });
   let clients: LeaseClient[] = [];
-  /** Grants the clients saw, in the order their records arrived. */
+  /** Grants the clients saw, in the order their answers arrived. */
   const grants: { runId: string; token: number }[] = [];
+  const grantedRuns = new Set<string>();
   // The leader as the REST APIs tell it, sampled all along: a change outside
   // an injected fault is a failover the stack made on its own.
   let leader: string | undefined;
@@ -139,7 +143,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     log(`HA suite seed ${seed} (replay: LEASEHOLD_FAULT_SEED=${seed} npm run test:ha)`);
     const results = path.join(repoRoot, "test-results");
     await mkdir(results, { recursive: true });
-    history = { records: [], out: createWriteStream(path.join(results, "ha-history.jsonl")) };
+    history = { events: [], out: createWriteStream(path.join(results, "ha-history.jsonl")) };
     stack = await startHaStack({ log });
     admin = postgres(stack.databaseUrl, { max: 1, onnotice: () => {}, connect_timeout: 5 });
     clients = stack.instances.map((i) => grpcClient(i.url));
@@ -166,6 +170,8 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
         startWorker(
           {
             client: i,
+            clients: clientCount,
+            originNs: originNs.toString(),
             seed: (seed + i * 0x9e37_79b9) >>> 0,
             // Each client prefers another instance first.
             baseUrls: urls.map((_, k) => urls[(k + i) % urls.length] as string),
@@ -179,8 +185,12 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
             holdScale: soak ? 0.25 : 1,
           },
           history,
-          (record: HistoryRecord) => {
-            if (record.type === "grant") grants.push({ runId: record.runId, token: record.token });
+          (event: HistoryEvent) => {
+            // A grant: an Acquire answered ok for a run not granted before.
+            if (event.type !== "ok" || event.f !== "acquire" || !event.runId) return;
+            if (grantedRuns.has(event.runId)) return;
+            grantedRuns.add(event.runId);
+            grants.push({ runId: event.runId, token: event.token ?? 0 });
           },
         ),
       );
@@ -740,15 +750,19 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
       history.out.write(`${JSON.stringify({ ...e, type: `event:${e.type}` })}\n`);
     history.out.end();
     await once(history.out, "close");
-    const checked = checkHistory(history.records, events);
+    const checked = checkOperations(history.events, events);
     result = checked;
-    const byInvariant: Record<string, number> = {};
+    // Every invariant, so a clean run says 0 for each rather than nothing.
+    const byInvariant: Record<string, number> = Object.fromEntries(
+      invariantChecks.map(([i]) => [i, 0]),
+    );
     for (const v of checked.violations)
       byInvariant[v.invariant] = (byInvariant[v.invariant] ?? 0) + 1;
     const operations = operationsOf(workers);
     let writesAccepted = 0;
-    for (const r of history.records)
+    for (const r of recordsFromHistory(history.events))
       if (r.type === "write" && r.accepted === true) writesAccepted += 1;
+    const historyOperations = countOperations(history.events);
     const summary = {
       seed,
       soak,
@@ -757,7 +771,9 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
       clients: clientCount,
       operations: operations.total,
       operationsByKind: operations.byKind,
-      historyRecords: history.records.length,
+      historyEvents: history.events.length,
+      historyOperations,
+      getsChecked: checked.getsChecked,
       grants: grants.length,
       auditEvents: events.length,
       writesAccepted,
@@ -780,7 +796,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     ].join("\n");
     await writeFile(path.join(dir, "ha-summary.md"), `${table}\n`);
     log(
-      `\n${table}\n\nseed ${seed}, ${summary.durationS} s, ${operations.total} operations, ${grants.length} grants, ${writesAccepted} guarded writes accepted, ${automaticFailovers.length} automatic failovers, violations ${JSON.stringify(byInvariant)}`,
+      `\n${table}\n\nseed ${seed}, ${summary.durationS} s, ${operations.total} operations, ${grants.length} grants, history operations ${JSON.stringify(historyOperations)}, ${checked.getsChecked} Gets checked, ${writesAccepted} guarded writes accepted, ${automaticFailovers.length} automatic failovers, violations ${JSON.stringify(byInvariant)}`,
     );
     expect(grants.length, "the clients were granted leases").toBeGreaterThan(0);
     expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
@@ -798,6 +814,11 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     ["S7", "fenced writes: no accepted write carries a lower token than one accepted before it"],
     ["L2", "stop on loss: every run stopped its work before its last confirmed deadline"],
     ["audit", "every grant a client saw is in lease_events exactly once, with its token and time"],
+    ["get", "reads: no Get shows a token older than one granted and answered before the Get began"],
+    [
+      "history",
+      "the history is well formed: a process does one operation at a time, none after an info",
+    ],
   ];
   for (const [invariant, rule] of invariantChecks) {
     it(`${invariant}: ${rule}`, () => {

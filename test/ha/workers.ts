@@ -1,14 +1,14 @@
 // The fault suite's client processes (test/faults/client-worker.ts) run
-// against the HA stack: the same seeded workload, the same history records,
-// so the HA suite's history goes through the same checker.
+// against the HA stack: the same seeded workload, the same invoke/complete
+// history, so the HA suite's history goes through the same checker.
 
 import { type ChildProcess, spawn } from "node:child_process";
 import { once } from "node:events";
 import type { WriteStream } from "node:fs";
 import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
-import type { HistoryRecord } from "../faults/checker.js";
 import type { CountsLine, OperationKind, WorkerConfig } from "../faults/client-worker.js";
+import type { HistoryEvent } from "../faults/op-history.js";
 import { repoRoot } from "../support/server.js";
 
 const workerPath = fileURLToPath(new URL("../faults/client-worker.ts", import.meta.url));
@@ -24,19 +24,19 @@ export interface Worker {
 
 /** The history: parsed for the checker, and written line by line to a file as it arrives. */
 export interface History {
-  records: HistoryRecord[];
+  events: HistoryEvent[];
   out: WriteStream;
 }
 
-export function appendToHistory(history: History, record: HistoryRecord, line?: string) {
-  history.records.push(record);
-  history.out.write(`${line ?? JSON.stringify(record)}\n`);
+export function appendToHistory(history: History, event: HistoryEvent, line?: string) {
+  history.events.push(event);
+  history.out.write(`${line ?? JSON.stringify(event)}\n`);
 }
 
 export function startWorker(
   config: WorkerConfig,
   history: History,
-  onRecord?: (record: HistoryRecord) => void,
+  onEvent?: (event: HistoryEvent) => void,
 ): Worker {
   const child = spawn(process.execPath, ["--import", "tsx", workerPath, JSON.stringify(config)], {
     cwd: repoRoot,
@@ -51,13 +51,13 @@ export function startWorker(
     exited: once(child, "close").then(([code]) => code as number | null),
   };
   createInterface({ input: child.stdout as NodeJS.ReadableStream }).on("line", (line) => {
-    const parsed = JSON.parse(line) as HistoryRecord | CountsLine;
+    const parsed = JSON.parse(line) as HistoryEvent | CountsLine;
     if (parsed.type === "counts") {
       worker.counts = parsed.counts;
       worker.operations = parsed.operations;
     } else {
       appendToHistory(history, parsed, line);
-      onRecord?.(parsed);
+      onEvent?.(parsed);
     }
   });
   return worker;
