@@ -74,12 +74,15 @@ func ExampleClient_RunExclusive() {
 	})
 	fmt.Println("done:", err)
 
-	err = client.RunExclusive(ctx, key, o, func(ctx context.Context, lease *leasehold.Lease) error {
+	err = client.RunExclusive(ctx, key, o, func(work context.Context, lease *leasehold.Lease) error {
+		// The administrator's call has a context of its own: the work's
+		// ends with the loss this Revoke causes, which may arrive before
+		// the Revoke's own answer.
 		if _, err := adminClient.Revoke(ctx, key, "maintenance"); err != nil {
 			return err
 		}
-		<-ctx.Done()
-		return context.Cause(ctx)
+		<-work.Done()
+		return context.Cause(work)
 	})
 	var lost *leasehold.LeaseLostError
 	if errors.As(err, &lost) {

@@ -343,11 +343,20 @@ func newLease(c *Client, key SessionKey, runID string, t timing, g grant) *Lease
 }
 
 // start keeps the lease alive: the deadline timer, its place on the shared
-// KeepAlive stream and the renewal ticker.
+// KeepAlive stream and the renewal ticker. The client counts the lease
+// before it starts (Client.track), so a Close in between may have released
+// it already: it is then not kept alive. A Release under way (l.stop nil)
+// either ends it (stopLocked) or, cancelled, starts the ticker
+// (resumeRenewing).
 func (l *Lease) start() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.lost != nil || l.released {
+		return
+	}
 	l.timer = l.client.clock.AfterFunc(l.deadline.Sub(l.client.clock.Now()), l.checkDeadline)
 	l.reg = l.client.keepAlive.register(l)
-	go l.renewLoop(l.stop, l.reg)
+	if l.stop != nil {
+		go l.renewLoop(l.stop, l.reg)
+	}
 }
