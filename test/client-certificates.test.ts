@@ -506,6 +506,60 @@ describe("rotation", () => {
   });
 });
 
+describe("a certificate that expires under an open connection", () => {
+  it("the server ends its streams with certificate_expired and sends GOAWAY; the library client reconnects with the renewed files and keeps its lease", async () => {
+    const server = await startServer(serverArgs("require"));
+    const files = {
+      cert: path.join(certs.dir, "expiring-client.pem"),
+      key: path.join(certs.dir, "expiring-client-key.pem"),
+    };
+    const install = (file: string, content: Buffer) => {
+      writeFileSync(`${file}.tmp`, content);
+      renameSync(`${file}.tmp`, file);
+    };
+    // Valid for a few seconds; openssl writes whole seconds.
+    const shortLived = certs.leaf(ca, {
+      name: "short-lived",
+      spiffeIds: [spiffe("worker")],
+      validDays: [-1, 4 / 86_400],
+    });
+    const notAfter = new Date(
+      new (await import("node:crypto")).X509Certificate(readFileSync(shortLived.certFile)).validTo,
+    );
+    install(files.cert, readFileSync(shortLived.certFile));
+    install(files.key, readFileSync(shortLived.keyFile));
+    const events: string[] = [];
+    const client = createLeaseClient({
+      baseUrl: server.url,
+      protocol: "grpc",
+      tls: { caFile: ca.certFile, certFile: files.cert, keyFile: files.key },
+      onEvent: (event) => events.push(event.type),
+    });
+    try {
+      const key = { accountId: "acme", sessionId: freshKey().sessionId };
+      const seen = await client.runExclusive(
+        key,
+        async (ctx) => {
+          // Renewed before it expires, as SPIRE's helper does: open
+          // connections keep the old one until the server sends them away.
+          install(files.cert, readFileSync(worker.certFile));
+          install(files.key, readFileSync(worker.keyFile));
+          // Past the old certificate's end and a TTL more, on the database clock.
+          await db.sql`SELECT pg_sleep_until(${notAfter} ::timestamptz + interval '2500 milliseconds')`;
+          const after = await client.get({ key });
+          return { aborted: ctx.signal.aborted, runId: ctx.runId, held: after.lease?.runId };
+        },
+        { ttlMs: 2_000 },
+      );
+      expect(seen.aborted).toBe(false);
+      expect(seen.held).toBe(seen.runId);
+      expect(events.filter((e) => e === "keepalive-open").length).toBeGreaterThanOrEqual(2);
+    } finally {
+      client.close();
+    }
+  });
+});
+
 describe("the CLI", () => {
   it("--ca, --cert and --key hold a lease with a certificate only; without one the refusal names why", async () => {
     const server = await startServer(serverArgs("require"));

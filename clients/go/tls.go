@@ -54,10 +54,12 @@ func (cfg *config) transportOptions(useTLS bool) []grpc.DialOption {
 // reconnectingTLS is TLS whose connections can be closed by the client. A
 // connection keeps the certificate it was made with; once that certificate
 // has expired the server refuses every call on it (UNAUTHENTICATED,
-// certificate_expired) but keeps it open, so a busy connection would never
-// be made again with the rotated files. The unary interceptor closes the
-// connection then and sends the call again on a new one: the server refused
-// it before doing anything, so sending it again is safe for every method.
+// certificate_expired). The server sends GOAWAY at that moment, but a call
+// that races the GOAWAY (or a server of an older release, which keeps the
+// connection open) is refused: the unary interceptor closes the connection
+// then and sends the call again on a new one, made with the rotated files.
+// The server refused it before doing anything, so sending it again is safe
+// for every method.
 type reconnectingTLS struct {
 	credentials.TransportCredentials
 

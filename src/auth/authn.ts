@@ -20,6 +20,12 @@ export interface Principal {
   anonymous: boolean;
   /** When the token stops being accepted (its `exp`, wall clock, ms); undefined: never. */
   validUntilMs?: number;
+  /**
+   * What ends at `validUntilMs`: the bearer token (the default) or the
+   * connection's client certificate (its notAfter), for the words and the
+   * cause of the UNAUTHENTICATED that ends a stream then.
+   */
+  expiresWith?: "token" | "certificate";
 }
 
 export interface Authenticator {

@@ -82,6 +82,7 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
           scopes: identity.scopes,
           anonymous: false,
           validUntilMs: certificate.validUntilMs,
+          expiresWith: "certificate",
         };
       }
       const token = await tokenOf(authorization);
@@ -91,10 +92,10 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
           "the bearer token's account is not the client certificate's: send one or the other, or both for the same account",
         );
       }
-      return {
-        ...token,
-        validUntilMs: Math.min(token.validUntilMs ?? Infinity, certificate.validUntilMs),
-      };
+      const tokenUntil = token.validUntilMs ?? Infinity;
+      return tokenUntil <= certificate.validUntilMs
+        ? token
+        : { ...token, validUntilMs: certificate.validUntilMs, expiresWith: "certificate" };
     },
   };
 }

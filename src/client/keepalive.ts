@@ -510,6 +510,16 @@ class KeepAliveLane {
     error: LeaseholdError,
   ): { error: LeaseholdError; reason: "token_expired" | "renewal_failed" } | undefined {
     if (!definitiveCodes.has(error.code)) return undefined;
+    // A client certificate read from files is read again for the next
+    // connection: a stream ended at the certificate's expiry reopens with the
+    // renewed one, as one ended at its token's with a fresh token.
+    if (
+      error instanceof UnauthenticatedError &&
+      error.failure === "certificate_expired" &&
+      this.options.transport.tls?.certFile !== undefined
+    ) {
+      return undefined;
+    }
     if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") {
       return { error, reason: "renewal_failed" };
     }

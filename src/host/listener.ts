@@ -89,6 +89,9 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
       if (socket) openings.opened(socket);
     });
     closeWhenIdle(session, idleTimeoutMs);
+    if (options.tls?.clientCertificates && socket instanceof tls.TLSSocket) {
+      closeAtCertificateExpiry(session, socket);
+    }
   });
   h2.on(
     "stream",
@@ -214,6 +217,32 @@ function closeWhenIdle(session: http2.ServerHttp2Session, idleMs: number): void 
   });
   session.once("close", () => clearTimeout(timer));
   arm();
+}
+
+/**
+ * Sends GOAWAY on an HTTP/2 connection when its verified client certificate
+ * expires: its calls are refused from then on (the call policy ends its
+ * streams with certificate_expired), and a client reconnects only when its
+ * connection goes, so this is what makes it connect again with its renewed
+ * certificate.
+ */
+function closeAtCertificateExpiry(session: http2.ServerHttp2Session, socket: tls.TLSSocket): void {
+  if (!socket.authorized) return;
+  const until = Date.parse(socket.getPeerCertificate().valid_to);
+  if (!Number.isFinite(until)) return;
+  let timer: NodeJS.Timeout | undefined;
+  const arm = () => {
+    const left = until - Date.now();
+    if (left <= 0) {
+      if (!session.closed && !session.destroyed) session.close();
+      return;
+    }
+    // A timer holds at most 2^31−1 ms; a longer wait is taken in steps.
+    timer = setTimeout(arm, Math.min(left, 2 ** 31 - 1));
+    timer.unref();
+  };
+  arm();
+  session.once("close", () => clearTimeout(timer));
 }
 
 /** Hands a stream to a compatibility-API handler, as Node's http2 server does for 'request'. */

@@ -524,8 +524,13 @@ class _Lane:
         addresses = self.channel.addresses
         address = addresses[self.address_index % len(addresses)]
         self.last_failure = f"{address}: {error.message}"
-        expired_token = isinstance(error, UnauthenticatedError) and error.failure == "expired"
-        if error.code in _DEFINITIVE and not (expired_token and self.channel.refreshable_token):
+        failure = error.failure if isinstance(error, UnauthenticatedError) else None
+        expired_token = failure == "expired"
+        # A stream ended at its token's or its client certificate's expiry
+        # reopens when a fresh one can be had: a token callable, or
+        # certificate files read again for the new channel.
+        renewable = failure in ("expired", "certificate_expired") and self.channel.refreshable_token
+        if error.code in _DEFINITIVE and not renewable:
             reason = "token_expired" if expired_token else "renewal_failed"
             if expired_token:
                 error = UnauthenticatedError(
