@@ -54,6 +54,8 @@ export interface KeepAliveBenchOptions {
   acquireConcurrency: number;
   /** How many times each acquire mode runs (alternating); the median is reported. */
   acquireRounds: number;
+  /** Another checkout's bin/leasehold.js to serve (to compare builds); default this one. */
+  serverCli?: string;
   log: (line: string) => void;
 }
 
@@ -208,12 +210,11 @@ export async function run(
   const db = await startBenchDatabase();
   // All leases are in one account: lift the per-account quota (10,000 by
   // default), which is not what this scenario measures.
-  const server = await spawnLeasehold(db.url, [
-    "--pool-size",
-    "20",
-    "--max-leases-per-account",
-    "0",
-  ]);
+  const server = await spawnLeasehold(
+    db.url,
+    ["--pool-size", "20", "--max-leases-per-account", "0"],
+    o.serverCli,
+  );
   try {
     const conns = clients(server.url, Math.max(1, Math.ceil(o.streams / 25)));
     const accountId = "bench";
@@ -421,15 +422,20 @@ async function compareNotifications(db: BenchDatabase, o: KeepAliveBenchOptions)
     const accountId = `bench-acquire-${mode}`;
     // No quota here: it adds a statement per acquire and would stop the
     // phase at its limit; the comparison is about the publish path.
-    const server = await spawnLeasehold(db.url, [
-      "--notifications",
-      mode === "off" ? "off" : "on",
-      "--pool-size",
-      "20",
-      "--max-leases-per-account",
-      "0",
-    ]);
-    const watcherSide = mode === "watched" ? await spawnLeasehold(db.url, []) : undefined;
+    const server = await spawnLeasehold(
+      db.url,
+      [
+        "--notifications",
+        mode === "off" ? "off" : "on",
+        "--pool-size",
+        "20",
+        "--max-leases-per-account",
+        "0",
+      ],
+      o.serverCli,
+    );
+    const watcherSide =
+      mode === "watched" ? await spawnLeasehold(db.url, [], o.serverCli) : undefined;
     const controller = new AbortController();
     let seen = 0;
     let ready: () => void = () => {};

@@ -168,6 +168,7 @@ async function main(): Promise<number> {
         serverPids: () => servers.flatMap((s) => (s.child.pid ? [s.child.pid] : [])),
       },
       serverUrls: servers.map((s) => s.url),
+      serverCli: values["server-cli"] && path.resolve(values["server-cli"]),
       cpuProfileDir: values["cpu-prof"] ? profileDir : undefined,
       progress,
     };

@@ -67,6 +67,7 @@ async function measureLeasehold(
     renewEveryMs: load.intervalMs,
     inflightPerStream: load.inflight,
     measureMs: windowFor(ctx, load),
+    serverCli: ctx.serverCli,
   };
   // bench/keepalive.ts starts its own server; this is how it profiles it.
   const dir =
