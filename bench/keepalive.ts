@@ -296,6 +296,26 @@ export async function run(
         if (o.inflightPerStream > 0 && !stopping) sendNext(s);
       }
     });
+    // A stream that ends with an error fails the run at once, through the
+    // finally below that stops the server and PostgreSQL. Left unhandled,
+    // its rejection ended this process before they were stopped.
+    let failRun: (error: unknown) => void = () => {};
+    const streamFailed = new Promise<never>((_, reject) => {
+      failRun = reject;
+    });
+    streamFailed.catch(() => {});
+    for (const [s, reader] of readers.entries()) {
+      reader.catch((error: unknown) =>
+        failRun(
+          new Error(
+            `KeepAlive stream ${s} of ${o.streams} ended: ${error instanceof Error ? error.message : String(error)}`,
+            { cause: error },
+          ),
+        ),
+      );
+    }
+    const sleep = (ms: number) =>
+      Promise.race([new Promise((r) => setTimeout(r, ms)), streamFailed]);
     const t0 = performance.now();
     let sentUpTo = 0;
     const ticker =
@@ -310,7 +330,13 @@ export async function run(
     }
 
     // Warm-up: one full renewal period, so every lease is on its 15 s TTL.
-    await new Promise((r) => setTimeout(r, o.renewEveryMs));
+    try {
+      await sleep(o.renewEveryMs);
+    } catch (error) {
+      clearInterval(ticker);
+      for (const q of queues) q.end();
+      throw error;
+    }
     const before = {
       stmts: await statementCounts(db),
       server: await cpuSeconds(server.pid),
@@ -322,7 +348,14 @@ export async function run(
     measuring = true;
     const windowStart = Number(process.hrtime.bigint() / 1000n);
     lost = 0;
-    await new Promise((r) => setTimeout(r, o.measureMs));
+    try {
+      await sleep(o.measureMs);
+    } catch (error) {
+      clearInterval(ticker);
+      for (const q of queues) q.end();
+      await waits.stop().catch(() => {});
+      throw error;
+    }
     measuring = false;
     const windowEnd = Number(process.hrtime.bigint() / 1000n);
     const renewalWaits = await waits.stop();
@@ -342,7 +375,7 @@ export async function run(
     }
     clearInterval(ticker);
     for (const q of queues) q.end();
-    await Promise.allSettled(readers);
+    await Promise.race([Promise.allSettled(readers), streamFailed]);
 
     const sorted = rtts.slice(0, samples).sort();
     const result: KeepAliveBenchResult = {

@@ -82,6 +82,16 @@ async function measureLeasehold(
     600_000,
     env,
   );
+  // A stream that ended fails the load generator; a renewal never answered
+  // or answered lost (none of these leases is released or taken over) fails
+  // the scenario too: since a renewal statement that times out ends no
+  // stream, that is how a database that cannot keep up shows.
+  const { lost, unanswered } = result.renewals;
+  if (lost > 0 || unanswered > 0) {
+    throw new Error(
+      `${describeLoad(load)}: ${lost} renewal(s) of the window answered lost, ${unanswered} never answered`,
+    );
+  }
   if (dir) {
     // CPU.<date>.<time>.<pid>.<thread>.<seq>.cpuprofile; thread 0 is the main one.
     const main = (await readdir(dir)).find((f) => f.split(".")[4] === "0");
