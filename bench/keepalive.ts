@@ -24,6 +24,7 @@ import {
   LeaseService,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseDuration } from "../src/lease/limits.js";
+import { machineBusySeconds } from "./process-stats.js";
 import { describeWaits, type StatementWaits, sampleRenewalWaits } from "./statement-waits.js";
 import {
   type BenchDatabase,
@@ -86,6 +87,8 @@ export interface KeepAliveBenchResult {
   };
   server: { cpuCores: number; rssMiB: number };
   loadGeneratorCpuCores: number;
+  /** The machine's busy cores in the window, less the server, PostgreSQL and this process: the noise. */
+  otherCpuCores: number;
   /** The measured window on the monotonic clock in µs, as CPU profiles stamp it. */
   windowMicros: [number, number];
   acquire?: {
@@ -342,6 +345,7 @@ export async function run(
       server: await cpuSeconds(server.pid),
       pg: await treeCpuSeconds(db.postmasterPid),
       self: process.cpuUsage(),
+      machine: machineBusySeconds(),
       at: performance.now(),
     };
     const waits = sampleRenewalWaits(db.url);
@@ -366,6 +370,7 @@ export async function run(
       server: await cpuSeconds(server.pid),
       pg: await treeCpuSeconds(db.postmasterPid),
       self: process.cpuUsage(before.self),
+      machine: machineBusySeconds(),
       rss: await rssBytes(server.pid),
     };
     // Renewals sent in the window may still be on their way back.
@@ -406,6 +411,13 @@ export async function run(
       },
       server: { cpuCores: (after.server - before.server) / seconds, rssMiB: after.rss / 2 ** 20 },
       loadGeneratorCpuCores: (after.self.user + after.self.system) / 1e6 / seconds,
+      otherCpuCores:
+        (after.machine -
+          before.machine -
+          (after.server - before.server) -
+          (after.pg - before.pg) -
+          (after.self.user + after.self.system) / 1e6) /
+        seconds,
       windowMicros: [windowStart, windowEnd],
     };
     log(
@@ -416,7 +428,7 @@ export async function run(
     );
     log(`renewal statements, sampled: ${describeWaits(renewalWaits)}`);
     log(
-      `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core`,
+      `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core; other work on the machine ${result.otherCpuCores.toFixed(2)} cores`,
     );
     await server.stop();
 

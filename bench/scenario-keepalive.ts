@@ -40,6 +40,8 @@ interface LeaseholdFigures {
   serverRssMiB: number;
   postgresCpuCores: number;
   loadCpuCores: number;
+  /** The rest of the machine's busy cores in the window (other work: the noise). */
+  otherCpuCores: number;
   setupSeconds: number;
   windows: {
     renewalsPerSec: number;
@@ -125,6 +127,7 @@ function summarize(runs: KeepAliveBenchResult[]): LeaseholdFigures {
     serverRssMiB: Math.round(med((r) => r.server.rssMiB)),
     postgresCpuCores: r2(med((r) => r.database.cpuCores)),
     loadCpuCores: r2(med((r) => r.loadGeneratorCpuCores)),
+    otherCpuCores: r2(med((r) => r.otherCpuCores)),
     setupSeconds: r1(med((r) => r.setup.seconds)),
     windows: runs.map((r) => ({
       renewalsPerSec: Math.round(r.renewals.perSecond),
