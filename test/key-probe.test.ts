@@ -90,6 +90,24 @@ describe(`probes by key read one key's entries at ${openLeases.toLocaleString("e
     }
   });
 
+  it("renewals stay HOT updates: no index of leases holds a column a renewal changes (DESIGN §3)", async () => {
+    const updates = async () => {
+      await one`SELECT pg_stat_force_next_flush()`;
+      await one`SELECT 1`;
+      const [row] = await one<{ all: bigint; hot: bigint }[]>`
+        SELECT n_tup_upd AS all, n_tup_hot_upd AS hot FROM pg_stat_user_tables
+        WHERE relname = 'leases'`;
+      return { all: Number(row?.all ?? 0), hot: Number(row?.hot ?? 0) };
+    };
+    const items = take(100).map((k) => ({ ...k, ttlMs: 60_000, lookupHandoff: false }));
+    const before = await updates();
+    const results = await renewMany(one, items, { wait: false });
+    expect(results.map((r) => r.outcome)).toEqual(Array(100).fill("renewed"));
+    const after = await updates();
+    expect(after.all - before.all).toBe(100);
+    expect(after.hot - before.hot, "HOT updates among the 100 renewals").toBe(100);
+  });
+
   it("S4: a single-row renewal", async () => {
     for (let round = 0; round < 6; round++) {
       const [key] = take(1);
