@@ -11,6 +11,8 @@ import { defineConfig } from "vitest/config";
 // hostile volume suite (vitest.hostile.config.ts, npm run test:hostile): it
 // takes minutes and measures its servers' memory. And so has the HA suite
 // (vitest.ha.config.ts, npm run test:ha): Patroni, etcd and HAProxy from Debian.
+// And the scale check (vitest.scale.config.ts, npm run test:scale): 10,000
+// leases kept alive, tens of seconds on two cores.
 export default defineConfig({
   test: {
     projects: [
@@ -25,6 +27,7 @@ export default defineConfig({
             "test/tools/**",
             "test/ha/**",
             "test/hostile-volume.test.ts",
+            "test/scale/**",
             "node_modules/**",
           ],
           globalSetup: ["test/support/global-setup.ts"],

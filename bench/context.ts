@@ -23,6 +23,8 @@ export interface BenchContext {
   settings: BenchSettings;
   systems: Systems;
   serverUrls: string[];
+  /** --server-cli: the bin/leasehold.js serving, for scenarios that start servers of their own. */
+  serverCli: string | undefined;
   /** With --cpu-prof: where servers started by a scenario itself write their profiles. */
   cpuProfileDir: string | undefined;
   progress(label: string): void;

@@ -24,6 +24,7 @@ import {
   LeaseService,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseDuration } from "../src/lease/limits.js";
+import { machineBusySeconds } from "./process-stats.js";
 import { describeWaits, type StatementWaits, sampleRenewalWaits } from "./statement-waits.js";
 import {
   type BenchDatabase,
@@ -54,6 +55,8 @@ export interface KeepAliveBenchOptions {
   acquireConcurrency: number;
   /** How many times each acquire mode runs (alternating); the median is reported. */
   acquireRounds: number;
+  /** Another checkout's bin/leasehold.js to serve (to compare builds); default this one. */
+  serverCli?: string;
   log: (line: string) => void;
 }
 
@@ -84,6 +87,8 @@ export interface KeepAliveBenchResult {
   };
   server: { cpuCores: number; rssMiB: number };
   loadGeneratorCpuCores: number;
+  /** The machine's busy cores in the window, less the server, PostgreSQL and this process: the noise. */
+  otherCpuCores: number;
   /** The measured window on the monotonic clock in µs, as CPU profiles stamp it. */
   windowMicros: [number, number];
   acquire?: {
@@ -208,12 +213,11 @@ export async function run(
   const db = await startBenchDatabase();
   // All leases are in one account: lift the per-account quota (10,000 by
   // default), which is not what this scenario measures.
-  const server = await spawnLeasehold(db.url, [
-    "--pool-size",
-    "20",
-    "--max-leases-per-account",
-    "0",
-  ]);
+  const server = await spawnLeasehold(
+    db.url,
+    ["--pool-size", "20", "--max-leases-per-account", "0"],
+    o.serverCli,
+  );
   try {
     const conns = clients(server.url, Math.max(1, Math.ceil(o.streams / 25)));
     const accountId = "bench";
@@ -295,6 +299,26 @@ export async function run(
         if (o.inflightPerStream > 0 && !stopping) sendNext(s);
       }
     });
+    // A stream that ends with an error fails the run at once, through the
+    // finally below that stops the server and PostgreSQL. Left unhandled,
+    // its rejection ended this process before they were stopped.
+    let failRun: (error: unknown) => void = () => {};
+    const streamFailed = new Promise<never>((_, reject) => {
+      failRun = reject;
+    });
+    streamFailed.catch(() => {});
+    for (const [s, reader] of readers.entries()) {
+      reader.catch((error: unknown) =>
+        failRun(
+          new Error(
+            `KeepAlive stream ${s} of ${o.streams} ended: ${error instanceof Error ? error.message : String(error)}`,
+            { cause: error },
+          ),
+        ),
+      );
+    }
+    const sleep = (ms: number) =>
+      Promise.race([new Promise((r) => setTimeout(r, ms)), streamFailed]);
     const t0 = performance.now();
     let sentUpTo = 0;
     const ticker =
@@ -309,19 +333,33 @@ export async function run(
     }
 
     // Warm-up: one full renewal period, so every lease is on its 15 s TTL.
-    await new Promise((r) => setTimeout(r, o.renewEveryMs));
+    try {
+      await sleep(o.renewEveryMs);
+    } catch (error) {
+      clearInterval(ticker);
+      for (const q of queues) q.end();
+      throw error;
+    }
     const before = {
       stmts: await statementCounts(db),
       server: await cpuSeconds(server.pid),
       pg: await treeCpuSeconds(db.postmasterPid),
       self: process.cpuUsage(),
+      machine: machineBusySeconds(),
       at: performance.now(),
     };
     const waits = sampleRenewalWaits(db.url);
     measuring = true;
     const windowStart = Number(process.hrtime.bigint() / 1000n);
     lost = 0;
-    await new Promise((r) => setTimeout(r, o.measureMs));
+    try {
+      await sleep(o.measureMs);
+    } catch (error) {
+      clearInterval(ticker);
+      for (const q of queues) q.end();
+      await waits.stop().catch(() => {});
+      throw error;
+    }
     measuring = false;
     const windowEnd = Number(process.hrtime.bigint() / 1000n);
     const renewalWaits = await waits.stop();
@@ -332,6 +370,7 @@ export async function run(
       server: await cpuSeconds(server.pid),
       pg: await treeCpuSeconds(db.postmasterPid),
       self: process.cpuUsage(before.self),
+      machine: machineBusySeconds(),
       rss: await rssBytes(server.pid),
     };
     // Renewals sent in the window may still be on their way back.
@@ -341,7 +380,7 @@ export async function run(
     }
     clearInterval(ticker);
     for (const q of queues) q.end();
-    await Promise.allSettled(readers);
+    await Promise.race([Promise.allSettled(readers), streamFailed]);
 
     const sorted = rtts.slice(0, samples).sort();
     const result: KeepAliveBenchResult = {
@@ -372,6 +411,13 @@ export async function run(
       },
       server: { cpuCores: (after.server - before.server) / seconds, rssMiB: after.rss / 2 ** 20 },
       loadGeneratorCpuCores: (after.self.user + after.self.system) / 1e6 / seconds,
+      otherCpuCores:
+        (after.machine -
+          before.machine -
+          (after.server - before.server) -
+          (after.pg - before.pg) -
+          (after.self.user + after.self.system) / 1e6) /
+        seconds,
       windowMicros: [windowStart, windowEnd],
     };
     log(
@@ -382,7 +428,7 @@ export async function run(
     );
     log(`renewal statements, sampled: ${describeWaits(renewalWaits)}`);
     log(
-      `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core`,
+      `server: CPU ${(result.server.cpuCores * 100).toFixed(0)}% of a core, RSS ${result.server.rssMiB.toFixed(0)} MiB; load generator CPU ${(result.loadGeneratorCpuCores * 100).toFixed(0)}% of a core; other work on the machine ${result.otherCpuCores.toFixed(2)} cores`,
     );
     await server.stop();
 
@@ -421,15 +467,20 @@ async function compareNotifications(db: BenchDatabase, o: KeepAliveBenchOptions)
     const accountId = `bench-acquire-${mode}`;
     // No quota here: it adds a statement per acquire and would stop the
     // phase at its limit; the comparison is about the publish path.
-    const server = await spawnLeasehold(db.url, [
-      "--notifications",
-      mode === "off" ? "off" : "on",
-      "--pool-size",
-      "20",
-      "--max-leases-per-account",
-      "0",
-    ]);
-    const watcherSide = mode === "watched" ? await spawnLeasehold(db.url, []) : undefined;
+    const server = await spawnLeasehold(
+      db.url,
+      [
+        "--notifications",
+        mode === "off" ? "off" : "on",
+        "--pool-size",
+        "20",
+        "--max-leases-per-account",
+        "0",
+      ],
+      o.serverCli,
+    );
+    const watcherSide =
+      mode === "watched" ? await spawnLeasehold(db.url, [], o.serverCli) : undefined;
     const controller = new AbortController();
     let seen = 0;
     let ready: () => void = () => {};

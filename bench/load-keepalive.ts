@@ -14,6 +14,8 @@ export interface LeaseholdKeepAliveOptions {
   /** 0: each lease every renewEveryMs; above 0: saturation, this many in flight per stream. */
   inflightPerStream: number;
   measureMs: number;
+  /** Another checkout's bin/leasehold.js (--server-cli); default this one. */
+  serverCli?: string;
 }
 
 export type { KeepAliveBenchResult };

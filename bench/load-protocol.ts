@@ -7,6 +7,13 @@
 // `window-end` with a line on stdin: until then the load generator keeps its
 // connections, whose server-side processes (PostgreSQL backends) would
 // otherwise be gone before their CPU time was read.
+//
+// Each load generator runs in a process group of its own, with whatever it
+// starts (the KeepAlive scenario's servers and PostgreSQL): when it fails,
+// times out or is stopped (stopLoads, when its scenario fails), the whole
+// group is stopped, so nothing it started outlives it. A load generator
+// that crashed used to leave its server and PostgreSQL running, busy for the
+// rest of the run (issue 33).
 
 import { spawn } from "node:child_process";
 import { fileURLToPath } from "node:url";
@@ -94,6 +101,55 @@ export interface LoadHooks {
 
 const benchDir = fileURLToPath(new URL(".", import.meta.url));
 
+/** Load generators running now, by process group id: each one's stop. */
+const running = new Map<number, () => Promise<void>>();
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+function groupAlive(pgid: number): boolean {
+  try {
+    process.kill(-pgid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+function signalGroup(pgid: number, signal: NodeJS.Signals) {
+  try {
+    process.kill(-pgid, signal);
+  } catch {
+    // The group is gone already.
+  }
+}
+
+/**
+ * Stops every process of a group: SIGTERM (PostgreSQL then shuts down
+ * cleanly), SIGKILL for what is left after `graceMs`. Bounded: a process
+ * that stays (a zombie nobody reaps) is given up on after a second more.
+ */
+export async function stopGroup(pgid: number, graceMs = 5_000): Promise<void> {
+  if (!groupAlive(pgid)) return;
+  signalGroup(pgid, "SIGTERM");
+  for (const end = performance.now() + graceMs; groupAlive(pgid) && performance.now() < end; ) {
+    await sleep(50);
+  }
+  if (!groupAlive(pgid)) return;
+  signalGroup(pgid, "SIGKILL");
+  for (const end = performance.now() + 1_000; groupAlive(pgid) && performance.now() < end; ) {
+    await sleep(20);
+  }
+}
+
+/**
+ * Stops every load generator still running, each with everything it
+ * started; their runLoad calls reject. What the orchestrator does when a
+ * scenario fails, and at the end of a run or on a signal.
+ */
+export async function stopLoads(): Promise<void> {
+  await Promise.all([...running.values()].map((stop) => stop()));
+}
+
 /** Orchestrator side: runs `bench/<script>` as a process and returns its result. */
 export function runLoad<R>(
   script: string,
@@ -106,17 +162,28 @@ export function runLoad<R>(
     const child = spawn(
       process.execPath,
       ["--import", "tsx", `${benchDir}${script}`, JSON.stringify(options)],
-      { stdio: ["pipe", "pipe", "pipe"], env: { ...process.env, ...env } },
+      // A process group of its own (see the top of this file).
+      { stdio: ["pipe", "pipe", "pipe"], env: { ...process.env, ...env }, detached: true },
     );
-    if (child.pid !== undefined) hooks.onStart?.(child.pid);
+    const pgid = child.pid;
+    if (pgid === undefined) {
+      reject(new Error(`${script} could not be started`));
+      return;
+    }
+    hooks.onStart?.(pgid);
+    let stopped: string | undefined;
+    running.set(pgid, async () => {
+      stopped ??= "stopped: its scenario failed or the run ended";
+      await stopGroup(pgid);
+    });
     // A child that died early closes its stdin; the exit handler reports it.
     child.stdin.on("error", () => {});
     let stderr = "";
     let result: { value: R } | undefined;
     let buffered = "";
     const timer = setTimeout(() => {
-      child.kill("SIGKILL");
-      reject(new Error(`${script} did not finish within ${timeoutMs} ms: ${stderr}`));
+      stopped ??= `did not finish within ${timeoutMs} ms`;
+      void stopGroup(pgid);
     }, timeoutMs);
     child.stderr.on("data", (chunk: Buffer) => {
       stderr += chunk.toString();
@@ -140,10 +207,18 @@ export function runLoad<R>(
         } else result = { value: message.result as R };
       }
     });
-    child.once("exit", (code) => {
+    child.once("exit", (code, signal) => {
       clearTimeout(timer);
-      if (code === 0 && result) resolve(result.value);
-      else reject(new Error(`${script} exited with ${code}: ${stderr.trim()}`));
+      // What it started and left behind (it crashed, or was killed) goes
+      // with it; after a clean exit the group is empty already.
+      void stopGroup(pgid).then(() => {
+        running.delete(pgid);
+        if (code === 0 && result && !stopped) resolve(result.value);
+        else {
+          const how = stopped ?? `exited with ${code ?? signal}`;
+          reject(new Error(`${script} ${how}: ${stderr.trim()}`));
+        }
+      });
     });
   });
 }

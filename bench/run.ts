@@ -12,6 +12,7 @@ import { serverStreams } from "./capabilities.js";
 import type { BenchContext, BenchSettings, ScenarioReport } from "./context.js";
 import { type ProfileSummary, summarizeProfile } from "./cpu-profile.js";
 import { type EtcdServer, findEtcd, installEtcd, startEtcd } from "./etcd.js";
+import { stopLoads } from "./load-protocol.js";
 import { describeMachine, machineLine, packageVersions } from "./machine.js";
 import { type BenchPostgres, startBenchPostgres } from "./postgres.js";
 import { renderMarkdown, renderText } from "./report.js";
@@ -19,6 +20,7 @@ import { runContention } from "./scenario-contention.js";
 import { runCycles } from "./scenario-cycles.js";
 import { runKeepAlive } from "./scenario-keepalive.js";
 import { runWatch } from "./scenario-watch.js";
+import { failureSummary, notRunRows, runScenarios, type Scenario } from "./scenarios.js";
 import { cleanupsOnSignal } from "./support/cleanups.js";
 
 const usage = `Usage: npm run bench -- [flags]
@@ -98,7 +100,7 @@ async function main(): Promise<number> {
   const machine = describeMachine();
   log(`machine: ${machineLine(machine)}`);
 
-  const cleanups = cleanupsOnSignal(log, "servers, etcd and PostgreSQL");
+  const cleanups = cleanupsOnSignal(log, "load generators, servers, etcd and PostgreSQL");
 
   try {
     progress("starting embedded PostgreSQL");
@@ -168,11 +170,15 @@ async function main(): Promise<number> {
         serverPids: () => servers.flatMap((s) => (s.child.pid ? [s.child.pid] : [])),
       },
       serverUrls: servers.map((s) => s.url),
+      serverCli: values["server-cli"] && path.resolve(values["server-cli"]),
       cpuProfileDir: values["cpu-prof"] ? profileDir : undefined,
       progress,
     };
     const streams = await serverStreams(ctx.serverUrls[0] as string);
-    const scenarios = [
+    const noStreams = streams
+      ? undefined
+      : "the server answers Watch with UNIMPLEMENTED: no KeepAlive, Watch or Acquire wait";
+    const scenarios: (Scenario & { streaming: boolean })[] = [
       { id: "cycles", scenario: "1 acquire→release", streaming: false, run: () => runCycles(ctx) },
       {
         id: "contention",
@@ -188,32 +194,20 @@ async function main(): Promise<number> {
       },
       { id: "watch", scenario: "4 watch fan-out", streaming: true, run: () => runWatch(ctx) },
     ];
-    const skipped: { scenario: string; reason: string }[] = [];
-    const reports: ScenarioReport[] = [];
-    for (const s of scenarios.filter((x) => wanted(x.id))) {
-      if (s.streaming && !streams) {
-        skipped.push({
-          scenario: s.scenario,
-          reason:
-            "the server answers Watch with UNIMPLEMENTED: no KeepAlive, Watch or Acquire wait",
-        });
-        continue;
-      }
-      // One failing scenario should not cost the figures of the others.
-      try {
-        reports.push(await s.run());
-      } catch (error) {
-        log(
-          `scenario ${s.scenario} failed: ${error instanceof Error ? error.message : String(error)}`,
-        );
-        skipped.push({ scenario: s.scenario, reason: `failed: ${String(error).slice(0, 500)}` });
-      }
-    }
+    // Load generators run in process groups of their own (load-protocol.ts):
+    // a signal to the terminal's group does not reach them; this does, first.
+    cleanups.push(() => stopLoads());
+    const { reports, notRun } = await runScenarios(
+      scenarios
+        .filter((x) => wanted(x.id))
+        .map((s) => (s.streaming && noStreams ? { ...s, skip: noStreams } : s)),
+      log,
+    );
 
     await cleanups.run();
     const profiles = values["cpu-prof"] ? await collectProfiles(profileDir, servers, reports) : [];
     machine.loadAverageAtEnd = Math.round((os.loadavg()[0] ?? 0) * 100) / 100;
-    const rows = reports.flatMap((r) => r.rows);
+    const rows = [...reports.flatMap((r) => r.rows), ...notRunRows(notRun)];
     const table = renderText(rows);
     const versions = {
       ...packageVersions(),
@@ -236,7 +230,11 @@ async function main(): Promise<number> {
       process.stdout.write(`target ${verdict}: ${t.target} — measured ${t.measured}\n`);
     }
     if (etcdSkipped) process.stdout.write(`etcd skipped: ${etcdSkipped}\n`);
-    for (const s of skipped) process.stdout.write(`scenario ${s.scenario} skipped: ${s.reason}\n`);
+    for (const n of notRun) {
+      process.stdout.write(
+        `scenario ${n.scenario} ${n.failed ? "FAILED" : "skipped"}: ${n.reason}\n`,
+      );
+    }
     for (const p of profiles) process.stdout.write(`\n${describeProfile(p)}\n`);
 
     const results = {
@@ -256,7 +254,7 @@ async function main(): Promise<number> {
       scenarios: Object.fromEntries(
         reports.map((r) => [r.id, { name: r.name, figures: r.figures }]),
       ),
-      skipped,
+      skipped: notRun,
       comparisons: reports.flatMap((r) => r.comparisons),
       targets,
       profiles,
@@ -266,6 +264,12 @@ async function main(): Promise<number> {
     const out = values.out ?? new URL("latest.json", resultsDir).pathname;
     await writeFile(out, `${JSON.stringify(results, null, 2)}\n`);
     process.stdout.write(`\nwrote ${out}\n`);
+    const failure = failureSummary(notRun);
+    if (failure) {
+      // Not recorded in bench/README.md: a failed run is no result.
+      process.stderr.write(`\n${failure}\n`);
+      return 1;
+    }
     if (!quick && !only && !values.out) {
       await updateReadme(`${machineLine(machine)}\n\n${renderMarkdown(rows)}`, results.generatedAt);
     }

@@ -40,6 +40,8 @@ interface LeaseholdFigures {
   serverRssMiB: number;
   postgresCpuCores: number;
   loadCpuCores: number;
+  /** The rest of the machine's busy cores in the window (other work: the noise). */
+  otherCpuCores: number;
   setupSeconds: number;
   windows: {
     renewalsPerSec: number;
@@ -67,6 +69,7 @@ async function measureLeasehold(
     renewEveryMs: load.intervalMs,
     inflightPerStream: load.inflight,
     measureMs: windowFor(ctx, load),
+    serverCli: ctx.serverCli,
   };
   // bench/keepalive.ts starts its own server; this is how it profiles it.
   const dir =
@@ -81,6 +84,16 @@ async function measureLeasehold(
     600_000,
     env,
   );
+  // A stream that ended fails the load generator; a renewal never answered
+  // or answered lost (none of these leases is released or taken over) fails
+  // the scenario too: since a renewal statement that times out ends no
+  // stream, that is how a database that cannot keep up shows.
+  const { lost, unanswered } = result.renewals;
+  if (lost > 0 || unanswered > 0) {
+    throw new Error(
+      `${describeLoad(load)}: ${lost} renewal(s) of the window answered lost, ${unanswered} never answered`,
+    );
+  }
   if (dir) {
     // CPU.<date>.<time>.<pid>.<thread>.<seq>.cpuprofile; thread 0 is the main one.
     const main = (await readdir(dir)).find((f) => f.split(".")[4] === "0");
@@ -114,6 +127,7 @@ function summarize(runs: KeepAliveBenchResult[]): LeaseholdFigures {
     serverRssMiB: Math.round(med((r) => r.server.rssMiB)),
     postgresCpuCores: r2(med((r) => r.database.cpuCores)),
     loadCpuCores: r2(med((r) => r.loadGeneratorCpuCores)),
+    otherCpuCores: r2(med((r) => r.otherCpuCores)),
     setupSeconds: r1(med((r) => r.setup.seconds)),
     windows: runs.map((r) => ({
       renewalsPerSec: Math.round(r.renewals.perSecond),

@@ -21,6 +21,7 @@ import {
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/lease/limits.js";
 import type { LeaseServer } from "../src/server/server.js";
+import { openTransaction } from "./support/db.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey, lockLeaseRow, storedState, untilExpired } from "./support/leases.js";
 import { frame, openRawCall } from "./support/raw-grpc.js";
@@ -189,6 +190,60 @@ for (const mode of ["native", "connect"] as const) {
         } finally {
           await lock.end();
         }
+      });
+
+      it("L2: a renewal statement that times out ends no stream: its renewals get no answer that round, and the next ones are renewed", async () => {
+        // A server of its own whose statements time out long before their
+        // lock waits do: a batch stuck behind a table lock ends at
+        // statement_timeout (57014), which ended the stream, and every
+        // lease on it, with DEADLINE_EXCEEDED.
+        const slow = await startServer([
+          "--grpc-path",
+          mode,
+          "--statement-timeout",
+          "300ms",
+          "--lock-timeout",
+          "30s",
+        ]);
+        const slowClient = grpcClient(slow.url);
+        const keys = [freshKey("timeout-a"), freshKey("timeout-b")];
+        const runs: string[] = [];
+        for (const key of keys) {
+          const a = await slowClient.acquire({ key, ttl: ms(60_000) });
+          runs.push(a.lease?.runId ?? "");
+        }
+        const stream = openKeepAlive(slowClient);
+        // Writes to leases wait for this transaction; reads do not.
+        const lock = await openTransaction(db, (tx) => tx`LOCK TABLE leases IN SHARE MODE`);
+        const renewalsWaiting = async () =>
+          (
+            await db.sql`SELECT 1 FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'
+                AND query LIKE '%lookup_handoff%'`
+          ).length;
+        try {
+          for (const [i, key] of keys.entries()) stream.send({ key, runId: runs[i] });
+          await waitFor(async () => (await renewalsWaiting()) > 0, {
+            what: "the renewal statement to wait on the table lock",
+          });
+          await waitFor(async () => (await renewalsWaiting()) === 0, {
+            what: "the renewal statement to end at statement_timeout",
+            timeoutMs: 10_000,
+          });
+        } finally {
+          await lock.end();
+        }
+        // The client's next renewals, on the same stream, are decided.
+        for (const [i, key] of keys.entries())
+          stream.send({ key, runId: runs[i], ttl: ms(90_000) });
+        for (const runId of runs) {
+          // No answer was sent for the round that timed out: the first one is this lease.
+          const answer = await answerFor(stream, runId);
+          expect(answer.result.case).toBe("lease");
+          expect(answer.result.case === "lease" && answer.result.value.ttl?.seconds).toBe(90n);
+        }
+        expect(stream.reader.done).toBe(false);
+        stream.abort();
       });
 
       it("closing a stream releases nothing", async () => {

@@ -70,27 +70,22 @@ export interface ServerProcess {
   stop(): Promise<void>;
 }
 
-/** Runs `leasehold serve` as its own process; resolves once it listens. */
+/**
+ * Runs `leasehold serve` as its own process; resolves once it listens. `cli`
+ * is another checkout's bin/leasehold.js (`npm run bench -- --server-cli`).
+ */
 export async function spawnLeasehold(
   databaseUrl: string,
   args: string[] = [],
+  cli: string = cliPath,
 ): Promise<ServerProcess> {
   // BENCH_SERVER_NODE_ARGS="--cpu-prof --cpu-prof-dir=prof" profiles the server.
   const nodeArgs = (process.env.BENCH_SERVER_NODE_ARGS ?? "").split(" ").filter(Boolean);
   const child = spawn(
     process.execPath,
-    [
-      ...nodeArgs,
-      cliPath,
-      "serve",
-      "--listen",
-      "127.0.0.1:0",
-      "--database-url",
-      databaseUrl,
-      ...args,
-    ],
+    [...nodeArgs, cli, "serve", "--listen", "127.0.0.1:0", "--database-url", databaseUrl, ...args],
     {
-      cwd: repoRoot,
+      cwd: cli === cliPath ? repoRoot : path.dirname(path.dirname(cli)),
       env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn" },
       stdio: ["ignore", "pipe", "pipe"],
     },

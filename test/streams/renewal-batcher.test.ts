@@ -4,9 +4,12 @@
 // tested in test/renew-many.test.ts.
 
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { DatabaseUnavailableError } from "../../src/lease/errors.js";
+import { DatabaseTimeoutError, DatabaseUnavailableError } from "../../src/lease/errors.js";
 import type { LeaseRecord, LeaseStore, RenewItem } from "../../src/lease/types.js";
-import { createRenewalBatcher } from "../../src/server/streams/renewal-batcher.js";
+import {
+  createRenewalBatcher,
+  RenewalUndecidedError,
+} from "../../src/server/streams/renewal-batcher.js";
 import { type MemoryStreaming, memoryStreaming, observe } from "../support/memory-streaming.js";
 
 const tickMs = 20;
@@ -199,6 +202,36 @@ describe("renewal batcher", () => {
     await vi.advanceTimersByTimeAsync(tickMs);
     for (const f of failed) expect(f.error).toBeInstanceOf(DatabaseUnavailableError);
     fail = false;
+    const again = observe(batcher.renew(item(a)));
+    await vi.advanceTimersByTimeAsync(tickMs);
+    expect(again.value?.renewed).toBe(true);
+  });
+
+  it("L2: a statement that timed out leaves every renewal of its batch undecided, not failed with the timeout; a lost connection still fails them", async () => {
+    let failure: Error | undefined = new DatabaseTimeoutError("the database statement timed out");
+    const batcher = createRenewalBatcher({
+      store: recording(async (items, options) => {
+        if (failure) throw failure;
+        return mem.raw.renewMany(items, options);
+      }),
+      tickMs,
+    });
+    const [a, b] = [await mem.grant(), await mem.grant()];
+    const timedOut = [observe(batcher.renew(item(a))), observe(batcher.renew(item(b)))];
+    await vi.advanceTimersByTimeAsync(tickMs);
+    for (const t of timedOut) {
+      expect(t.error).toBeInstanceOf(RenewalUndecidedError);
+      expect((t.error as RenewalUndecidedError).sqlState).toBe("57014");
+    }
+    failure = new DatabaseUnavailableError("the session's lease row is locked", "55P03");
+    const lockTimedOut = observe(batcher.renew(item(a)));
+    await vi.advanceTimersByTimeAsync(tickMs);
+    expect(lockTimedOut.error).toBeInstanceOf(RenewalUndecidedError);
+    failure = new DatabaseUnavailableError("the database is unavailable (ECONNREFUSED)");
+    const unreachable = observe(batcher.renew(item(a)));
+    await vi.advanceTimersByTimeAsync(tickMs);
+    expect(unreachable.error).toBe(failure);
+    failure = undefined;
     const again = observe(batcher.renew(item(a)));
     await vi.advanceTimersByTimeAsync(tickMs);
     expect(again.value?.renewed).toBe(true);

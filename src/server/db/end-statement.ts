@@ -87,8 +87,9 @@ export async function endMany(
       UPDATE leases AS held
       SET expires_at = greatest(lease_clock.observed_at, held.expires_at - held.ttl), ended = k.ended
       FROM locked k, lease_clock
+      -- S5's "ended IS NULL", written with coalesce: see renew-statement.ts.
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
-        AND held.ctid = k.row_id AND held.ended IS NULL
+        AND held.ctid = k.row_id AND coalesce(held.ended, 'open') = 'open'
         AND held.expires_at > lease_clock.observed_at
         AND (k.grant_token IS NULL OR (held.fencing_token = k.grant_token
              AND (extract(epoch FROM held.expires_at) * 1000000)::bigint = k.grant_expires_us))

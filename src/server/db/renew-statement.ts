@@ -78,8 +78,13 @@ export async function renewMany(
         expires_at = lease_clock.observed_at
           + coalesce(k.ttl_ms * interval '1 millisecond', held.ttl)
       FROM locked k, lease_clock
+      -- S4's "ended IS NULL", written with coalesce (ended is NULL,
+      -- 'released' or 'revoked': the same test): written plainly, it let
+      -- the planner read the open-leases index (whose predicate it is) in
+      -- full, as a bitmap of every open lease of the table, which it
+      -- preferred to the TID scan on a table without statistics.
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
-        AND held.ctid = k.row_id AND held.ended IS NULL
+        AND held.ctid = k.row_id AND coalesce(held.ended, 'open') = 'open'
         AND held.expires_at > lease_clock.observed_at
       RETURNING k.idx, held.*
     )

@@ -9,7 +9,8 @@
 // that the run's lease was released, revoked or taken over.
 //
 // A renewal the database cannot decide (its row stays locked by another
-// transaction past lock_timeout) gets no answer; its neighbours do.
+// transaction past lock_timeout, or its batch statement timed out) gets no
+// answer; its neighbours do, and the stream goes on.
 //
 // A client that stops reading must not stall anything else. Renewals are
 // decided by the shared batcher whatever a stream's consumer does, and each
@@ -152,8 +153,8 @@ class Session implements KeepAliveSession {
         this.inFlight -= 1;
         if (!outcome) {
           // One renewal the database could not decide (its row stayed
-          // locked): no answer this round, the stream and its other leases
-          // go on. The client's next renewal tries again; its local
+          // locked, or its batch statement timed out): no answer this
+          // round, the stream and its other leases go on. The client's next renewal tries again; its local
           // deadline covers a lock that persists (L2). A batch that failed
           // whole (the database unreachable) ends the stream, so that the
           // client moves to another instance.

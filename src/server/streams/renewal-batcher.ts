@@ -29,11 +29,19 @@
 // renewal unanswered (the client's next renewal tries again, its local
 // deadline covers a lock that persists) and answers the others as usual.
 //
+// A batch statement that timed out (statement_timeout, or lock_timeout on
+// the table) decided nothing, but the database is there: every renewal it
+// carried fails with RenewalUndecidedError too, so a slow statement ends no
+// stream (a slow database is as slow from any other instance) and each of
+// its leases is renewed by the client's next renewal or lost at its local
+// deadline (L2). A batch that fails otherwise (the database unreachable)
+// rejects its renewals with that error, and their streams end.
+//
 // With tracing on (`tracer`), each batch statement is a span linked to the
 // KeepAlive streams (and Renew calls) whose renewals it decides; the trace
 // context is taken when a renewal is submitted. Off, `tracer` is undefined.
 
-import { DatabaseUnavailableError } from "../../lease/errors.js";
+import { DatabaseTimeoutError, DatabaseUnavailableError } from "../../lease/errors.js";
 import { runKey } from "../../lease/lease-change.js";
 import type { HandoffRecord, LeaseRecord, LeaseStore, RenewItem } from "../../lease/types.js";
 import type { LossCause } from "../../protocol/errors.js";
@@ -92,6 +100,14 @@ const reportUncaught = (error: unknown) =>
   queueMicrotask(() => {
     throw error;
   });
+
+/** A statement that ran out of time (statement_timeout, lock_timeout), with the database there. */
+function timedOut(error: unknown): error is Error {
+  return (
+    error instanceof DatabaseTimeoutError ||
+    (error instanceof DatabaseUnavailableError && error.sqlState === "55P03")
+  );
+}
 
 // A row that stays locked through this many waiting retries is reported as
 // the database being unable to decide.
@@ -189,7 +205,14 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       });
       for (const p of locked) void renewLocked(p);
     } catch (error) {
-      for (const p of batch) fail(p, error);
+      const failure = timedOut(error)
+        ? new RenewalUndecidedError(
+            `${error.message}: the renewal was not decided; retry`,
+            error instanceof DatabaseUnavailableError ? error.sqlState : "57014",
+            { cause: error },
+          )
+        : error;
+      for (const p of batch) fail(p, failure);
     } finally {
       inFlight -= 1;
       schedule();
