@@ -504,6 +504,61 @@ describe("rotation", () => {
     expect(cycles).toBeGreaterThan(0);
     expect(failures).toEqual([]);
   });
+  it("a half-written or empty CA bundle is not taken: the previous bundle stays in force", async () => {
+    const files = {
+      cert: path.join(certs.dir, "half-server.pem"),
+      key: path.join(certs.dir, "half-server-key.pem"),
+      ca: path.join(certs.dir, "half-ca.pem"),
+      map: path.join(certs.dir, "half-identities.yaml"),
+    };
+    for (const [file, from] of [
+      [files.cert, serverCert.certFile],
+      [files.key, serverCert.keyFile],
+      [files.ca, ca.certFile],
+      [files.map, identityMap],
+    ] as const) {
+      writeFileSync(file, readFileSync(from));
+    }
+    const lines: { msg?: string }[] = [];
+    const count = (prefix: string) => lines.filter((l) => l.msg?.startsWith(prefix)).length;
+    const logger = createLogger({
+      level: "info",
+      destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
+    });
+    const server = await startServer(
+      [
+        "--tls-cert",
+        files.cert,
+        "--tls-key",
+        files.key,
+        "--tls-client-ca",
+        files.ca,
+        "--identity-map",
+        files.map,
+      ],
+      {},
+      logger,
+    );
+    const bundle = readFileSync(ca.certFile, "utf8");
+    // Written in place, as a copy or an editor does: seen half-written, then
+    // empty. Neither may replace the bundle that verifies every client.
+    for (const partial of [bundle.slice(0, Math.floor(bundle.length / 2)), ""]) {
+      const refused = count("TLS files not reloaded");
+      const taken = count("TLS files reloaded");
+      writeFileSync(files.ca, partial);
+      await waitFor(
+        () => count("TLS files not reloaded") > refused || count("TLS files reloaded") > taken,
+        {
+          what: "the server to look at the rewritten CA bundle",
+        },
+      );
+      expect(count("TLS files reloaded")).toBe(taken);
+      // A new connection with a certificate of the CA still in force.
+      const c = createClient(LeaseService, transport("grpc", server.url, worker));
+      const key = { accountId: "acme", sessionId: freshKey().sessionId };
+      expect((await c.acquire({ key, ttl: seconds(30) })).acquired).toBe(true);
+    }
+  });
 });
 
 describe("the CLI", () => {

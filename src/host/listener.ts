@@ -13,7 +13,7 @@ import http from "node:http";
 import http2 from "node:http2";
 import net from "node:net";
 import tls from "node:tls";
-import { secureContextOf, type TlsCredentials } from "./tls-credentials.js";
+import { checkCaBundle, secureContextOf, type TlsCredentials } from "./tls-credentials.js";
 
 type Handler = (
   req: http.IncomingMessage | http2.Http2ServerRequest,
@@ -141,7 +141,10 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
     const server = front;
     options.tls.credentials.use((files) => {
       const context = secureContextOf(files);
-      // Throws when the key is not the certificate's or a PEM does not parse.
+      // Throws when the key is not the certificate's or a PEM does not parse;
+      // the client CA bundle is checked apart (createSecureContext drops what
+      // does not parse).
+      if (files.clientCa) checkCaBundle(files.clientCa);
       tls.createSecureContext(context);
       return () => server.setSecureContext(context);
     });
