@@ -379,6 +379,40 @@ describe("the guarded store", () => {
   });
 });
 
+describe("the guarded store behind a lease server that requires certificates", () => {
+  it("confirms a raising write with CheckFence over its own client certificate (--lease-ca, --lease-cert, --lease-key)", async () => {
+    const lease = await startServer(serverArgs("require"));
+    const storeCert = certs.leaf(ca, { name: "store", spiffeIds: [spiffe("store")] });
+    const store = await startGuardedServer([
+      "--lease-url",
+      lease.url,
+      "--lease-ca",
+      ca.certFile,
+      "--lease-cert",
+      storeCert.certFile,
+      "--lease-key",
+      storeCert.keyFile,
+      ...serverArgs("require"),
+    ]);
+    const { GuardedStoreService } = await import("../src/gen/leasehold/guarded/v1/guarded_pb.js");
+    const key = { accountId: "acme", sessionId: freshKey().sessionId };
+    const grant = await createClient(LeaseService, transport("grpc", lease.url, worker)).acquire({
+      key,
+      ttl: seconds(30),
+    });
+    const documents = createClient(GuardedStoreService, transport("connect-h2", store.url, worker));
+    // The first write raises the session's fence: only the lease server's
+    // CheckFence, reached with the store's certificate, can confirm it.
+    const put = await documents.put({
+      key,
+      name: "doc",
+      value: new TextEncoder().encode("v1"),
+      fencingToken: grant.lease?.fencingToken ?? 0n,
+    });
+    expect(put.highestToken).toBe(grant.lease?.fencingToken);
+  });
+});
+
 describe("rotation", () => {
   it("new certificate, key, CA bundle and identity map are taken without a restart, losing no call and no lease", async () => {
     const files = {
