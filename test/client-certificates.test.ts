@@ -413,43 +413,53 @@ describe("the guarded store behind a lease server that requires certificates", (
   });
 });
 
+/**
+ * A server on copies of the TLS files (`prefix`-named, so a test may rewrite
+ * them), and a count of its log lines by how they start.
+ */
+async function serverOnLiveFiles(prefix: string) {
+  const files = {
+    cert: path.join(certs.dir, `${prefix}-server.pem`),
+    key: path.join(certs.dir, `${prefix}-server-key.pem`),
+    ca: path.join(certs.dir, `${prefix}-ca.pem`),
+    map: path.join(certs.dir, `${prefix}-identities.yaml`),
+  };
+  writeFileSync(files.cert, readFileSync(serverCert.certFile));
+  writeFileSync(files.key, readFileSync(serverCert.keyFile));
+  writeFileSync(files.ca, readFileSync(ca.certFile));
+  writeFileSync(files.map, readFileSync(identityMap));
+  const lines: { msg?: string }[] = [];
+  const logger = createLogger({
+    level: "info",
+    destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
+  });
+  const server = await startServer(
+    [
+      "--tls-cert",
+      files.cert,
+      "--tls-key",
+      files.key,
+      "--tls-client-ca",
+      files.ca,
+      "--identity-map",
+      files.map,
+    ],
+    {},
+    logger,
+  );
+  const logged = (start: string) => lines.filter((l) => l.msg?.startsWith(start)).length;
+  return { files, server, logged };
+}
+
 describe("rotation", () => {
   it("new certificate, key, CA bundle and identity map are taken without a restart, losing no call and no lease", async () => {
-    const files = {
-      cert: path.join(certs.dir, "live-server.pem"),
-      key: path.join(certs.dir, "live-server-key.pem"),
-      ca: path.join(certs.dir, "live-ca.pem"),
-      map: path.join(certs.dir, "live-identities.yaml"),
-    };
+    const { files, server, logged } = await serverOnLiveFiles("live");
+    const reloaded = () => logged("TLS files reloaded");
     // Replaced by rename, as rotation tools do: never a half-written file.
     const install = (file: string, content: string | Buffer) => {
       writeFileSync(`${file}.tmp`, content);
       renameSync(`${file}.tmp`, file);
     };
-    install(files.cert, readFileSync(serverCert.certFile));
-    install(files.key, readFileSync(serverCert.keyFile));
-    install(files.ca, readFileSync(ca.certFile));
-    install(files.map, readFileSync(identityMap));
-    const lines: { msg?: string }[] = [];
-    const reloaded = () => lines.filter((l) => l.msg?.startsWith("TLS files reloaded")).length;
-    const logger = createLogger({
-      level: "info",
-      destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
-    });
-    const server = await startServer(
-      [
-        "--tls-cert",
-        files.cert,
-        "--tls-key",
-        files.key,
-        "--tls-client-ca",
-        files.ca,
-        "--identity-map",
-        files.map,
-      ],
-      {},
-      logger,
-    );
     // The next CA: its own server certificate, and a client of it.
     const nextCa = certs.ca("next-ca");
     const nextServer = certs.leaf(nextCa, {
@@ -539,40 +549,7 @@ describe("rotation", () => {
     expect(failures).toEqual([]);
   });
   it("a half-written or empty CA bundle is not taken: the previous bundle stays in force", async () => {
-    const files = {
-      cert: path.join(certs.dir, "half-server.pem"),
-      key: path.join(certs.dir, "half-server-key.pem"),
-      ca: path.join(certs.dir, "half-ca.pem"),
-      map: path.join(certs.dir, "half-identities.yaml"),
-    };
-    for (const [file, from] of [
-      [files.cert, serverCert.certFile],
-      [files.key, serverCert.keyFile],
-      [files.ca, ca.certFile],
-      [files.map, identityMap],
-    ] as const) {
-      writeFileSync(file, readFileSync(from));
-    }
-    const lines: { msg?: string }[] = [];
-    const count = (prefix: string) => lines.filter((l) => l.msg?.startsWith(prefix)).length;
-    const logger = createLogger({
-      level: "info",
-      destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
-    });
-    const server = await startServer(
-      [
-        "--tls-cert",
-        files.cert,
-        "--tls-key",
-        files.key,
-        "--tls-client-ca",
-        files.ca,
-        "--identity-map",
-        files.map,
-      ],
-      {},
-      logger,
-    );
+    const { files, server, logged: count } = await serverOnLiveFiles("half");
     const bundle = readFileSync(ca.certFile, "utf8");
     // Written in place, as a copy or an editor does: seen half-written, then
     // empty. Neither may replace the bundle that verifies every client.
