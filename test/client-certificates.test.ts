@@ -356,6 +356,26 @@ describe("client certificates optional", () => {
   });
 });
 
+describe("client certificates optional, no token keys", () => {
+  it("a call with neither a certificate nor a token is certificate_missing; one with a token is told no token is verified here", async () => {
+    const server = await startServer(serverArgs("optional"));
+    const key = { accountId: "acme", sessionId: "nothing" };
+    const nothing = await failure(
+      createClient(LeaseService, transport("grpc", server.url)).get({ key }),
+    );
+    expect(nothing.code).toBe(Code.Unauthenticated);
+    expect(causeOf(nothing)).toBe("certificate_missing");
+    expect(nothing.rawMessage).toMatch(/a client certificate is required/);
+    const byToken = await failure(
+      createClient(LeaseService, transport("grpc", server.url, undefined, "a.b.c")).get({ key }),
+    );
+    expect(causeOf(byToken)).toBe("malformed");
+    expect(byToken.rawMessage).toMatch(/this server verifies no bearer tokens/);
+    const byCert = createClient(LeaseService, transport("grpc", server.url, worker));
+    expect((await byCert.get({ key })).held).toBe(false);
+  });
+});
+
 describe("the guarded store", () => {
   it("authenticates its callers by certificate, with the same map and the same account rule", async () => {
     const lease = await startServer([]);
