@@ -18,7 +18,7 @@ import {
 } from "@connectrpc/connect-node";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { parseIdentityMap } from "../src/auth/identity-map.js";
-import { createLeaseClient } from "../src/client/index.js";
+import { clientTlsOptions, createLeaseClient } from "../src/client/index.js";
 import { ConfigError } from "../src/config/settings.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
@@ -589,6 +589,38 @@ describe("rotation", () => {
       const key = { accountId: "acme", sessionId: freshKey().sessionId };
       expect((await c.acquire({ key, ttl: seconds(30) })).acquired).toBe(true);
     }
+  });
+});
+
+describe("client certificate rotation in the TypeScript client", () => {
+  it("a new certificate beside the old key is not used until its key arrives: connections made meanwhile keep the previous pair", async () => {
+    const server = await startServer(serverArgs("require"));
+    const files = {
+      cert: path.join(certs.dir, "client-live.pem"),
+      key: path.join(certs.dir, "client-live-key.pem"),
+    };
+    writeFileSync(files.cert, readFileSync(worker.certFile));
+    writeFileSync(files.key, readFileSync(worker.keyFile));
+    const nodeOptions = clientTlsOptions({
+      caFile: ca.certFile,
+      certFile: files.cert,
+      keyFile: files.key,
+    });
+    // Each transport opens its own connection, reading the files as it does.
+    const get = (accountId: string) =>
+      createClient(LeaseService, createGrpcTransport({ baseUrl: server.url, nodeOptions })).get({
+        key: { accountId, sessionId: "rotating" },
+      });
+    expect((await get("acme")).held).toBe(false);
+    // A rotation tool writes the certificate, then the key; the new
+    // certificate acts for another account, so each call shows which pair
+    // its connection presented.
+    const next = certs.leaf(ca, { name: "worker-next", commonName: "billing-worker" });
+    writeFileSync(files.cert, readFileSync(next.certFile));
+    expect((await get("acme")).held).toBe(false);
+    writeFileSync(files.key, readFileSync(next.keyFile));
+    expect((await get("billing")).held).toBe(false);
+    expect((await failure(get("acme"))).code).toBe(Code.PermissionDenied);
   });
 });
 
