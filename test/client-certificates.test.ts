@@ -733,6 +733,16 @@ describe("configuration", () => {
         /identities\[0\]\.spiffe_id_prefix must end with \/ \(a path segment boundary\)/,
       ],
       [
+        // Ends with /, but names no trust domain: it would admit every
+        // SPIFFE ID of every trust domain the CA bundle vouches for.
+        "identities:\n  - spiffe_id_prefix: spiffe://\n    account: acme",
+        /identities\[0\]\.spiffe_id_prefix must name a trust domain \(spiffe:\/\/trust-domain\/…\)/,
+      ],
+      [
+        "identities:\n  - spiffe_id_prefix: spiffe:///ns/\n    account: acme",
+        /identities\[0\]\.spiffe_id_prefix must name a trust domain/,
+      ],
+      [
         "identities:\n  - spiffe_id: https://td/x\n    account: acme",
         /identities\[0\]\.spiffe_id must start with spiffe:\/\//,
       ],
