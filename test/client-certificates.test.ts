@@ -624,6 +624,55 @@ describe("client certificate rotation in the TypeScript client", () => {
   });
 });
 
+describe("a client certificate that expires while its connection is open", () => {
+  it("a client that has rotated its files keeps its lease and its calls past the old certificate's notAfter", async () => {
+    const server = await startServer(serverArgs("require"));
+    const files = {
+      cert: path.join(certs.dir, "short-live.pem"),
+      key: path.join(certs.dir, "short-live-key.pem"),
+    };
+    // Valid for a few seconds, as an SVID is for an hour.
+    const short = certs.leaf(ca, {
+      name: "short",
+      spiffeIds: [spiffe("worker")],
+      validDays: [-1, 4 / 86_400],
+    });
+    const notAfter = Date.now() + 4_000;
+    writeFileSync(files.cert, readFileSync(short.certFile));
+    writeFileSync(files.key, readFileSync(short.keyFile));
+    const client = createLeaseClient({
+      baseUrl: server.url,
+      protocol: "grpc",
+      tls: { caFile: ca.certFile, certFile: files.cert, keyFile: files.key },
+    });
+    try {
+      const key = { accountId: "acme", sessionId: freshKey().sessionId };
+      const seen = await client.runExclusive(
+        key,
+        async (ctx) => {
+          expect((await client.get({ key })).lease?.runId).toBe(ctx.runId);
+          // The rotation tool writes the next certificate well before the
+          // old one expires; the open connection keeps the old one.
+          const next = certs.leaf(ca, { name: "short-next", spiffeIds: [spiffe("worker")] });
+          writeFileSync(files.key, readFileSync(next.keyFile));
+          writeFileSync(files.cert, readFileSync(next.certFile));
+          // Past the old certificate's notAfter, and past a TTL after it.
+          await new Promise((resolve) => setTimeout(resolve, notAfter - Date.now() + 2_500));
+          return {
+            aborted: ctx.signal.aborted,
+            reason: String((ctx.signal.reason as Error | undefined)?.message),
+            held: (await client.get({ key })).lease?.runId === ctx.runId,
+          };
+        },
+        { ttlMs: 2_000 },
+      );
+      expect(seen).toEqual({ aborted: false, reason: "undefined", held: true });
+    } finally {
+      client.close();
+    }
+  });
+});
+
 describe("the CLI", () => {
   it("--ca, --cert and --key hold a lease with a certificate only; without one the refusal names why", async () => {
     const server = await startServer(serverArgs("require"));

@@ -20,6 +20,13 @@ export interface Principal {
   anonymous: boolean;
   /** When the token stops being accepted (its `exp`, wall clock, ms); undefined: never. */
   validUntilMs?: number;
+  /**
+   * What ends the principal at `validUntilMs`: its token (the default) or
+   * its connection's client certificate, whose stream then ends with
+   * `certificate_expired` (a client reconnects with its rotated certificate)
+   * rather than `expired` (fetch a new token).
+   */
+  expiresWith?: "token" | "certificate";
 }
 
 export interface Authenticator {

@@ -84,6 +84,7 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
           scopes: identity.scopes,
           anonymous: false,
           validUntilMs: certificate.validUntilMs,
+          expiresWith: "certificate",
         };
       }
       const token = await tokenOf(authorization);
@@ -93,9 +94,11 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
           "the bearer token's account is not the client certificate's: send one or the other, or both for the same account",
         );
       }
+      const tokenUntil = token.validUntilMs ?? Number.POSITIVE_INFINITY;
       return {
         ...token,
-        validUntilMs: Math.min(token.validUntilMs ?? Infinity, certificate.validUntilMs),
+        validUntilMs: Math.min(tokenUntil, certificate.validUntilMs),
+        expiresWith: certificate.validUntilMs < tokenUntil ? "certificate" : "token",
       };
     },
   };

@@ -332,7 +332,11 @@ class Call implements PolicyCall {
   }
 
   private expiredError(): ConnectError {
-    this.expired ??= toConnectError(new UnauthenticatedError(policyText.tokenExpired, "expired"));
+    this.expired ??= toConnectError(
+      this.caller?.expiresWith === "certificate"
+        ? new UnauthenticatedError(policyText.certificateExpired, "certificate_expired")
+        : new UnauthenticatedError(policyText.tokenExpired, "expired"),
+    );
     return this.expired;
   }
 
