@@ -48,7 +48,9 @@ let byCn: CertFiles;
 let keys: TestKeys;
 let identityMap: string;
 
-beforeAll(() => {
+beforeAll(async () => {
+  // Here, not in one describe's beforeAll: the optional-mode tests use them too.
+  keys = await createTestKeys();
   certs = new CertificateFolder();
   ca = certs.ca("client-ca");
   otherCa = certs.ca("other-ca");
@@ -133,7 +135,6 @@ describe("client certificates required", () => {
   let connectGrpc: RunningServer;
 
   beforeAll(async () => {
-    keys = await createTestKeys();
     server = await startServer(serverArgs("require", keys.args));
     connectGrpc = await startServer(
       serverArgs("require", [...keys.args, "--grpc-path", "connect"]),
