@@ -18,7 +18,7 @@ import {
 } from "@connectrpc/connect-node";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { parseIdentityMap } from "../src/auth/identity-map.js";
-import { createLeaseClient } from "../src/client/index.js";
+import { clientTlsOptions, createLeaseClient } from "../src/client/index.js";
 import { ConfigError } from "../src/config/settings.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
@@ -48,7 +48,9 @@ let byCn: CertFiles;
 let keys: TestKeys;
 let identityMap: string;
 
-beforeAll(() => {
+beforeAll(async () => {
+  // Here, not in one describe's beforeAll: the optional-mode tests use them too.
+  keys = await createTestKeys();
   certs = new CertificateFolder();
   ca = certs.ca("client-ca");
   otherCa = certs.ca("other-ca");
@@ -133,7 +135,6 @@ describe("client certificates required", () => {
   let connectGrpc: RunningServer;
 
   beforeAll(async () => {
-    keys = await createTestKeys();
     server = await startServer(serverArgs("require", keys.args));
     connectGrpc = await startServer(
       serverArgs("require", [...keys.args, "--grpc-path", "connect"]),
@@ -356,6 +357,26 @@ describe("client certificates optional", () => {
   });
 });
 
+describe("client certificates optional, no token keys", () => {
+  it("a call with neither a certificate nor a token is certificate_missing; one with a token is told no token is verified here", async () => {
+    const server = await startServer(serverArgs("optional"));
+    const key = { accountId: "acme", sessionId: "nothing" };
+    const nothing = await failure(
+      createClient(LeaseService, transport("grpc", server.url)).get({ key }),
+    );
+    expect(nothing.code).toBe(Code.Unauthenticated);
+    expect(causeOf(nothing)).toBe("certificate_missing");
+    expect(nothing.rawMessage).toMatch(/a client certificate is required/);
+    const byToken = await failure(
+      createClient(LeaseService, transport("grpc", server.url, undefined, "a.b.c")).get({ key }),
+    );
+    expect(causeOf(byToken)).toBe("malformed");
+    expect(byToken.rawMessage).toMatch(/this server verifies no bearer tokens/);
+    const byCert = createClient(LeaseService, transport("grpc", server.url, worker));
+    expect((await byCert.get({ key })).held).toBe(false);
+  });
+});
+
 describe("the guarded store", () => {
   it("authenticates its callers by certificate, with the same map and the same account rule", async () => {
     const lease = await startServer([]);
@@ -379,43 +400,87 @@ describe("the guarded store", () => {
   });
 });
 
+describe("the guarded store behind a lease server that requires certificates", () => {
+  it("confirms a raising write with CheckFence over its own client certificate (--lease-ca, --lease-cert, --lease-key)", async () => {
+    const lease = await startServer(serverArgs("require"));
+    const storeCert = certs.leaf(ca, { name: "store", spiffeIds: [spiffe("store")] });
+    const store = await startGuardedServer([
+      "--lease-url",
+      lease.url,
+      "--lease-ca",
+      ca.certFile,
+      "--lease-cert",
+      storeCert.certFile,
+      "--lease-key",
+      storeCert.keyFile,
+      ...serverArgs("require"),
+    ]);
+    const { GuardedStoreService } = await import("../src/gen/leasehold/guarded/v1/guarded_pb.js");
+    const key = { accountId: "acme", sessionId: freshKey().sessionId };
+    const grant = await createClient(LeaseService, transport("grpc", lease.url, worker)).acquire({
+      key,
+      ttl: seconds(30),
+    });
+    const documents = createClient(GuardedStoreService, transport("connect-h2", store.url, worker));
+    // The first write raises the session's fence: only the lease server's
+    // CheckFence, reached with the store's certificate, can confirm it.
+    const put = await documents.put({
+      key,
+      name: "doc",
+      value: new TextEncoder().encode("v1"),
+      fencingToken: grant.lease?.fencingToken ?? 0n,
+    });
+    expect(put.highestToken).toBe(grant.lease?.fencingToken);
+  });
+});
+
+/**
+ * A server on copies of the TLS files (`prefix`-named, so a test may rewrite
+ * them), and a count of its log lines by how they start.
+ */
+async function serverOnLiveFiles(prefix: string) {
+  const files = {
+    cert: path.join(certs.dir, `${prefix}-server.pem`),
+    key: path.join(certs.dir, `${prefix}-server-key.pem`),
+    ca: path.join(certs.dir, `${prefix}-ca.pem`),
+    map: path.join(certs.dir, `${prefix}-identities.yaml`),
+  };
+  writeFileSync(files.cert, readFileSync(serverCert.certFile));
+  writeFileSync(files.key, readFileSync(serverCert.keyFile));
+  writeFileSync(files.ca, readFileSync(ca.certFile));
+  writeFileSync(files.map, readFileSync(identityMap));
+  const lines: { msg?: string }[] = [];
+  const logger = createLogger({
+    level: "info",
+    destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
+  });
+  const server = await startServer(
+    [
+      "--tls-cert",
+      files.cert,
+      "--tls-key",
+      files.key,
+      "--tls-client-ca",
+      files.ca,
+      "--identity-map",
+      files.map,
+    ],
+    {},
+    logger,
+  );
+  const logged = (start: string) => lines.filter((l) => l.msg?.startsWith(start)).length;
+  return { files, server, logged };
+}
+
 describe("rotation", () => {
   it("new certificate, key, CA bundle and identity map are taken without a restart, losing no call and no lease", async () => {
-    const files = {
-      cert: path.join(certs.dir, "live-server.pem"),
-      key: path.join(certs.dir, "live-server-key.pem"),
-      ca: path.join(certs.dir, "live-ca.pem"),
-      map: path.join(certs.dir, "live-identities.yaml"),
-    };
+    const { files, server, logged } = await serverOnLiveFiles("live");
+    const reloaded = () => logged("TLS files reloaded");
     // Replaced by rename, as rotation tools do: never a half-written file.
     const install = (file: string, content: string | Buffer) => {
       writeFileSync(`${file}.tmp`, content);
       renameSync(`${file}.tmp`, file);
     };
-    install(files.cert, readFileSync(serverCert.certFile));
-    install(files.key, readFileSync(serverCert.keyFile));
-    install(files.ca, readFileSync(ca.certFile));
-    install(files.map, readFileSync(identityMap));
-    const lines: { msg?: string }[] = [];
-    const reloaded = () => lines.filter((l) => l.msg?.startsWith("TLS files reloaded")).length;
-    const logger = createLogger({
-      level: "info",
-      destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
-    });
-    const server = await startServer(
-      [
-        "--tls-cert",
-        files.cert,
-        "--tls-key",
-        files.key,
-        "--tls-client-ca",
-        files.ca,
-        "--identity-map",
-        files.map,
-      ],
-      {},
-      logger,
-    );
     // The next CA: its own server certificate, and a client of it.
     const nextCa = certs.ca("next-ca");
     const nextServer = certs.leaf(nextCa, {
@@ -504,56 +569,106 @@ describe("rotation", () => {
     expect(cycles).toBeGreaterThan(0);
     expect(failures).toEqual([]);
   });
+  it("a half-written or empty CA bundle is not taken: the previous bundle stays in force", async () => {
+    const { files, server, logged: count } = await serverOnLiveFiles("half");
+    const bundle = readFileSync(ca.certFile, "utf8");
+    // Written in place, as a copy or an editor does: seen half-written, then
+    // empty. Neither may replace the bundle that verifies every client.
+    for (const partial of [bundle.slice(0, Math.floor(bundle.length / 2)), ""]) {
+      const refused = count("TLS files not reloaded");
+      const taken = count("TLS files reloaded");
+      writeFileSync(files.ca, partial);
+      await waitFor(
+        () => count("TLS files not reloaded") > refused || count("TLS files reloaded") > taken,
+        {
+          what: "the server to look at the rewritten CA bundle",
+        },
+      );
+      expect(count("TLS files reloaded")).toBe(taken);
+      // A new connection with a certificate of the CA still in force.
+      const c = createClient(LeaseService, transport("grpc", server.url, worker));
+      const key = { accountId: "acme", sessionId: freshKey().sessionId };
+      expect((await c.acquire({ key, ttl: seconds(30) })).acquired).toBe(true);
+    }
+  });
 });
 
-describe("a certificate that expires under an open connection", () => {
-  it("the server ends its streams with certificate_expired and sends GOAWAY; the library client reconnects with the renewed files and keeps its lease", async () => {
+describe("client certificate rotation in the TypeScript client", () => {
+  it("a new certificate beside the old key is not used until its key arrives: connections made meanwhile keep the previous pair", async () => {
     const server = await startServer(serverArgs("require"));
     const files = {
-      cert: path.join(certs.dir, "expiring-client.pem"),
-      key: path.join(certs.dir, "expiring-client-key.pem"),
+      cert: path.join(certs.dir, "client-live.pem"),
+      key: path.join(certs.dir, "client-live-key.pem"),
     };
-    const install = (file: string, content: Buffer) => {
-      writeFileSync(`${file}.tmp`, content);
-      renameSync(`${file}.tmp`, file);
-    };
-    // Valid for a few seconds; openssl writes whole seconds.
-    const shortLived = certs.leaf(ca, {
-      name: "short-lived",
-      spiffeIds: [spiffe("worker")],
-      validDays: [-1, 4 / 86_400],
+    writeFileSync(files.cert, readFileSync(worker.certFile));
+    writeFileSync(files.key, readFileSync(worker.keyFile));
+    const nodeOptions = clientTlsOptions({
+      caFile: ca.certFile,
+      certFile: files.cert,
+      keyFile: files.key,
     });
-    const notAfter = new Date(
-      new (await import("node:crypto")).X509Certificate(readFileSync(shortLived.certFile)).validTo,
-    );
-    install(files.cert, readFileSync(shortLived.certFile));
-    install(files.key, readFileSync(shortLived.keyFile));
-    const events: string[] = [];
+    // Each transport opens its own connection, reading the files as it does.
+    const get = (accountId: string) =>
+      createClient(LeaseService, createGrpcTransport({ baseUrl: server.url, nodeOptions })).get({
+        key: { accountId, sessionId: "rotating" },
+      });
+    expect((await get("acme")).held).toBe(false);
+    // A rotation tool writes the certificate, then the key; the new
+    // certificate acts for another account, so each call shows which pair
+    // its connection presented.
+    const next = certs.leaf(ca, { name: "worker-next", commonName: "billing-worker" });
+    writeFileSync(files.cert, readFileSync(next.certFile));
+    expect((await get("acme")).held).toBe(false);
+    writeFileSync(files.key, readFileSync(next.keyFile));
+    expect((await get("billing")).held).toBe(false);
+    expect((await failure(get("acme"))).code).toBe(Code.PermissionDenied);
+  });
+});
+
+describe("a client certificate that expires while its connection is open", () => {
+  it("a client that has rotated its files keeps its lease and its calls past the old certificate's notAfter", async () => {
+    const server = await startServer(serverArgs("require"));
+    const files = {
+      cert: path.join(certs.dir, "short-live.pem"),
+      key: path.join(certs.dir, "short-live-key.pem"),
+    };
+    // Valid for a few seconds, as an SVID is for an hour.
+    const short = certs.leaf(ca, {
+      name: "short",
+      spiffeIds: [spiffe("worker")],
+      validDays: [-1, 6 / 86_400],
+    });
+    // An upper bound: openssl took its end date before it ran.
+    const notAfter = Date.now() + 6_000;
+    writeFileSync(files.cert, readFileSync(short.certFile));
+    writeFileSync(files.key, readFileSync(short.keyFile));
     const client = createLeaseClient({
       baseUrl: server.url,
       protocol: "grpc",
       tls: { caFile: ca.certFile, certFile: files.cert, keyFile: files.key },
-      onEvent: (event) => events.push(event.type),
     });
     try {
       const key = { accountId: "acme", sessionId: freshKey().sessionId };
       const seen = await client.runExclusive(
         key,
         async (ctx) => {
-          // Renewed before it expires, as SPIRE's helper does: open
-          // connections keep the old one until the server sends them away.
-          install(files.cert, readFileSync(worker.certFile));
-          install(files.key, readFileSync(worker.keyFile));
-          // Past the old certificate's end and a TTL more, on the database clock.
-          await db.sql`SELECT pg_sleep_until(${notAfter} ::timestamptz + interval '2500 milliseconds')`;
-          const after = await client.get({ key });
-          return { aborted: ctx.signal.aborted, runId: ctx.runId, held: after.lease?.runId };
+          expect((await client.get({ key })).lease?.runId).toBe(ctx.runId);
+          // The rotation tool writes the next certificate well before the
+          // old one expires; the open connection keeps the old one.
+          const next = certs.leaf(ca, { name: "short-next", spiffeIds: [spiffe("worker")] });
+          writeFileSync(files.key, readFileSync(next.keyFile));
+          writeFileSync(files.cert, readFileSync(next.certFile));
+          // Past the old certificate's notAfter, and past a TTL after it.
+          await new Promise((resolve) => setTimeout(resolve, notAfter - Date.now() + 2_500));
+          return {
+            aborted: ctx.signal.aborted,
+            reason: String((ctx.signal.reason as Error | undefined)?.message),
+            held: (await client.get({ key })).lease?.runId === ctx.runId,
+          };
         },
         { ttlMs: 2_000 },
       );
-      expect(seen.aborted).toBe(false);
-      expect(seen.held).toBe(seen.runId);
-      expect(events.filter((e) => e === "keepalive-open").length).toBeGreaterThanOrEqual(2);
+      expect(seen).toEqual({ aborted: false, reason: "undefined", held: true });
     } finally {
       client.close();
     }
@@ -667,6 +782,16 @@ describe("configuration", () => {
       [
         "identities:\n  - spiffe_id_prefix: spiffe://td/ns/acme\n    account: acme",
         /identities\[0\]\.spiffe_id_prefix must end with \/ \(a path segment boundary\)/,
+      ],
+      [
+        // Ends with /, but names no trust domain: it would admit every
+        // SPIFFE ID of every trust domain the CA bundle vouches for.
+        "identities:\n  - spiffe_id_prefix: spiffe://\n    account: acme",
+        /identities\[0\]\.spiffe_id_prefix must name a trust domain \(spiffe:\/\/trust-domain\/…\)/,
+      ],
+      [
+        "identities:\n  - spiffe_id_prefix: spiffe:///ns/\n    account: acme",
+        /identities\[0\]\.spiffe_id_prefix must name a trust domain/,
       ],
       [
         "identities:\n  - spiffe_id: https://td/x\n    account: acme",

@@ -21,9 +21,10 @@ export interface Principal {
   /** When the token stops being accepted (its `exp`, wall clock, ms); undefined: never. */
   validUntilMs?: number;
   /**
-   * What ends at `validUntilMs`: the bearer token (the default) or the
-   * connection's client certificate (its notAfter), for the words and the
-   * cause of the UNAUTHENTICATED that ends a stream then.
+   * What ends the principal at `validUntilMs`: its token (the default) or
+   * its connection's client certificate, whose stream then ends with
+   * `certificate_expired` (a client reconnects with its rotated certificate)
+   * rather than `expired` (fetch a new token).
    */
   expiresWith?: "token" | "certificate";
 }

@@ -52,7 +52,9 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
     authenticate: async (authorization, certificate) => {
       const hasToken = authorization !== null && authorization !== "";
       if (certificate === undefined) {
-        if (mode === "require") {
+        // Under optional, but with no token keys, a certificate is the only
+        // way in: a call that brought neither lacks the certificate.
+        if (mode === "require" || (tokens === undefined && !hasToken)) {
           return refuse(
             "certificate_missing",
             "a client certificate is required: connect over TLS with a certificate issued by the server's client CA",
@@ -92,10 +94,12 @@ export function createCertificateAuthenticator(options: CertificateAuthOptions):
           "the bearer token's account is not the client certificate's: send one or the other, or both for the same account",
         );
       }
-      const tokenUntil = token.validUntilMs ?? Infinity;
-      return tokenUntil <= certificate.validUntilMs
-        ? token
-        : { ...token, validUntilMs: certificate.validUntilMs, expiresWith: "certificate" };
+      const tokenUntil = token.validUntilMs ?? Number.POSITIVE_INFINITY;
+      return {
+        ...token,
+        validUntilMs: Math.min(tokenUntil, certificate.validUntilMs),
+        expiresWith: certificate.validUntilMs < tokenUntil ? "certificate" : "token",
+      };
     },
   };
 }

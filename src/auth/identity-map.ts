@@ -109,6 +109,14 @@ export function parseIdentityMap(text: string, file: string, maxIdLength: number
         `must end with / (a path segment boundary), got ${JSON.stringify(text)}`,
       );
     }
+    // Without a trust domain, spiffe:// would match every workload of every
+    // trust domain the CA bundle vouches for.
+    if (kind === "spiffe_id_prefix" && !/^spiffe:\/\/[^/]+\//.test(text)) {
+      fail(
+        `${where}.${kind}`,
+        `must name a trust domain (spiffe://trust-domain/…), got ${JSON.stringify(text)}`,
+      );
+    }
     const account = item.account;
     if (
       typeof account !== "string" ||

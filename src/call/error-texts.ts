@@ -15,5 +15,5 @@ export const policyText = {
   timedOut: "the operation timed out",
   cancelled: "the call was cancelled",
   tokenExpired: "token expired",
-  certificateExpired: "client certificate expired: connect again with a renewed certificate",
+  certificateExpired: "client certificate refused: it has expired since the connection opened",
 } as const;

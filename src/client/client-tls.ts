@@ -5,6 +5,7 @@
 // a rotated certificate (cert-manager, SPIRE's helper) is used without a
 // restart; open connections keep the one they were made with.
 
+import { createPrivateKey, X509Certificate } from "node:crypto";
 import { readFileSync, statSync } from "node:fs";
 import type { SecureContextOptions } from "node:tls";
 
@@ -34,18 +35,45 @@ export function clientTlsOptions(tls: ClientTls): ClientTlsOptions {
     );
   }
   const options: ClientTlsOptions = {};
-  const define = (name: "ca" | "cert" | "key", file: string | undefined) => {
-    if (file === undefined) return;
-    const read = cachedFile(file);
+  const define = (name: "ca" | "cert" | "key", read: () => Buffer) => {
     read(); // an unreadable file fails here, when the client is made
     Object.defineProperty(options, name, { enumerable: true, get: read });
   };
-  define("ca", tls.caFile);
-  define("cert", tls.certFile);
-  define("key", tls.keyFile);
+  if (tls.caFile !== undefined) define("ca", cachedFile(tls.caFile));
+  if (tls.certFile !== undefined && tls.keyFile !== undefined) {
+    const pair = cachedPair(cachedFile(tls.certFile), cachedFile(tls.keyFile));
+    define("cert", () => pair().cert);
+    define("key", () => pair().key);
+  }
   return options;
 }
 
+/**
+ * The certificate and key as a pair that belongs together: a rotation
+ * writes one file, then the other, and a connection made in between would
+ * present a certificate with a key that is not its own (refused at once by
+ * OpenSSL, "key values mismatch"). A new pair is taken only once the key
+ * matches the certificate; until then the previous pair stays.
+ */
+function cachedPair(cert: () => Buffer, key: () => Buffer): () => { cert: Buffer; key: Buffer } {
+  let pair: { cert: Buffer; key: Buffer } | undefined;
+  return () => {
+    const next = { cert: cert(), key: key() };
+    if (pair !== undefined && next.cert === pair.cert && next.key === pair.key) return pair;
+    if (pair === undefined || matches(next.cert, next.key)) pair = next;
+    return pair;
+  };
+}
+
+function matches(cert: Buffer, key: Buffer): boolean {
+  try {
+    return new X509Certificate(cert).checkPrivateKey(createPrivateKey(key));
+  } catch {
+    return false;
+  }
+}
+
+/** The file's contents, read again only after its inode, modification time or size changed. */
 function cachedFile(file: string): () => Buffer {
   let content: Buffer | undefined;
   let stamp = "";

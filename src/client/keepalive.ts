@@ -8,7 +8,9 @@
 // idempotent). A stream the server ended because its token expired is
 // reopened the same way when the client has a token function (the reopened
 // stream carries a fresh token); with a fixed token its leases are lost,
-// and the loss says why.
+// and the loss says why. One ended because its connection's client
+// certificate expired is reopened too: the fresh connection presents the
+// certificate files as they are now.
 //
 // The channel never decides that a lease is still held: it reports each
 // answer with the monotonic time its request was pushed, and the lease's
@@ -510,9 +512,9 @@ class KeepAliveLane {
     error: LeaseholdError,
   ): { error: LeaseholdError; reason: "token_expired" | "renewal_failed" } | undefined {
     if (!definitiveCodes.has(error.code)) return undefined;
-    // A client certificate read from files is read again for the next
-    // connection: a stream ended at the certificate's expiry reopens with the
-    // renewed one, as one ended at its token's with a fresh token.
+    // The connection's client certificate expired: the stream reopens over
+    // a fresh connection, which presents the certificate files as they are
+    // now (a rotation tool has written the next one by then).
     if (
       error instanceof UnauthenticatedError &&
       error.failure === "certificate_expired" &&

@@ -10,6 +10,10 @@ import { Code, ConnectError, type Interceptor, type Transport } from "@connectrp
 import { createConnectTransport, Http2SessionManager } from "@connectrpc/connect-node";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type ClientTls, clientTlsOptions } from "./client-tls.js";
+
+// For the guarded store, which may import only this module of the client.
+export { type ClientTls, clientTlsOptions } from "./client-tls.js";
+
 import { brokenConnection, LeaseholdError } from "./errors.js";
 import { createGrpcTransport } from "./grpc-transport.js";
 

@@ -4,6 +4,7 @@
 // server is: every write that raises a session's fence is confirmed there.
 
 import { readFileSync } from "node:fs";
+import type { ClientTls } from "../client/transport.js";
 import {
   type HostConfig,
   type HostDefaults,
@@ -40,6 +41,13 @@ export interface GuardedConfig extends HostConfig {
    * it changes. Undefined: the lease server runs without keys.
    */
   leaseToken: { text: string } | { file: string } | undefined;
+  /**
+   * TLS files for an https:// lease server: the CA its certificate is
+   * checked against, and this store's client certificate and key for a
+   * lease server that authenticates callers by certificate (mutual TLS).
+   * Read again for new connections when they change.
+   */
+  leaseTls: ClientTls | undefined;
 }
 
 // Another port and data folder than the lease server's, so both run side
@@ -72,6 +80,18 @@ export const guardedSettings = {
   "lease-token-file": {
     env: "LEASEHOLD_LEASE_TOKEN_FILE",
     help: "file holding that token; re-read when it changes",
+  },
+  "lease-ca": {
+    env: "LEASEHOLD_LEASE_CA",
+    help: "PEM CA bundle that an https:// lease server's certificate is checked against",
+  },
+  "lease-cert": {
+    env: "LEASEHOLD_LEASE_CERT",
+    help: "this store's PEM client certificate for a lease server that requires one (mutual TLS)",
+  },
+  "lease-key": {
+    env: "LEASEHOLD_LEASE_KEY",
+    help: "PEM private key of --lease-cert",
   },
 } as const satisfies Record<string, Setting>;
 
@@ -109,10 +129,12 @@ export function parseGuardedConfig(
         "or listen on a loopback address such as 127.0.0.1 for development",
     );
   }
-  if (auth.keys !== undefined && leaseToken === undefined) {
+  const leaseTls = parseLeaseTls(read, leaseUrl);
+  if (auth.keys !== undefined && leaseToken === undefined && leaseTls?.certFile === undefined) {
     throw new ConfigError(
       "with authentication keys the store needs its own token for the lease server's CheckFence: " +
-        "set LEASEHOLD_LEASE_TOKEN or --lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE) to a JWT with the lease server's fence scope",
+        "set LEASEHOLD_LEASE_TOKEN or --lease-token-file (LEASEHOLD_LEASE_TOKEN_FILE) to a JWT with the lease server's fence scope, " +
+        "or --lease-cert and --lease-key to a client certificate the lease server's identity map names",
     );
   }
   return {
@@ -122,7 +144,44 @@ export function parseGuardedConfig(
     leaseUrl,
     leaseTimeoutMs: read.duration("lease-timeout", 2_000),
     leaseToken,
+    leaseTls,
   };
+}
+
+/** --lease-ca, --lease-cert and --lease-key: each file readable, the last two together, https only. */
+function parseLeaseTls(
+  read: { get(name: "lease-ca" | "lease-cert" | "lease-key"): string | undefined },
+  leaseUrl: string,
+): ClientTls | undefined {
+  const tls: ClientTls = {
+    caFile: read.get("lease-ca"),
+    certFile: read.get("lease-cert"),
+    keyFile: read.get("lease-key"),
+  };
+  if (Object.values(tls).every((file) => file === undefined)) return undefined;
+  if ((tls.certFile === undefined) !== (tls.keyFile === undefined)) {
+    throw new ConfigError(
+      "--lease-cert (LEASEHOLD_LEASE_CERT) and --lease-key (LEASEHOLD_LEASE_KEY) go together: a client certificate needs its key",
+    );
+  }
+  if (!leaseUrl.startsWith("https://")) {
+    throw new ConfigError(
+      "--lease-ca, --lease-cert and --lease-key need an https:// --lease-url (LEASEHOLD_LEASE_URL)",
+    );
+  }
+  for (const [flag, file] of [
+    ["lease-ca", tls.caFile],
+    ["lease-cert", tls.certFile],
+    ["lease-key", tls.keyFile],
+  ] as const) {
+    if (file === undefined) continue;
+    try {
+      readFileSync(file);
+    } catch (error) {
+      throw new ConfigError(`--${flag}: cannot read ${file}: ${(error as Error).message}`);
+    }
+  }
+  return tls;
 }
 
 function parseLeaseToken(

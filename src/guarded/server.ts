@@ -12,7 +12,7 @@ import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy } from "../call/call-policy.js";
 import { certificateContextValues } from "../call/client-certificate-context.js";
 import { policyInterceptor } from "../call/policy-interceptor.js";
-import { bearerTokenInterceptor } from "../client/transport.js";
+import { bearerTokenInterceptor, clientTlsOptions } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type RunningServer, startHost } from "../host/host.js";
 import { createLogger, type Logger } from "../log/logger.js";
@@ -68,7 +68,13 @@ export async function startGuardedServer(
     build: (sql, _shutdownSignal, _databaseUrl, _counters, tls) => {
       // Our own session manager, so shutdown can close the connection to
       // the lease server instead of waiting for it to idle out.
-      const session = new Http2SessionManager(config.leaseUrl);
+      // Its TLS files, when the lease server is https:// with a private CA or
+      // asks for client certificates: read again for new connections.
+      const session = new Http2SessionManager(
+        config.leaseUrl,
+        undefined,
+        config.leaseTls ? clientTlsOptions(config.leaseTls) : undefined,
+      );
       const token = leaseToken(config.leaseToken);
       const transport = createGrpcTransport({
         baseUrl: config.leaseUrl,

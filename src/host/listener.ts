@@ -13,7 +13,7 @@ import http from "node:http";
 import http2 from "node:http2";
 import net from "node:net";
 import tls from "node:tls";
-import { secureContextOf, type TlsCredentials } from "./tls-credentials.js";
+import { checkCaBundle, secureContextOf, type TlsCredentials } from "./tls-credentials.js";
 
 type Handler = (
   req: http.IncomingMessage | http2.Http2ServerRequest,
@@ -71,12 +71,18 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
   const handshakeTimeoutMs = options.handshakeTimeoutMs ?? 10_000;
   const idleTimeoutMs = options.idleTimeoutMs ?? 300_000;
   const openings = new Openings(handshakeTimeoutMs);
+  const clientCertificates = options.tls?.clientCertificates === true;
   const h1 = http.createServer(options.handler as http.RequestListener);
   // Long-lived streams (KeepAlive, Watch) must not be cut by Node's defaults.
   h1.requestTimeout = 0;
   h1.headersTimeout = 30_000;
   h1.keepAliveTimeout = idleTimeoutMs;
-  h1.on("request", (req: http.IncomingMessage) => openings.opened(req.socket));
+  h1.on("request", (req: http.IncomingMessage, res: http.ServerResponse) => {
+    openings.opened(req.socket);
+    // Its client certificate expired: this answer closes the connection, so
+    // the client's next request comes on a new one, with its new certificate.
+    if (clientCertificates && certificateExpired(req.socket)) res.shouldKeepAlive = false;
+  });
   const h2 = http2.createServer({
     settings: { maxConcurrentStreams: options.maxConcurrentStreams ?? 1000 },
     maxSessionMemory: options.maxSessionMemoryMb ?? 32,
@@ -89,7 +95,7 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
       if (socket) openings.opened(socket);
     });
     closeWhenIdle(session, idleTimeoutMs);
-    if (options.tls?.clientCertificates && socket instanceof tls.TLSSocket) {
+    if (clientCertificates && socket instanceof tls.TLSSocket) {
       closeAtCertificateExpiry(session, socket);
     }
   });
@@ -144,7 +150,10 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
     const server = front;
     options.tls.credentials.use((files) => {
       const context = secureContextOf(files);
-      // Throws when the key is not the certificate's or a PEM does not parse.
+      // Throws when the key is not the certificate's or a PEM does not parse;
+      // the client CA bundle is checked apart (createSecureContext drops what
+      // does not parse).
+      if (files.clientCa) checkCaBundle(files.clientCa);
       tls.createSecureContext(context);
       return () => server.setSecureContext(context);
     });
@@ -200,6 +209,55 @@ class Openings {
  * stream for `idleMs`. Node's own session timeout counts frames, so it would
  * cut a quiet Watch stream; this counts streams instead.
  */
+/**
+ * The notAfter of a TLS connection's verified client certificate (wall clock
+ * ms), read once per socket; infinite without one. A certificate refused at
+ * the handshake (expired then, among others) is answered per call, naming
+ * why, on a connection left open.
+ */
+const certificateUntil = new WeakMap<net.Socket, number>();
+
+function certificateUntilMs(socket: net.Socket): number {
+  let until = certificateUntil.get(socket);
+  if (until === undefined) {
+    const verified = socket instanceof tls.TLSSocket && socket.authorized;
+    const peer = verified ? socket.getPeerCertificate() : undefined;
+    until = peer?.valid_to ? Date.parse(peer.valid_to) : Number.POSITIVE_INFINITY;
+    certificateUntil.set(socket, Number.isNaN(until) ? Number.POSITIVE_INFINITY : until);
+  }
+  return certificateUntil.get(socket) as number;
+}
+
+function certificateExpired(socket: net.Socket): boolean {
+  return Date.now() >= certificateUntilMs(socket);
+}
+
+/**
+ * Closes an HTTP/2 connection with GOAWAY once its client certificate has
+ * expired. Every call on it is refused from then on (certificate_expired),
+ * and a client keeps a healthy connection for as long as it likes: without
+ * this, one that has already rotated its certificate would never open the
+ * connection that presents it. Open streams run on to their own end (the
+ * call policy ends the certificate's streams at the same moment).
+ */
+function closeAtCertificateExpiry(session: http2.ServerHttp2Session, socket: tls.TLSSocket): void {
+  const until = certificateUntilMs(socket);
+  if (until === Number.POSITIVE_INFINITY) return;
+  let timer: NodeJS.Timeout | undefined;
+  const arm = () => {
+    const left = until - Date.now();
+    if (left <= 0) {
+      if (!session.closed && !session.destroyed) session.close();
+      return;
+    }
+    // setTimeout holds at most 2^31−1 ms; a certificate may last years.
+    timer = setTimeout(arm, Math.min(left, 2 ** 31 - 1));
+    timer.unref();
+  };
+  session.once("close", () => clearTimeout(timer));
+  arm();
+}
+
 function closeWhenIdle(session: http2.ServerHttp2Session, idleMs: number): void {
   let open = 0;
   let timer: NodeJS.Timeout | undefined;
@@ -217,32 +275,6 @@ function closeWhenIdle(session: http2.ServerHttp2Session, idleMs: number): void 
   });
   session.once("close", () => clearTimeout(timer));
   arm();
-}
-
-/**
- * Sends GOAWAY on an HTTP/2 connection when its verified client certificate
- * expires: its calls are refused from then on (the call policy ends its
- * streams with certificate_expired), and a client reconnects only when its
- * connection goes, so this is what makes it connect again with its renewed
- * certificate.
- */
-function closeAtCertificateExpiry(session: http2.ServerHttp2Session, socket: tls.TLSSocket): void {
-  if (!socket.authorized) return;
-  const until = Date.parse(socket.getPeerCertificate().valid_to);
-  if (!Number.isFinite(until)) return;
-  let timer: NodeJS.Timeout | undefined;
-  const arm = () => {
-    const left = until - Date.now();
-    if (left <= 0) {
-      if (!session.closed && !session.destroyed) session.close();
-      return;
-    }
-    // A timer holds at most 2^31−1 ms; a longer wait is taken in steps.
-    timer = setTimeout(arm, Math.min(left, 2 ** 31 - 1));
-    timer.unref();
-  };
-  arm();
-  session.once("close", () => clearTimeout(timer));
 }
 
 /** Hands a stream to a compatibility-API handler, as Node's http2 server does for 'request'. */

@@ -14,6 +14,7 @@
 // New connections get the new files; open connections keep the certificate
 // they were verified with, so a rotation loses no call and no stream.
 
+import { X509Certificate } from "node:crypto";
 import { readFileSync, type Stats, unwatchFile, watchFile } from "node:fs";
 import type tls from "node:tls";
 import type { TlsConfig } from "../config/host-config.js";
@@ -56,6 +57,33 @@ export interface TlsCredentials {
 export function secureContextOf(files: TlsFiles): tls.SecureContextOptions {
   const { cert, key, clientCa } = files;
   return clientCa ? { cert, key, ca: clientCa } : { cert, key };
+}
+
+const pemCertificate = /-----BEGIN CERTIFICATE-----[^-]*-----END CERTIFICATE-----/g;
+
+/**
+ * Throws unless `bundle` (the client CA bundle) holds at least one PEM
+ * certificate and every one of them is whole. Node's secure context takes
+ * whatever parses and drops the rest without a word, so a bundle seen
+ * half-written, or empty, would replace the one in force and refuse every
+ * new client.
+ */
+export function checkCaBundle(bundle: Buffer): void {
+  const text = bundle.toString("utf8");
+  const blocks = text.match(pemCertificate) ?? [];
+  if (blocks.length === 0) throw new Error("--tls-client-ca holds no PEM certificate");
+  if (text.split("-----BEGIN ").length - 1 !== blocks.length) {
+    throw new Error("--tls-client-ca holds an incomplete or non-certificate PEM block");
+  }
+  for (const block of blocks) {
+    try {
+      new X509Certificate(block);
+    } catch (error) {
+      throw new Error(
+        `--tls-client-ca holds a certificate that does not parse: ${(error as Error).message}`,
+      );
+    }
+  }
 }
 
 export function createTlsCredentials(config: TlsConfig, logger: Logger): TlsCredentials {
