@@ -18,6 +18,7 @@
 import {
   DatabaseUnavailableError,
   endedLeaseNotReacquired,
+  KeeperNotHeldError,
   ResourceExhaustedError,
 } from "../../lease/errors.js";
 import type {
@@ -39,13 +40,16 @@ import { LimitName } from "../../protocol/errors.js";
 import { acquireMany, acquireOne } from "./acquire-statement.js";
 import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
 import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
-import { leaseColumns, leaseOf } from "./lease-columns.js";
+import { keeperEnd } from "./keeper-store.js";
+import { keeperValid, leaseColumns, leaseOf } from "./lease-columns.js";
 import { renewMany, renewOne } from "./renew-statement.js";
 import type { StatementTracer } from "./statement-tracer.js";
 
 export interface LeaseStoreOptions {
   /** Valid leases one account may hold at once; 0 (the default) means no quota. */
   maxLeasesPerAccount?: number;
+  /** Open leases one keeper may hold at once; 0 (the default) means no limit. */
+  maxLeasesPerKeeper?: number;
   /** Rows per group-committed statement. */
   maxBatch?: number;
   /** Group-committed statements of one kind in flight at once. */
@@ -92,7 +96,8 @@ export function createLeaseStore(
   const maxLeasesPerAccount = options.maxLeasesPerAccount ?? 0;
   const maxBatch = options.maxBatch ?? 500;
   const maxInFlight = options.maxInFlight ?? 1;
-  const quota = { maxLeasesPerAccount };
+  const maxLeasesPerKeeper = options.maxLeasesPerKeeper ?? 0;
+  const quota = { maxLeasesPerAccount, maxLeasesPerKeeper };
   const tracer = options.tracer;
 
   const unansweredAfterMs = options.unansweredAfterMs ?? 0;
@@ -226,6 +231,17 @@ export function createLeaseStore(
               LimitName.leasesPerAccount,
               maxLeasesPerAccount,
             );
+          case "keeper":
+            throw new KeeperNotHeldError(
+              input.keeperId ?? "",
+              await run(() => keeperEnd(sql, input.accountId, input.keeperId ?? "")),
+            );
+          case "keeper_full":
+            throw new ResourceExhaustedError(
+              `keeper ${input.keeperId} holds ${maxLeasesPerKeeper} leases, the most --max-leases-per-keeper allows: release one first, or open another keeper`,
+              LimitName.leasesPerKeeper,
+              maxLeasesPerKeeper,
+            );
           case "refused": {
             // Refused by a valid lease that RETURNING could not show: read it.
             // When it ended meanwhile, the key is free: decide it again.
@@ -310,6 +326,7 @@ export function createLeaseStore(
             SELECT leases.* FROM leases, lease_clock
             WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
               AND leases.expires_at > lease_clock.observed_at
+              AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
           ),
           recorded AS (
             INSERT INTO lease_events
@@ -372,7 +389,8 @@ export function createLeaseStore(
           FROM lease_clock
           LEFT JOIN LATERAL (
             SELECT ${leaseColumns(sql, "l")},
-                   l.expires_at > lease_clock.observed_at AS valid,
+                   l.expires_at > lease_clock.observed_at
+                     AND ${keeperValid(sql, "l", sql`lease_clock.observed_at`)} AS valid,
                    l.ended, ev.id AS end_event_id, ev.reason AS end_reason
             FROM matched l
             LEFT JOIN LATERAL (
@@ -406,6 +424,7 @@ export function createLeaseStore(
           WHERE leases.account_id = ${accountId}
             AND leases.session_id > ${after ?? ""}
             AND leases.expires_at > lease_clock.observed_at
+            AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
           ORDER BY leases.session_id
           LIMIT ${limit + 1}`;
         const more = rows.length > limit;
@@ -422,7 +441,8 @@ export function createLeaseStore(
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
           SELECT leases.fencing_token AS highest_token,
                  (leases.fencing_token = ${token}
-                  AND leases.expires_at > lease_clock.observed_at) AS current
+                  AND leases.expires_at > lease_clock.observed_at
+                  AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}) AS current
           FROM leases, lease_clock
           WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}`;
         return rows[0] ?? { current: false, highestToken: 0n };
@@ -459,6 +479,7 @@ async function getMany(
       SELECT * FROM leases
       WHERE leases.account_id = w.account_id AND leases.session_id = w.session_id
         AND leases.expires_at > lease_clock.observed_at
+        AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
     ) l ON true
     ORDER BY w.idx`;
   return rows.map((row) => (row.found ? leaseOf(row) : undefined));
@@ -471,6 +492,7 @@ async function getOne(sql: Sql, key: SessionKey): Promise<LeaseRecord | undefine
     SELECT ${leaseColumns(sql, "leases")}
     FROM leases, lease_clock
     WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
-      AND leases.expires_at > lease_clock.observed_at`;
+      AND leases.expires_at > lease_clock.observed_at
+      AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}`;
   return rows[0];
 }
