@@ -213,6 +213,40 @@ describe("K1 one heartbeat keeps every lease of a keeper", () => {
   });
 });
 
+describe("heartbeats, batched", () => {
+  it("K1: heartbeats of 50 keepers at once share statements, each renewing its keeper", async () => {
+    const batched = createKeeperStore(db.connect(2));
+    const opened = await Promise.all(Array.from({ length: 50 }, () => openKeeper()));
+    const before = batched.stats.heartbeat.statements;
+    const beats = await Promise.all(opened.map((k) => batched.heartbeat(account, k.id)));
+    for (const [i, beat] of beats.entries()) {
+      if (!beat.held) throw new Error(`heartbeat ${i} failed: ${beat.cause}`);
+      expect(beat.keeper.id).toBe(opened[i]?.id);
+      expect(beat.keeper.expiresAtUs).toBeGreaterThan(opened[i]?.expiresAtUs ?? 0n);
+    }
+    expect(batched.stats.heartbeat.statements - before).toBeLessThan(50);
+  });
+
+  it("S8: a keeper's row held by a stuck transaction holds up only that keeper's heartbeat", async () => {
+    const [stuck, a, b] = await Promise.all([openKeeper(), openKeeper(), openKeeper()]);
+    if (!stuck || !a || !b) throw new Error("unreachable");
+    const lock = await openTransaction(
+      db,
+      (tx) => tx`SELECT 1 FROM keepers WHERE id = ${stuck.id}::uuid FOR UPDATE`,
+    );
+    let stuckAnswered = false;
+    const waiting = keepers.heartbeat(account, stuck.id).then((r) => {
+      stuckAnswered = true;
+      return r;
+    });
+    const others = await Promise.all([a, b].map((k) => keepers.heartbeat(account, k.id)));
+    expect(others.map((r) => r.held)).toEqual([true, true]);
+    expect(stuckAnswered).toBe(false);
+    await lock.end();
+    expect((await waiting).held).toBe(true);
+  });
+});
+
 describe("S1–S6 on a keeper's leases", () => {
   it("S1, S2: two runs on two keepers racing for one key on independent connections: exactly one wins, 50 rounds", async () => {
     const a = createLeaseStore(db.connect(1));
@@ -320,22 +354,31 @@ describe("S1–S6 on a keeper's leases", () => {
 });
 
 describe("K2 lock-delay", () => {
-  it("K2: after the keeper expires, its key is not granted to another run before the lock-delay has passed on the database clock", async () => {
+  it("K2: after the keeper expires, its keys are not granted to another run before the lock-delay has passed on the database clock; the refusal says until when", async () => {
     const keeper = await openKeeper({ ttlMs: 1_000, lockDelayMs: 1_500 });
-    const key = freshKey("k2");
-    const lease = granted(await acquireOn(keeper, key));
+    const keys = [freshKey("k2"), freshKey("k2"), freshKey("k2")];
+    const leases = [];
+    for (const key of keys) leases.push(granted(await acquireOn(keeper, key)));
     await untilKeeperOver(db.sql, keeper.id);
-    const refused = await acquireOn(undefined, key);
-    expect(refused.acquired).toBe(false);
+    const until = keeper.expiresAtUs + 1_500_000n;
+    // Together (one batched statement) and alone (the single-row one).
+    const together = await Promise.all(keys.map((key) => acquireOn(undefined, key)));
+    const alone = await acquireOn(undefined, keys[0] as SessionKey);
+    for (const refused of [...together, alone]) {
+      expect(refused).toEqual({ acquired: false, current: undefined, lockDelayUntilUs: until });
+    }
     const [clock] = await db.sql<{ nowUs: bigint }[]>`
       SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us`;
-    // The refusal came after the deadline and before the delay was over.
+    // The refusals came after the deadline and before the delay was over.
     expect(clock?.nowUs ?? 0n).toBeGreaterThan(keeper.expiresAtUs);
-    expect(await store.get(key)).toBeUndefined();
+    expect(clock?.nowUs ?? 0n).toBeLessThan(until);
+    for (const key of keys) expect(await store.get(key)).toBeUndefined();
     await untilKeeperOver(db.sql, keeper.id, 1);
-    const next = granted(await acquireOn(undefined, key));
-    expect(next.acquiredAtUs).toBeGreaterThanOrEqual(keeper.expiresAtUs + 1_500_000n);
-    expect(next.fencingToken).toBeGreaterThan(lease.fencingToken);
+    for (const [i, key] of keys.entries()) {
+      const next = granted(await acquireOn(undefined, key));
+      expect(next.acquiredAtUs).toBeGreaterThanOrEqual(until);
+      expect(next.fencingToken).toBeGreaterThan(leases[i]?.fencingToken ?? 0n);
+    }
   });
 
   it("K2: a clean close has no delay: the keys are granted at once, and every lease was released (audited)", async () => {

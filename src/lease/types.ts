@@ -44,7 +44,16 @@ export type AcquireResult =
       /** Set when this grant took over a lease that had expired unreleased. */
       expired: ExpiredLease | undefined;
     }
-  | { acquired: false; current: LeaseRecord | undefined };
+  | {
+      acquired: false;
+      current: LeaseRecord | undefined;
+      /**
+       * K2: no valid lease holds the key, but it is not granted before this
+       * database time (µs since the epoch): the lock-delay of the expired
+       * keeper whose lease it was.
+       */
+      lockDelayUntilUs?: bigint;
+    };
 
 /** A lease ended by release or revoke, with its row in lease_events. */
 export interface EndedLease extends LeaseRecord {

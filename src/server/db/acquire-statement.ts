@@ -32,6 +32,7 @@ import type { ExpiredLease, LeaseRecord } from "../../lease/types.js";
 import type { Sql } from "../../postgres/pool.js";
 import {
   keeperAcquireCtes,
+  keeperDelayedUntil,
   keeperExpiresAt,
   keeperRefusal,
   keeperTakeover,
@@ -79,6 +80,11 @@ export type AcquireOutcome =
   /** Keepers: the keeper holds as many leases as the leases-per-keeper limit allows. */
   | { outcome: "keeper_full" }
   /**
+   * Keepers (K2): the key's lease was on a keeper that expired; no run gets
+   * it before `untilUs` (database time, µs since the epoch).
+   */
+  | { outcome: "delayed"; untilUs: bigint }
+  /**
    * Not granted, and the lease in the way is not known: a row inserted after
    * this statement's snapshot by a concurrent grant. Not decided here.
    */
@@ -98,6 +104,7 @@ interface AcquireRow extends Record<string, unknown> {
   heldByLock: boolean;
   ownEnded: boolean;
   lockedEnded: EndCause | null;
+  delayedUntilUs: bigint | null;
 }
 
 /**
@@ -246,6 +253,8 @@ export async function acquireMany(
            -- (an ended row is in nobody's way: it was ended after this
            -- statement's clock reading, and the key is decided again).
            k.idx IS NOT NULL AND k.ended IS NULL AS held_by_lock,
+           -- Keepers (K2): the lease in the way is over, its key lock-delayed.
+           ${keeperDelayedUntil(sql, "k")} AS delayed_until_us,
            ${ownEnded(sql, "k", sql`t.run_id`)} AS own_ended,
            k.ended AS locked_ended,
            ${leaseColumns(sql, "cur", "cur")}
@@ -271,6 +280,9 @@ export async function acquireMany(
     if (row.decision === "keeper") return { outcome: "keeper" };
     if (row.decision === "keeper_full") return { outcome: "keeper_full" };
     if (row.granted) return grantOf(row);
+    if (row.heldByLock && row.delayedUntilUs !== null) {
+      return { outcome: "delayed", untilUs: row.delayedUntilUs };
+    }
     if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
     return { outcome: "unknown" };
   });
@@ -279,6 +291,7 @@ export async function acquireMany(
 interface OneRow extends Record<string, unknown> {
   overQuota: boolean;
   keeperRefusal: "keeper" | "keeper_full" | null;
+  delayedUntilUs: bigint | null;
   reusedCause: EndCause | "expired" | null;
   ownEnded: boolean;
   lockedEnded: EndCause | null;
@@ -384,6 +397,7 @@ export async function acquireOne(
       audit AS (${grantAudit(sql)})
       SELECT ${quota} > 0 AND o.held >= ${quota} AS over_quota,
              (SELECT refusal FROM keeper_refused) AS keeper_refusal,
+             (SELECT ${keeperDelayedUntil(sql, "k")} FROM locked k) AS delayed_until_us,
              (SELECT cause FROM reused) AS reused_cause,
              g.account_id IS NOT NULL AS granted,
              coalesce((SELECT ${ownEnded(sql, "k", sql`${item.runId}::uuid`)} FROM locked k), false)
@@ -410,6 +424,7 @@ export async function acquireOne(
   if (row.reusedCause) return { outcome: "ended", cause: row.reusedCause };
   if (row.keeperRefusal) return { outcome: row.keeperRefusal };
   if (row.overQuota) return { outcome: "quota" };
+  if (row.delayedUntilUs !== null) return { outcome: "delayed", untilUs: row.delayedUntilUs };
   return { outcome: "refused" };
 }
 

@@ -118,3 +118,15 @@ export function keeperTtl(sql: Sql, keeperId: Fragment, ttl: Fragment): Fragment
 export function keeperExpiresAt(sql: Sql, keeperId: Fragment, expiresAt: Fragment): Fragment {
   return sql`CASE WHEN ${keeperId} IS NULL THEN ${expiresAt} ELSE 'infinity'::timestamptz END`;
 }
+
+/**
+ * K2: when the locked lease row `k` is an open lease of a keeper that is
+ * gone but whose lock-delay has not passed, the instant the key is free, in
+ * µs since the epoch; else NULL. Needs `keeper_free` and `lease_clock`.
+ */
+export function keeperDelayedUntil(sql: Sql, k: string): Fragment {
+  return sql`(SELECT (extract(epoch FROM f.free_at) * 1000000)::bigint FROM keeper_free f
+    WHERE ${sql(k)}.ended IS NULL AND f.id = ${sql(k)}.keeper_id
+      AND f.free_at > lease_clock.observed_at
+    LIMIT 1)`;
+}

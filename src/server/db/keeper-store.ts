@@ -24,11 +24,21 @@ import type {
 import { classifyDatabaseError } from "../../postgres/database-errors.js";
 import type { Sql } from "../../postgres/pool.js";
 import { LimitName } from "../../protocol/errors.js";
+import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
 import { leaseColumns, leaseOf } from "./lease-columns.js";
 
 export interface KeeperStoreOptions {
   /** Open keepers one account may hold at once; 0 (the default) means no limit. */
   maxKeepersPerAccount?: number;
+  /** Heartbeats per group-committed statement. */
+  maxBatch?: number;
+  /** Heartbeat statements in flight at once. */
+  maxInFlight?: number;
+}
+
+interface Beat {
+  accountId: string;
+  id: string;
 }
 
 /** The keeper columns of alias `k`, relative to `lease_clock.observed_at`. */
@@ -56,7 +66,10 @@ export async function keeperEnd(sql: Sql, accountId: string, id: string): Promis
   return row.ended ?? "expired";
 }
 
-export function createKeeperStore(sql: Sql, options: KeeperStoreOptions = {}): KeeperStore {
+export function createKeeperStore(
+  sql: Sql,
+  options: KeeperStoreOptions = {},
+): KeeperStore & { readonly stats: { heartbeat: GroupCommitStats } } {
   const maxKeepers = options.maxKeepersPerAccount ?? 0;
 
   const run = async <T>(statement: () => Promise<T>): Promise<T> => {
@@ -72,7 +85,78 @@ export function createKeeperStore(sql: Sql, options: KeeperStoreOptions = {}): K
     cause: await keeperEnd(sql, accountId, id),
   });
 
+  /**
+   * One keeper's heartbeat (K1: one row, whatever the number of leases;
+   * S4: not once over), for one the batch did not renew: by key, it waits on
+   * the row lock (up to lock_timeout), re-checks its guard on the version it
+   * locked, and decides or names the cause.
+   */
+  const heartbeatOne = async ({ accountId, id }: Beat): Promise<KeeperResult> => {
+    const rows = await sql<KeeperRecord[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+      UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
+      FROM lease_clock
+      WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+        AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
+      RETURNING ${keeperColumns(sql, "k")}`;
+    const keeper = rows[0];
+    return keeper ? { held: true, keeper } : notHeld(accountId, id);
+  };
+
+  /**
+   * Many keepers' heartbeats in one statement (every stream of an instance:
+   * DESIGN §3's batching, as for KeepAlive renewals), also for a batch of
+   * one: rows are locked in id order with SKIP LOCKED, so a keeper's row
+   * another transaction holds never holds up the statement, nor the
+   * heartbeats queued behind it (S8). Undefined: not renewed here (locked,
+   * or not held), decided alone by heartbeatOne outside the batch.
+   */
+  const heartbeatMany = async (beats: readonly Beat[]): Promise<(KeeperRecord | undefined)[]> => {
+    const rows = await sql<(KeeperRecord & { idx: number; beaten: boolean })[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      wanted AS MATERIALIZED (
+        SELECT * FROM unnest(
+          ${beats.map((_, i) => i)}::int[],
+          ${beats.map((b) => b.id)}::uuid[],
+          ${beats.map((b) => b.accountId)}::text[]
+        ) AS w(idx, id, account_id)
+      ),
+      locked AS MATERIALIZED (
+        SELECT w.idx, held.ctid AS row_id
+        FROM (SELECT * FROM wanted ORDER BY id) w
+        CROSS JOIN LATERAL (
+          SELECT k.ctid FROM keepers k
+          WHERE k.id = w.id AND k.account_id = w.account_id AND k.ended IS NULL
+            AND k.expires_at > (SELECT observed_at FROM lease_clock)
+          FOR UPDATE SKIP LOCKED
+        ) held
+      ),
+      beaten AS (
+        -- The locked row versions, by ctid: stable while the lock is held.
+        UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
+        FROM locked l, lease_clock
+        WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM locked))
+          AND k.ctid = l.row_id AND k.ended IS NULL
+          AND k.expires_at > lease_clock.observed_at
+        RETURNING l.idx, k.*
+      )
+      SELECT w.idx, b.idx IS NOT NULL AS beaten, ${keeperColumns(sql, "b")}
+      FROM wanted w CROSS JOIN lease_clock LEFT JOIN beaten b ON b.idx = w.idx
+      ORDER BY w.idx`;
+    return rows.map(({ idx: _, beaten, ...keeper }) => (beaten ? keeper : undefined));
+  };
+
+  const heartbeats = createGroupCommit<Beat, KeeperRecord | undefined>({
+    run: (beats) => run(() => heartbeatMany(beats)),
+    keyOf: (beat) => beat.id,
+    maxBatch: options.maxBatch ?? 500,
+    maxInFlight: options.maxInFlight ?? 1,
+    operation: "heartbeat",
+  });
+
   return {
+    stats: { heartbeat: heartbeats.stats },
+
     open: (input: OpenKeeperInput) =>
       run(async () => {
         // A new id inserts; the id of a valid keeper of the same account
@@ -123,19 +207,11 @@ export function createKeeperStore(sql: Sql, options: KeeperStoreOptions = {}): K
         return { held: false, cause };
       }),
 
-    heartbeat: (accountId, id) =>
-      run(async () => {
-        // K1: one row, whatever the number of leases; S4: not once over.
-        const rows = await sql<KeeperRecord[]>`
-          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
-          UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
-          FROM lease_clock
-          WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
-            AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
-          RETURNING ${keeperColumns(sql, "k")}`;
-        const keeper = rows[0];
-        return keeper ? { held: true, keeper } : notHeld(accountId, id);
-      }),
+    // Group-committed: concurrent heartbeats share one statement.
+    async heartbeat(accountId, id) {
+      const keeper = await heartbeats.submit({ accountId, id });
+      return keeper ? { held: true, keeper } : run(() => heartbeatOne({ accountId, id }));
+    },
 
     end: (accountId, id, how) =>
       run(async () => {

@@ -223,6 +223,8 @@ export function createLeaseStore(
             };
           case "held":
             return { acquired: false, current: outcome.current };
+          case "delayed":
+            return { acquired: false, current: undefined, lockDelayUntilUs: outcome.untilUs };
           case "ended":
             throw endedLeaseNotReacquired(input.runId, outcome.cause);
           case "quota":

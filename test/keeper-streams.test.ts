@@ -1,38 +1,47 @@
-// Watch on a keeper's leases (K1; docs/keepers.md), on a server in this
-// process over real sockets: the snapshot shows each lease with its keeper's
-// deadline, a heartbeat moves that deadline without an event, and when the
-// keeper expires every one of its leases is reported EXPIRED at the keeper's
-// deadline, confirmed by the expiry tracker's reading of the database (S9).
-// The keeper and its leases are made in the database (the store), as
-// another instance would: the server learns of them by reading.
+// A keeper's leases seen through the server's streams (K1, K2;
+// docs/keepers.md), on a server in this process over real sockets. Watch:
+// the snapshot shows each lease with its keeper's deadline, a heartbeat
+// moves that deadline without an event, and when the keeper expires every
+// one of its leases is reported EXPIRED at the keeper's deadline, confirmed
+// by the expiry tracker's reading of the database (S9). A waiting Acquire of
+// a lock-delayed key is granted when the delay is over, not before, and
+// waits without trying again in between. The keepers and their leases are
+// made in the database (the store), as another instance would: the server
+// learns of them by reading.
 
 import { randomUUID } from "node:crypto";
 import { describe, expect, it } from "vitest";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
 import { createKeeperStore } from "../src/server/db/keeper-store.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
+import type { LeaseServer } from "../src/server/server.js";
 import { useTestServer } from "./support/fixture.js";
-import { openWatch } from "./support/streams.js";
+import { ms, openWatch } from "./support/streams.js";
 
-const { db, client } = useTestServer();
+const { db, client, server } = useTestServer();
 
 const micros = (t: { seconds: bigint; nanos: number } | undefined) =>
   t === undefined ? 0n : t.seconds * 1_000_000n + BigInt(Math.floor(t.nanos / 1_000));
 
+/** A keeper of a fresh account, opened in the database (as another instance would). */
+async function openKeeper(name: string, ttlMs: number, lockDelayMs: number) {
+  const keepers = createKeeperStore(db.sql);
+  const accountId = `acct-${name}-${randomUUID().slice(0, 8)}`;
+  const opened = await keepers.open({
+    id: randomUUID(),
+    accountId,
+    holder: "worker",
+    ttlMs,
+    lockDelayMs,
+  });
+  if (!opened.held) throw new Error("keeper not opened");
+  return { keepers, accountId, keeper: opened.keeper };
+}
+
 describe("Watch on a keeper's leases", () => {
   it("K1, L1: each lease of an expired keeper is reported EXPIRED at the keeper's deadline; a heartbeat before it moves the deadline without an event", async () => {
-    const keepers = createKeeperStore(db.sql);
+    const { keepers, accountId, keeper } = await openKeeper("keeper-watch", 1_500, 0);
     const store = createLeaseStore(db.sql);
-    const accountId = `acct-keeper-watch-${randomUUID().slice(0, 8)}`;
-    const opened = await keepers.open({
-      id: randomUUID(),
-      accountId,
-      holder: "worker",
-      ttlMs: 1_500,
-      lockDelayMs: 0,
-    });
-    if (!opened.held) throw new Error("keeper not opened");
-    const keeper = opened.keeper;
     const sessions = ["a", "b", "c"];
     const tokens = new Map<string, bigint>();
     for (const sessionId of sessions) {
@@ -79,5 +88,30 @@ describe("Watch on a keeper's leases", () => {
       SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us`;
     expect(clock?.nowUs ?? 0n).toBeGreaterThan(deadline);
     watch.abort();
+  });
+
+  it("K2: a waiting Acquire of a lock-delayed key is granted once the delay is over on the database clock, with no attempts in between", async () => {
+    const { accountId, keeper } = await openKeeper("keeper-wait", 1_000, 1_500);
+    const store = createLeaseStore(db.sql);
+    const key = { accountId, sessionId: "delayed" };
+    const held = await store.acquire({
+      ...key,
+      runId: randomUUID(),
+      ttlMs: 60_000,
+      holder: "worker",
+      keeperId: keeper.id,
+    });
+    if (!held.acquired) throw new Error("not acquired");
+    await db.sql`SELECT pg_sleep_until(expires_at + interval '1 millisecond')
+      FROM keepers WHERE id = ${keeper.id}::uuid`;
+    const waiters = (server as LeaseServer).streaming.waiters.stats;
+    const attemptsBefore = waiters.attempts;
+    const answer = await client.acquire({ key, ttl: ms(10_000), wait: ms(10_000) });
+    expect(answer.acquired).toBe(true);
+    const acquiredAtUs = micros(answer.lease?.acquiredAt);
+    expect(acquiredAtUs).toBeGreaterThanOrEqual(keeper.expiresAtUs + 1_500_000n);
+    expect(answer.lease?.fencingToken).toBeGreaterThan(held.lease.fencingToken);
+    // One attempt when the delay is over (a change or the periodic re-check may add one), not a spin.
+    expect(waiters.attempts - attemptsBefore).toBeLessThanOrEqual(3);
   });
 });
