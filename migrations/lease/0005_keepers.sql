@@ -55,3 +55,42 @@ STABLE STRICT
 AS $$
   SELECT coalesce((SELECT k.expires_at FROM keepers k WHERE k.id = p_keeper_id), '-infinity')
 $$;
+
+-- K1, K2: when another run may take over an open lease of keeper p_keeper_id
+-- at p_at: its lock-delay's end after an expiry, its end after a close or a
+-- revoke, -infinity for a keeper that no longer exists; NULL while the keeper
+-- is valid. Called by the acquire UPSERT's takeover condition, under the
+-- lease row's lock, for leases on a keeper only (STRICT; a lease of its own
+-- never calls it).
+--
+-- A keeper past its deadline is first marked expired, under its row lock:
+-- the write is what keeps an in-flight heartbeat from extending a keeper one
+-- of whose leases is taken over. A heartbeat that committed first makes the
+-- marking's re-check fail (the keeper is valid: NULL); one that waits behind
+-- the marking re-checks `ended IS NULL` on the marked version, and fails.
+-- VOLATILE: each statement here reads the latest committed version.
+CREATE FUNCTION leasehold_keeper_free_at(p_keeper_id uuid, p_at timestamptz)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE STRICT
+AS $$
+DECLARE
+  v_free timestamptz;
+BEGIN
+  UPDATE keepers SET ended = 'expired'
+  WHERE id = p_keeper_id AND ended IS NULL AND expires_at <= p_at
+  RETURNING expires_at + lock_delay INTO v_free;
+  IF FOUND THEN
+    RETURN v_free;
+  END IF;
+  SELECT CASE WHEN k.ended IS NULL THEN NULL
+              WHEN k.ended = 'expired' THEN k.expires_at + k.lock_delay
+              ELSE k.expires_at END
+  INTO v_free
+  FROM keepers k WHERE k.id = p_keeper_id;
+  IF NOT FOUND THEN
+    RETURN '-infinity';
+  END IF;
+  RETURN v_free;
+END
+$$;

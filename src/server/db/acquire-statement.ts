@@ -148,7 +148,11 @@ export async function acquireMany(
       ) l
     ),
     -- Keepers (K1, K2): keeper-acquire.ts.
-    ${keeperAcquireCtes(sql, perKeeper)},
+    ${keeperAcquireCtes(
+      sql,
+      perKeeper,
+      items.some((i) => i.keeperId !== undefined),
+    )},
     state AS MATERIALIZED (
       SELECT w.*, k.idx IS NOT NULL AS locked,
              coalesce(k.expires_at > c.observed_at
@@ -335,18 +339,20 @@ export async function acquireOne(
       ),
       -- Keepers (K1, K2): keeper-acquire.ts.
       wanted AS (SELECT ${item.accountId}::text AS account_id, ${keeperId}::uuid AS keeper_id),
-      ${keeperAcquireCtes(sql, perKeeper)},
-      keeper_refused AS MATERIALIZED (
-        SELECT ${keeperRefusal(
-          sql,
-          sql`${keeperId}::uuid`,
-          sql`${item.accountId}::text`,
-          "k",
-          sql`0`,
-          perKeeper,
-        )} AS refusal
-        FROM (SELECT 1) one LEFT JOIN locked k ON true
-      ),
+      ${keeperAcquireCtes(sql, perKeeper, keeperId !== null)},
+      keeper_refused AS MATERIALIZED (${
+        keeperId === null
+          ? sql`SELECT NULL::text AS refusal`
+          : sql`SELECT ${keeperRefusal(
+              sql,
+              sql`${keeperId}::uuid`,
+              sql`${item.accountId}::text`,
+              "k",
+              sql`0`,
+              perKeeper,
+            )} AS refusal
+            FROM (SELECT 1) one LEFT JOIN locked k ON true`
+      }),
       -- Valid leases of the account on other sessions (the quota); reading
       -- \`locked\` here takes the row lock before the upsert below runs.
       others AS MATERIALIZED (

@@ -2,19 +2,20 @@
 // apart from acquire-statement.ts, which uses these fragments in clearly
 // marked places. A lease on a keeper is stored with expires_at 'infinity'
 // while open, so the statement's own deadline tests keep holding for it; what
-// is added here decides on the keeper.
+// is added here decides on the keeper, and costs a request without a keeper
+// and a key whose lease has none nothing but a NULL test.
 //
-// Takeover. The lease rows the statement locked (CTE `locked`: keeper_id,
-// ended) whose keeper is past its deadline are taken over only once that
-// keeper is marked `expired`, under its row lock, in this statement
-// (`keeper_marked`). The write is what makes it safe against a heartbeat in
-// flight that read its clock before the deadline: either the heartbeat
-// committed first (the marking re-checks the new deadline and does not mark:
-// no takeover), or it waits behind the marking and re-checks `ended IS NULL`
-// on the marked version (it fails: the keeper is lost). A FOR SHARE lock
-// would let that heartbeat go on without a re-check, and extend a keeper one
-// of whose leases was just taken over. K2: a keeper that expired frees its
-// keys at expires_at + lock_delay; a closed or revoked one at its end.
+// Takeover. An open lease on a keeper is taken over once its keeper is gone
+// and, after an expiry, its lock-delay has passed: the SQL function
+// leasehold_keeper_free_at (migrations/lease/0005_keepers.sql), called under
+// the lease row's lock, marks a keeper past its deadline `expired` under the
+// keeper's row lock first. The write is what makes it safe against a
+// heartbeat in flight that read its clock before the deadline: either the
+// heartbeat committed first (the marking re-checks the new deadline and does
+// not mark: no takeover), or it waits behind the marking and re-checks
+// `ended IS NULL` on the marked version (it fails: the keeper is lost). A
+// FOR SHARE lock would let that heartbeat go on without a re-check, and
+// extend a keeper one of whose leases was just taken over.
 //
 // Grant on a keeper. The keeper must be valid, of the account, and below the
 // leases-per-keeper limit, read under FOR SHARE (`keeper_granting`): a close
@@ -27,35 +28,25 @@ import type { Sql } from "../../postgres/pool.js";
 type Fragment = postgres.PendingQuery<postgres.Row[]>;
 
 /**
- * The CTEs `keeper_marked`, `keeper_free` and `keeper_granting`, to follow
- * `lease_clock`, `locked` (lease rows with keeper_id and ended) and
- * `wanted` (requests with account_id and keeper_id) in a WITH list.
+ * The CTE `keeper_granting`, to follow `lease_clock` and `wanted` (requests
+ * with keeper_id) in a WITH list: the keepers asked for that are valid, with
+ * their account, TTL and open leases. Without a request on a keeper
+ * (`granting` false) it is empty, and nothing is read.
  * `maxLeasesPerKeeper` 0: no limit.
  */
-export function keeperAcquireCtes(sql: Sql, maxLeasesPerKeeper: number): Fragment {
+export function keeperAcquireCtes(
+  sql: Sql,
+  maxLeasesPerKeeper: number,
+  granting: boolean,
+): Fragment {
+  if (!granting) {
+    return sql`
+    keeper_granting AS (
+      SELECT NULL::uuid AS id, NULL::text AS account_id, NULL::interval AS ttl, 0 AS open_leases
+      WHERE false
+    )`;
+  }
   return sql`
-    keeper_marked AS MATERIALIZED (
-      UPDATE keepers kp SET ended = 'expired'
-      FROM lease_clock c
-      WHERE kp.id IN (SELECT k.keeper_id FROM locked k WHERE k.ended IS NULL)
-        AND kp.ended IS NULL AND kp.expires_at <= c.observed_at
-      RETURNING kp.id, kp.expires_at + kp.lock_delay AS free_at
-    ),
-    keeper_free AS MATERIALIZED (
-      SELECT id, free_at FROM keeper_marked
-      UNION ALL
-      -- Ended before this statement's snapshot: final, never running again.
-      SELECT kp.id, kp.expires_at
-               + CASE WHEN kp.ended = 'expired' THEN kp.lock_delay ELSE interval '0' END
-      FROM keepers kp
-      WHERE kp.id IN (SELECT k.keeper_id FROM locked k WHERE k.ended IS NULL)
-        AND kp.ended IS NOT NULL
-      UNION ALL
-      -- Trimmed away: long over.
-      SELECT DISTINCT k.keeper_id, '-infinity'::timestamptz FROM locked k
-      WHERE k.keeper_id IS NOT NULL AND k.ended IS NULL
-        AND NOT EXISTS (SELECT 1 FROM keepers kp WHERE kp.id = k.keeper_id)
-    ),
     keeper_granting AS MATERIALIZED (
       SELECT kp.id, kp.account_id, kp.ttl,
              CASE WHEN ${maxLeasesPerKeeper} > 0 THEN (
@@ -75,12 +66,10 @@ export function keeperAcquireCtes(sql: Sql, maxLeasesPerKeeper: number): Fragmen
 /**
  * The added disjunct of the UPSERT's takeover condition: another run takes
  * over an open lease whose keeper is gone and whose lock-delay has passed.
- * Needs `keeper_free` in the statement.
  */
 export function keeperTakeover(sql: Sql): Fragment {
   return sql`(held.run_id <> EXCLUDED.run_id AND held.ended IS NULL AND held.keeper_id IS NOT NULL
-      AND EXISTS (SELECT 1 FROM keeper_free f
-                  WHERE f.id = held.keeper_id AND f.free_at <= EXCLUDED.acquired_at))`;
+      AND leasehold_keeper_free_at(held.keeper_id, EXCLUDED.acquired_at) <= EXCLUDED.acquired_at)`;
 }
 
 /**
@@ -111,7 +100,8 @@ export function keeperRefusal(
 
 /** The TTL a grant takes: its keeper's, else its own. Needs `keeper_granting`. */
 export function keeperTtl(sql: Sql, keeperId: Fragment, ttl: Fragment): Fragment {
-  return sql`coalesce((SELECT g.ttl FROM keeper_granting g WHERE g.id = ${keeperId}), ${ttl})`;
+  return sql`CASE WHEN ${keeperId} IS NULL THEN ${ttl}
+    ELSE (SELECT g.ttl FROM keeper_granting g WHERE g.id = ${keeperId}) END`;
 }
 
 /** The deadline a grant stores: 'infinity' on a keeper (its keeper's decides), else its own. */
@@ -120,13 +110,13 @@ export function keeperExpiresAt(sql: Sql, keeperId: Fragment, expiresAt: Fragmen
 }
 
 /**
- * K2: when the locked lease row `k` is an open lease of a keeper that is
- * gone but whose lock-delay has not passed, the instant the key is free, in
- * µs since the epoch; else NULL. Needs `keeper_free` and `lease_clock`.
+ * K2: when the locked lease row `k` that was not taken over is an open lease
+ * of a keeper that is gone but whose lock-delay has not passed, the instant
+ * the key is free, in µs since the epoch; else NULL. Needs `lease_clock`.
  */
 export function keeperDelayedUntil(sql: Sql, k: string): Fragment {
-  return sql`(SELECT (extract(epoch FROM f.free_at) * 1000000)::bigint FROM keeper_free f
-    WHERE ${sql(k)}.ended IS NULL AND f.id = ${sql(k)}.keeper_id
-      AND f.free_at > lease_clock.observed_at
-    LIMIT 1)`;
+  return sql`(SELECT (extract(epoch FROM f.free_at) * 1000000)::bigint
+    FROM (SELECT leasehold_keeper_free_at(${sql(k)}.keeper_id, lease_clock.observed_at) AS free_at
+          WHERE ${sql(k)}.keeper_id IS NOT NULL AND ${sql(k)}.ended IS NULL) f
+    WHERE f.free_at > lease_clock.observed_at)`;
 }
