@@ -135,6 +135,39 @@ describe("K1 one heartbeat keeps every lease of a keeper", () => {
     expect(after.keeper).not.toBe(before.keeper);
   });
 
+  it("DESIGN §3: a heartbeat is a HOT update of the keeper's row, and renewals of a plain lease stay HOT beside the keeper index", async () => {
+    const keeper = await openKeeper();
+    granted(await acquireOn(keeper, freshKey("hot")));
+    const plainKey = freshKey("hot-plain");
+    const plain = granted(await acquireOn(undefined, plainKey));
+    const counted = await db.sql.begin(async (tx) => {
+      const counts = async () => {
+        const [n] = await tx<
+          { keepers: number; keepersHot: number; leases: number; leasesHot: number }[]
+        >`
+          SELECT pg_stat_get_xact_tuples_updated('keepers'::regclass)::int AS keepers,
+                 pg_stat_get_xact_tuples_hot_updated('keepers'::regclass)::int AS keepers_hot,
+                 pg_stat_get_xact_tuples_updated('leases'::regclass)::int AS leases,
+                 pg_stat_get_xact_tuples_hot_updated('leases'::regclass)::int AS leases_hot`;
+        return n ?? { keepers: 0, keepersHot: 0, leases: 0, leasesHot: 0 };
+      };
+      const start = await counts();
+      const inTx = tx as unknown as Sql;
+      expect((await createKeeperStore(inTx).heartbeat(account, keeper.id)).held).toBe(true);
+      expect((await createLeaseStore(inTx).renew(plainKey, plain.runId, undefined)).held).toBe(
+        true,
+      );
+      const end = await counts();
+      return {
+        keepers: end.keepers - start.keepers,
+        keepersHot: end.keepersHot - start.keepersHot,
+        leases: end.leases - start.leases,
+        leasesHot: end.leasesHot - start.leasesHot,
+      };
+    });
+    expect(counted).toEqual({ keepers: 1, keepersHot: 1, leases: 1, leasesHot: 1 });
+  });
+
   it("K1, S4: once the keeper expires, none of its leases is held, renewed, released or reacquired by its run", async () => {
     const keeper = await openKeeper({ ttlMs: 1_000 });
     const key = freshKey("k1-expiry");
