@@ -405,8 +405,12 @@ describe("K2 lock-delay", () => {
     // The refusals came after the deadline and before the delay was over.
     expect(clock?.nowUs ?? 0n).toBeGreaterThan(keeper.expiresAtUs);
     expect(clock?.nowUs ?? 0n).toBeLessThan(until);
-    for (const key of keys) expect(await store.get(key)).toBeUndefined();
+    for (const key of keys) {
+      expect(await store.get(key)).toBeUndefined();
+      expect(await store.lockDelayUntil(key)).toBe(until);
+    }
     await untilKeeperOver(db.sql, keeper.id, 1);
+    expect(await store.lockDelayUntil(keys[0] as SessionKey)).toBeUndefined();
     for (const [i, key] of keys.entries()) {
       const next = granted(await acquireOn(undefined, key));
       expect(next.acquiredAtUs).toBeGreaterThanOrEqual(until);
@@ -425,6 +429,8 @@ describe("K2 lock-delay", () => {
     );
     for (const key of keys) {
       expect(await store.get(key)).toBeUndefined();
+      // A clean close has no lock-delay.
+      expect(await store.lockDelayUntil(key)).toBeUndefined();
       granted(await acquireOn(undefined, key));
       const [ev] = await db.sql<{ n: number }[]>`
         SELECT count(*)::int AS n FROM lease_events

@@ -227,6 +227,13 @@ export interface LeaseStore {
   readScopes(scopes: readonly Scope[], options?: { skipWritten?: boolean }): Promise<ScopeReading>;
   /** The valid lease of the key, if any. */
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
+  /**
+   * K2: when the key holds no valid lease but is not granted to another run
+   * before a known database instant (the lock-delay of the expired keeper
+   * its lease was on), that instant in µs since the epoch; else undefined.
+   * Reads only.
+   */
+  lockDelayUntil(key: SessionKey): Promise<bigint | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */
   list(accountId: string, limit: number, after: string | undefined): Promise<ListPage>;
   /** Whether `token` belongs to the key's valid lease, and the highest token granted. */

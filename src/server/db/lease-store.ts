@@ -316,6 +316,23 @@ export function createLeaseStore(
 
     get: (key) => getBatch.submit(key),
 
+    lockDelayUntil: (key) =>
+      run(async () => {
+        // K2: an open lease on a keeper that expired (marked or not), its
+        // delay not over. A read: the marking is left to the takeover.
+        const [row] = await sql<{ untilUs: bigint }[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          SELECT (extract(epoch FROM k.expires_at + k.lock_delay) * 1000000)::bigint AS until_us
+          FROM leases l
+          JOIN keepers k ON k.id = l.keeper_id
+          CROSS JOIN lease_clock c
+          WHERE l.account_id = ${key.accountId} AND l.session_id = ${key.sessionId}
+            AND l.ended IS NULL AND l.expires_at = 'infinity'
+            AND (k.ended = 'expired' OR (k.ended IS NULL AND k.expires_at <= c.observed_at))
+            AND k.expires_at + k.lock_delay > c.observed_at`;
+        return row?.untilUs;
+      }),
+
     requestHandoff: (key, requesterHolder, reason) =>
       run(async () => {
         // S3: only reads the lease and appends to the audit trail; a handoff
