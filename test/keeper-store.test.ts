@@ -442,6 +442,33 @@ describe("K2 lock-delay", () => {
   });
 });
 
+describe("close racing a grant", () => {
+  it("K1, S5: a grant on a keeper racing its close on independent connections is refused, or granted and then released by the close (audited); never left held, 30 rounds", async () => {
+    const granter = createLeaseStore(db.connect(1));
+    const closer = createKeeperStore(db.connect(1));
+    for (let round = 0; round < 30; round++) {
+      const keeper = await openKeeper();
+      const key = freshKey("close-race");
+      const [grant, closed] = await Promise.all([
+        acquireOn(keeper, key, granter).catch((e: unknown) => e),
+        closer.end(account, keeper.id, { ended: "closed" }),
+      ]);
+      expect(closed.ended).toBe(true);
+      expect(await store.get(key)).toBeUndefined();
+      if (grant instanceof Error) {
+        expect(grant).toBeInstanceOf(KeeperNotHeldError);
+        continue;
+      }
+      const lease = granted(grant as AcquireResult);
+      expect(closed.leases.map((l) => l.runId)).toEqual([lease.runId]);
+      const [released] = await db.sql<{ n: number }[]>`
+        SELECT count(*)::int AS n FROM lease_events
+        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} AND type = 'released'`;
+      expect(released?.n).toBe(1);
+    }
+  });
+});
+
 describe("Revoke", () => {
   it("a revoke of one lease ends only that lease; a revoke of the keeper ends them all, audited with the reason", async () => {
     const keeper = await openKeeper();
