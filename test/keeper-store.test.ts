@@ -214,6 +214,34 @@ describe("K1 one heartbeat keeps every lease of a keeper", () => {
     expect(reading.rows[0]?.expiresAtUs).toBe(keeper.expiresAtUs);
   });
 
+  it("K1: a keeper opened through one store (instance) is re-attached and kept alive through another; its leases stay held", async () => {
+    const first = createKeeperStore(db.connect(1));
+    const second = createKeeperStore(db.connect(1));
+    const keeper = await openKeeper({ ttlMs: 3_000, k: first });
+    const key = freshKey("failover");
+    const lease = granted(await acquireOn(keeper, key));
+    const attached = await second.open({
+      id: keeper.id,
+      accountId: account,
+      holder: "worker",
+      ttlMs: 3_000,
+      lockDelayMs: 0,
+    });
+    if (!attached.held) throw new Error(`re-attach failed: ${attached.cause}`);
+    // On the database clock: half-way to the keeper's first deadline, one
+    // heartbeat through the second instance; then past that deadline, the
+    // lease is still held.
+    const sql = db.sql;
+    const atUs = (us: bigint) => sql`to_timestamp(${Number(us) / 1e6})`;
+    await sql`SELECT pg_sleep_until(${atUs(keeper.expiresAtUs - 1_500_000n)})`;
+    const beat = await second.heartbeat(account, keeper.id);
+    if (!beat.held) throw new Error(`heartbeat failed: ${beat.cause}`);
+    expect(beat.keeper.expiresAtUs).toBeGreaterThan(keeper.expiresAtUs);
+    await sql`SELECT pg_sleep_until(${atUs(keeper.expiresAtUs)} + interval '1 millisecond')`;
+    expect((await store.get(key))?.runId).toBe(lease.runId);
+    expect((await store.renew(key, lease.runId, undefined)).held).toBe(true);
+  });
+
   it("K1: re-attaching to a valid keeper renews it; to an expired one is refused", async () => {
     const keeper = await openKeeper({ ttlMs: 1_000 });
     const again = await keepers.open({
