@@ -15,6 +15,7 @@ import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
 import { createKeeperStore } from "../src/server/db/keeper-store.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
 import type { LeaseServer } from "../src/server/server.js";
+import { openTransaction } from "./support/db.js";
 import { useTestServer } from "./support/fixture.js";
 import { ms, openWatch } from "./support/streams.js";
 
@@ -87,6 +88,49 @@ describe("Watch on a keeper's leases", () => {
     const [clock] = await db.sql<{ nowUs: bigint }[]>`
       SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint AS now_us`;
     expect(clock?.nowUs ?? 0n).toBeGreaterThan(deadline);
+    watch.abort();
+  });
+
+  it("K1, S9: no EXPIRED is reported for a keeper's lease while a heartbeat that beat the deadline is being written; after it commits the lease lives on", async () => {
+    const { accountId, keeper } = await openKeeper("keeper-late-beat", 1_000, 0);
+    const key = { accountId, sessionId: "late-beat" };
+    const held = await createLeaseStore(db.sql).acquire({
+      ...key,
+      runId: randomUUID(),
+      ttlMs: 60_000,
+      holder: "worker",
+      keeperId: keeper.id,
+    });
+    if (!held.acquired) throw new Error("not acquired");
+    // The watcher's snapshot carries the lease and its deadline (the
+    // keeper's), which the expiry tracker then watches.
+    const watch = openWatch(client, key);
+    const snapshot = await watch.reader.next((m) => m.kind.case === "snapshot");
+    expect(snapshot.kind.case === "snapshot" && snapshot.kind.value.leases.length).toBe(1);
+
+    // The heartbeat: decided by the database clock before the deadline, its
+    // commit held back across it.
+    const beat = await openTransaction(db, async (tx) => {
+      const rows = await tx`
+        UPDATE keepers SET expires_at = clock_timestamp() + interval '60 seconds'
+        WHERE id = ${keeper.id}::uuid AND ended IS NULL AND expires_at > clock_timestamp()
+        RETURNING 1`;
+      if (rows.length !== 1) throw new Error("the heartbeat did not match");
+    });
+    // Past the old deadline on the database clock, by more than the
+    // tracker's first readings (at the deadline, then 20 and 40 ms later).
+    await db.sql`SELECT pg_sleep_until(to_timestamp(${Number(keeper.expiresAtUs) / 1e6})
+                                       + interval '300 milliseconds')`;
+    const expiredEarly = watch.reader.received.some(
+      (m) => m.kind.case === "event" && m.kind.value.type === EventType.EXPIRED,
+    );
+    expect(expiredEarly).toBe(false);
+    await beat.end();
+    // The lease lived on: the next change the watcher is told is its release.
+    const released = await client.release({ key, runId: held.lease.runId });
+    expect(released.released).toBe(true);
+    const next = await watch.reader.next((m) => m.kind.case === "event");
+    expect(next.kind.case === "event" && next.kind.value.type).toBe(EventType.RELEASED);
     watch.abort();
   });
 

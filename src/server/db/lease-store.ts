@@ -382,10 +382,25 @@ export function createLeaseStore(
         // skipWritten: a key's row is read under FOR SHARE SKIP LOCKED, which
         // gives its latest committed version; a row a transaction is writing
         // is skipped (never waited for: one stuck writer must not hold up the
-        // other keys) and named in `written`.
+        // other keys) and named in `written`. Keepers: a lease on a keeper
+        // is renewed by its keeper's heartbeat, which writes the keeper's row,
+        // not the lease's; while that row is being written the lease counts
+        // as written too (a keeper row that no longer exists does not).
         const skipWritten = options?.skipWritten === true;
         const matched = skipWritten
-          ? sql`keyed AS (${keyed()} FOR SHARE OF l SKIP LOCKED),
+          ? sql`keyed_rows AS (${keyed()} FOR SHARE OF l SKIP LOCKED),
+                keeper_written AS (
+                  SELECT r.account_id, r.session_id FROM keyed_rows r
+                  WHERE r.keeper_id IS NOT NULL AND r.ended IS NULL AND r.expires_at = 'infinity'
+                    AND EXISTS (SELECT 1 FROM keepers kp WHERE kp.id = r.keeper_id)
+                    AND NOT EXISTS (SELECT 1 FROM keepers kp WHERE kp.id = r.keeper_id
+                                    FOR SHARE SKIP LOCKED)
+                ),
+                keyed AS (
+                  SELECT * FROM keyed_rows r
+                  WHERE NOT EXISTS (SELECT 1 FROM keeper_written w
+                                    WHERE w.account_id = r.account_id AND w.session_id = r.session_id)
+                ),
                 written AS (
                   SELECT p.account_id, p.session_id FROM (${keyed()}) p
                   WHERE NOT EXISTS (SELECT 1 FROM keyed k
