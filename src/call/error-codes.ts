@@ -14,6 +14,7 @@ import {
   DatabaseTimeoutError,
   DatabaseUnavailableError,
   InvalidArgumentError,
+  KeeperNotHeldError,
   LeaseNotHeldError,
   NotFoundError,
   PermissionDeniedError,
@@ -53,6 +54,11 @@ export function toConnectError(error: unknown): ConnectError {
   if (error instanceof LeaseNotHeldError) {
     return new ConnectError(error.message, Code.FailedPrecondition, undefined, [
       errorInfo(ErrorReason.leaseNotHeld, { [ErrorMetadata.cause]: error.reason }),
+    ]);
+  }
+  if (error instanceof KeeperNotHeldError) {
+    return new ConnectError(error.message, Code.FailedPrecondition, undefined, [
+      errorInfo(ErrorReason.keeperNotHeld, { [ErrorMetadata.cause]: error.ended }),
     ]);
   }
   if (error instanceof StaleFencingTokenError) {

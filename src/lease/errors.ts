@@ -40,6 +40,22 @@ export function endedLeaseNotReacquired(
   );
 }
 
+/**
+ * The keeper named does not keep leases (K1; docs/keepers.md): it expired,
+ * was closed or revoked, or does not exist for this account.
+ */
+export class KeeperNotHeldError extends Error {
+  override readonly name = "KeeperNotHeldError";
+  constructor(
+    readonly keeperId: string,
+    readonly ended: "expired" | "closed" | "revoked" | "not_found",
+  ) {
+    super(
+      `keeper ${keeperId} is not held: ${ended === "not_found" ? "no such keeper in this account" : ended}; open a new keeper`,
+    );
+  }
+}
+
 /** A fencing token lower than the highest one seen for the session (S7). */
 export class StaleFencingTokenError extends Error {
   override readonly name = "StaleFencingTokenError";

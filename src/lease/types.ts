@@ -44,7 +44,16 @@ export type AcquireResult =
       /** Set when this grant took over a lease that had expired unreleased. */
       expired: ExpiredLease | undefined;
     }
-  | { acquired: false; current: LeaseRecord | undefined };
+  | {
+      acquired: false;
+      current: LeaseRecord | undefined;
+      /**
+       * K2: no valid lease holds the key, but it is not granted before this
+       * database time (µs since the epoch): the lock-delay of the expired
+       * keeper whose lease it was.
+       */
+      lockDelayUntilUs?: bigint;
+    };
 
 /** A lease ended by release or revoke, with its row in lease_events. */
 export interface EndedLease extends LeaseRecord {
@@ -118,6 +127,57 @@ export interface AcquireInput extends SessionKey {
   runId: string;
   ttlMs: number;
   holder: string;
+  /**
+   * The keeper to acquire the lease on (K1): the lease then lives as long as
+   * that keeper, and `ttlMs` is not used. Undefined: a lease of its own.
+   */
+  keeperId?: string;
+}
+
+/** A keeper (K1, K2; docs/keepers.md): one heartbeat keeps every lease acquired on it. */
+export interface KeeperRecord {
+  id: string;
+  accountId: string;
+  holder: string;
+  ttlMs: bigint;
+  lockDelayMs: bigint;
+  /** Database times in microseconds since the epoch. */
+  createdAtUs: bigint;
+  expiresAtUs: bigint;
+  /** Time left, computed by the database at the statement's clock reading. */
+  remainingUs: bigint;
+}
+
+/** Why a keeper no longer keeps its leases. */
+export type KeeperEnd = "expired" | "closed" | "revoked" | "not_found";
+
+export type KeeperResult = { held: true; keeper: KeeperRecord } | { held: false; cause: KeeperEnd };
+
+export interface OpenKeeperInput {
+  /** A UUID: a new keeper, or (re-attach) a valid keeper of the same account, which is renewed. */
+  id: string;
+  accountId: string;
+  holder: string;
+  ttlMs: number;
+  lockDelayMs: number;
+}
+
+/** The keepers (src/server/db/keeper-store.ts). */
+export interface KeeperStore {
+  /** Opens the keeper, or re-attaches to it while it is valid (a heartbeat). */
+  open(input: OpenKeeperInput): Promise<KeeperResult>;
+  /** Renews the keeper, and so every lease on it, with one row written (K1). */
+  heartbeat(accountId: string, id: string): Promise<KeeperResult>;
+  /**
+   * Ends the keeper: `closed` by its holder (its leases released), `revoked`
+   * by an admin (its leases revoked, audited with the reason). No lock-delay
+   * follows either (K2). The ended leases, one audit row each.
+   */
+  end(
+    accountId: string,
+    id: string,
+    how: { ended: "closed" } | { ended: "revoked"; reason: string },
+  ): Promise<{ ended: boolean; cause?: KeeperEnd; leases: EndedLease[] }>;
 }
 
 export interface ListPage {
@@ -167,6 +227,13 @@ export interface LeaseStore {
   readScopes(scopes: readonly Scope[], options?: { skipWritten?: boolean }): Promise<ScopeReading>;
   /** The valid lease of the key, if any. */
   get(key: SessionKey): Promise<LeaseRecord | undefined>;
+  /**
+   * K2: when the key holds no valid lease but is not granted to another run
+   * before a known database instant (the lock-delay of the expired keeper
+   * its lease was on), that instant in µs since the epoch; else undefined.
+   * Reads only.
+   */
+  lockDelayUntil(key: SessionKey): Promise<bigint | undefined>;
   /** Valid leases of an account, by session_id, after `after`. */
   list(accountId: string, limit: number, after: string | undefined): Promise<ListPage>;
   /** Whether `token` belongs to the key's valid lease, and the highest token granted. */

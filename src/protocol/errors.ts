@@ -23,6 +23,11 @@ export const ErrorReason = {
    * names it (a LimitName) and `max` is its value.
    */
   limitExceeded: "LIMIT_EXCEEDED",
+  /**
+   * FAILED_PRECONDITION: the keeper named is not valid (docs/keepers.md);
+   * metadata `cause` is expired, closed, revoked or not_found.
+   */
+  keeperNotHeld: "KEEPER_NOT_HELD",
 } as const;
 
 export type ErrorReason = (typeof ErrorReason)[keyof typeof ErrorReason];
@@ -47,6 +52,10 @@ export const LimitName = {
   leasesPerStream: "max-leases-per-stream",
   watchersPerAccount: "max-watchers-per-account",
   leasesPerAccount: "max-leases-per-account",
+  /** Open leases on one keeper. */
+  leasesPerKeeper: "max-leases-per-keeper",
+  /** Open keepers of one account. */
+  keepersPerAccount: "max-keepers-per-account",
   /** Answers a KeepAlive stream's client has not read (no flag). */
   streamBacklog: "stream-backlog",
   /** Documents of one session in the guarded store (no flag). */

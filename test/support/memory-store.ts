@@ -381,6 +381,12 @@ export function createMemoryStore(options: { clock?: Clock } = {}): MemoryStore 
       return row && valid(row, now) ? record(row, now) : undefined;
     },
 
+    // Keepers live in PostgreSQL only: no lease here is on a keeper, so no
+    // key is ever lock-delayed.
+    async lockDelayUntil() {
+      return undefined;
+    },
+
     async list(accountId, limit, after) {
       const now = clock.nowUs();
       const page = [...rows.values()]

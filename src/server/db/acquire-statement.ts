@@ -30,7 +30,15 @@
 import type postgres from "postgres";
 import type { ExpiredLease, LeaseRecord } from "../../lease/types.js";
 import type { Sql } from "../../postgres/pool.js";
-import { leaseColumns, leaseOf } from "./lease-columns.js";
+import {
+  keeperAcquireCtes,
+  keeperDelayedUntil,
+  keeperExpiresAt,
+  keeperRefusal,
+  keeperTakeover,
+  keeperTtl,
+} from "./keeper-acquire.js";
+import { keeperValid, leaseColumns, leaseDeadline, leaseOf } from "./lease-columns.js";
 
 export interface AcquireItem {
   accountId: string;
@@ -38,6 +46,8 @@ export interface AcquireItem {
   runId: string;
   ttlMs: number;
   holder: string;
+  /** Keepers: the keeper to grant the lease on (keeper-acquire.ts). */
+  keeperId?: string;
 }
 
 /** How a run's own lease ended, as a same-run Acquire finds it. */
@@ -65,6 +75,15 @@ export type AcquireOutcome =
   | { outcome: "busy" }
   /** The account holds as many valid leases as its quota allows. */
   | { outcome: "quota" }
+  /** Keepers: the keeper asked for is not valid (expired, ended, unknown, another account's). */
+  | { outcome: "keeper" }
+  /** Keepers: the keeper holds as many leases as the leases-per-keeper limit allows. */
+  | { outcome: "keeper_full" }
+  /**
+   * Keepers (K2): the key's lease was on a keeper that expired; no run gets
+   * it before `untilUs` (database time, µs since the epoch).
+   */
+  | { outcome: "delayed"; untilUs: bigint }
   /**
    * Not granted, and the lease in the way is not known: a row inserted after
    * this statement's snapshot by a concurrent grant. Not decided here.
@@ -72,7 +91,7 @@ export type AcquireOutcome =
   | { outcome: "unknown" };
 
 interface AcquireRow extends Record<string, unknown> {
-  decision: "try" | "busy" | "quota" | "ended";
+  decision: "try" | "busy" | "quota" | "ended" | "keeper" | "keeper_full";
   reusedCause: EndCause | "expired" | null;
   granted: boolean;
   retried: boolean | null;
@@ -85,6 +104,7 @@ interface AcquireRow extends Record<string, unknown> {
   heldByLock: boolean;
   ownEnded: boolean;
   lockedEnded: EndCause | null;
+  delayedUntilUs: bigint | null;
 }
 
 /**
@@ -96,9 +116,10 @@ interface AcquireRow extends Record<string, unknown> {
 export async function acquireMany(
   sql: Sql,
   items: readonly AcquireItem[],
-  options: { wait: boolean; maxLeasesPerAccount: number },
+  options: { wait: boolean; maxLeasesPerAccount: number; maxLeasesPerKeeper?: number },
 ): Promise<AcquireOutcome[]> {
   const quota = options.maxLeasesPerAccount;
+  const perKeeper = options.maxLeasesPerKeeper ?? 0;
   const rows = await sql<AcquireRow[]>`
     WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
     wanted AS MATERIALIZED (
@@ -108,25 +129,45 @@ export async function acquireMany(
         ${items.map((i) => i.sessionId)}::text[],
         ${items.map((i) => i.runId)}::uuid[],
         ${items.map((i) => i.ttlMs)}::bigint[],
-        ${items.map((i) => i.holder)}::text[]
-      ) AS w(idx, account_id, session_id, run_id, ttl_ms, holder)
+        ${items.map((i) => i.holder)}::text[],
+        ${items.map((i) => i.keeperId ?? null)}::uuid[]
+      ) AS w(idx, account_id, session_id, run_id, ttl_ms, holder, keeper_id)
     ),
     -- The rows of this batch that exist, locked at their latest version, in
     -- key order. A LATERAL probe per key keeps each lookup on the primary key.
     locked AS MATERIALIZED (
       SELECT w.idx, l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at,
-             l.ended
+             l.ended, l.keeper_id
       FROM (SELECT * FROM wanted ORDER BY account_id, session_id) w
       CROSS JOIN LATERAL (
-        SELECT l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at, l.ended
+        SELECT l.run_id, l.fencing_token, l.holder, l.ttl, l.acquired_at, l.expires_at, l.ended,
+               l.keeper_id
         FROM leases l
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
       ) l
     ),
+    -- Keepers (K1, K2): keeper-acquire.ts.
+    ${keeperAcquireCtes(
+      sql,
+      perKeeper,
+      items.some((i) => i.keeperId !== undefined),
+    )},
     state AS MATERIALIZED (
       SELECT w.*, k.idx IS NOT NULL AS locked,
-             coalesce(k.expires_at > c.observed_at, false) AS own_valid,
+             coalesce(k.expires_at > c.observed_at
+                      -- Keepers: and its keeper valid (K1).
+                      AND ${keeperValid(sql, "k", sql`c.observed_at`)}, false) AS own_valid,
+             -- Keepers: why a grant on a keeper is not tried; the rows
+             -- before it in this batch on the same keeper count as grants.
+             ${keeperRefusal(
+               sql,
+               sql`w.keeper_id`,
+               sql`w.account_id`,
+               "k",
+               sql`(count(*) OVER (PARTITION BY w.keeper_id ORDER BY w.idx) - 1)`,
+               perKeeper,
+             )} AS keeper_refusal,
              CASE WHEN coalesce(k.run_id <> w.run_id, true) THEN ${earlierGrantEnd(
                sql,
                sql`w.account_id`,
@@ -148,6 +189,8 @@ export async function acquireMany(
           SELECT 1 FROM leases l, lease_clock c
           WHERE l.account_id = a.account_id AND l.ended IS NULL
             AND l.expires_at > c.observed_at
+            -- Keepers: a lease of a keeper that is over is not held (K1).
+            AND ${keeperValid(sql, "l", sql`c.observed_at`)}
           LIMIT ${quota + 1}
         ) counted
       ) AS held
@@ -161,6 +204,8 @@ export async function acquireMany(
         CASE
           WHEN s.busy THEN 'busy'
           WHEN s.reused_cause IS NOT NULL THEN 'ended'
+          -- Keepers: the keeper asked for refuses the grant.
+          WHEN s.keeper_refusal IS NOT NULL THEN s.keeper_refusal
           WHEN ${quota} > 0
             AND ah.held - s.own_valid::int + CASE WHEN s.own_valid THEN 0 ELSE s.new_before END
                 >= ${quota}
@@ -170,6 +215,7 @@ export async function acquireMany(
       FROM (
         SELECT s.*, count(*) FILTER (
           WHERE NOT s.own_valid AND NOT s.busy AND s.reused_cause IS NULL
+            AND s.keeper_refusal IS NULL
         ) OVER (
           PARTITION BY s.account_id ORDER BY s.idx
           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
@@ -180,10 +226,17 @@ export async function acquireMany(
     ),
     granted AS (
       INSERT INTO leases AS held
-        (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
+        (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at,
+         keeper_id)
       SELECT t.account_id, t.session_id, t.run_id, nextval('lease_fencing_token'), t.holder,
-             t.ttl_ms * interval '1 millisecond', c.observed_at,
-             c.observed_at + t.ttl_ms * interval '1 millisecond'
+             ${keeperTtl(sql, sql`t.keeper_id`, sql`t.ttl_ms * interval '1 millisecond'`)},
+             c.observed_at,
+             ${keeperExpiresAt(
+               sql,
+               sql`t.keeper_id`,
+               sql`c.observed_at + t.ttl_ms * interval '1 millisecond'`,
+             )},
+             t.keeper_id
       FROM tried t CROSS JOIN lease_clock c
       WHERE t.decision = 'try'
       ORDER BY t.account_id, t.session_id
@@ -204,6 +257,8 @@ export async function acquireMany(
            -- (an ended row is in nobody's way: it was ended after this
            -- statement's clock reading, and the key is decided again).
            k.idx IS NOT NULL AND k.ended IS NULL AS held_by_lock,
+           -- Keepers (K2): the lease in the way is over, its key lock-delayed.
+           ${keeperDelayedUntil(sql, "k")} AS delayed_until_us,
            ${ownEnded(sql, "k", sql`t.run_id`)} AS own_ended,
            k.ended AS locked_ended,
            ${leaseColumns(sql, "cur", "cur")}
@@ -218,7 +273,7 @@ export async function acquireMany(
     LEFT JOIN locked k ON k.idx = t.idx AND g.account_id IS NULL
     LEFT JOIN LATERAL (
       SELECT t.account_id, t.session_id, k.run_id, k.fencing_token, k.holder, k.ttl,
-             k.acquired_at, k.expires_at
+             k.acquired_at, k.expires_at, k.keeper_id
     ) cur ON k.idx IS NOT NULL
     ORDER BY t.idx`;
   return rows.map((row): AcquireOutcome => {
@@ -226,7 +281,12 @@ export async function acquireMany(
     if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
     if (row.decision === "ended") return { outcome: "ended", cause: row.reusedCause ?? "expired" };
     if (row.decision === "quota") return { outcome: "quota" };
+    if (row.decision === "keeper") return { outcome: "keeper" };
+    if (row.decision === "keeper_full") return { outcome: "keeper_full" };
     if (row.granted) return grantOf(row);
+    if (row.heldByLock && row.delayedUntilUs !== null) {
+      return { outcome: "delayed", untilUs: row.delayedUntilUs };
+    }
     if (row.heldByLock) return { outcome: "held", current: leaseOf(row, "cur") };
     return { outcome: "unknown" };
   });
@@ -234,6 +294,8 @@ export async function acquireMany(
 
 interface OneRow extends Record<string, unknown> {
   overQuota: boolean;
+  keeperRefusal: "keeper" | "keeper_full" | null;
+  delayedUntilUs: bigint | null;
   reusedCause: EndCause | "expired" | null;
   ownEnded: boolean;
   lockedEnded: EndCause | null;
@@ -259,9 +321,11 @@ interface OneRow extends Record<string, unknown> {
 export async function acquireOne(
   sql: Sql,
   item: AcquireItem,
-  options: { wait: boolean; maxLeasesPerAccount: number },
+  options: { wait: boolean; maxLeasesPerAccount: number; maxLeasesPerKeeper?: number },
 ): Promise<AcquireOutcome | { outcome: "refused" }> {
   const quota = options.maxLeasesPerAccount;
+  const perKeeper = options.maxLeasesPerKeeper ?? 0;
+  const keeperId = item.keeperId ?? null;
   let rows: OneRow[];
   try {
     rows = await sql<OneRow[]>`
@@ -269,10 +333,26 @@ export async function acquireOne(
       -- The version locked is the latest, maybe committed after this
       -- statement's snapshot: what the upsert below decides on.
       locked AS MATERIALIZED (
-        SELECT run_id, ended, expires_at FROM leases
+        SELECT run_id, ended, expires_at, keeper_id FROM leases
         WHERE account_id = ${item.accountId} AND session_id = ${item.sessionId}
         FOR UPDATE ${options.wait ? sql`` : sql`NOWAIT`}
       ),
+      -- Keepers (K1, K2): keeper-acquire.ts.
+      wanted AS (SELECT ${item.accountId}::text AS account_id, ${keeperId}::uuid AS keeper_id),
+      ${keeperAcquireCtes(sql, perKeeper, keeperId !== null)},
+      keeper_refused AS MATERIALIZED (${
+        keeperId === null
+          ? sql`SELECT NULL::text AS refusal`
+          : sql`SELECT ${keeperRefusal(
+              sql,
+              sql`${keeperId}::uuid`,
+              sql`${item.accountId}::text`,
+              "k",
+              sql`0`,
+              perKeeper,
+            )} AS refusal
+            FROM (SELECT 1) one LEFT JOIN locked k ON true`
+      }),
       -- Valid leases of the account on other sessions (the quota); reading
       -- \`locked\` here takes the row lock before the upsert below runs.
       others AS MATERIALIZED (
@@ -281,6 +361,8 @@ export async function acquireOne(
             SELECT 1 FROM leases l, lease_clock c
             WHERE l.account_id = ${item.accountId} AND l.session_id <> ${item.sessionId}
               AND l.ended IS NULL AND l.expires_at > c.observed_at
+              -- Keepers: a lease of a keeper that is over is not held (K1).
+              AND ${keeperValid(sql, "l", sql`c.observed_at`)}
             LIMIT ${quota}
           ) counted
         ) ELSE 0 END AS held
@@ -299,18 +381,29 @@ export async function acquireOne(
       ),
       granted AS (
         INSERT INTO leases AS held
-          (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at)
+          (account_id, session_id, run_id, fencing_token, holder, ttl, acquired_at, expires_at,
+           keeper_id)
         SELECT ${item.accountId}, ${item.sessionId}, ${item.runId}::uuid,
                nextval('lease_fencing_token'), ${item.holder},
-               ${item.ttlMs}::bigint * interval '1 millisecond', c.observed_at,
-               c.observed_at + ${item.ttlMs}::bigint * interval '1 millisecond'
-        FROM lease_clock c CROSS JOIN others o CROSS JOIN reused r
+               ${keeperTtl(sql, sql`${keeperId}::uuid`, sql`${item.ttlMs}::bigint * interval '1 millisecond'`)},
+               c.observed_at,
+               ${keeperExpiresAt(
+                 sql,
+                 sql`${keeperId}::uuid`,
+                 sql`c.observed_at + ${item.ttlMs}::bigint * interval '1 millisecond'`,
+               )},
+               ${keeperId}::uuid
+        FROM lease_clock c CROSS JOIN others o CROSS JOIN reused r CROSS JOIN keeper_refused kr
         WHERE (${quota} = 0 OR o.held < ${quota}) AND r.cause IS NULL
+          -- Keepers: the keeper asked for takes the grant.
+          AND kr.refusal IS NULL
         ${upsertOnConflict(sql)}
         RETURNING held.*
       ),
       audit AS (${grantAudit(sql)})
       SELECT ${quota} > 0 AND o.held >= ${quota} AS over_quota,
+             (SELECT refusal FROM keeper_refused) AS keeper_refusal,
+             (SELECT ${keeperDelayedUntil(sql, "k")} FROM locked k) AS delayed_until_us,
              (SELECT cause FROM reused) AS reused_cause,
              g.account_id IS NOT NULL AS granted,
              coalesce((SELECT ${ownEnded(sql, "k", sql`${item.runId}::uuid`)} FROM locked k), false)
@@ -335,7 +428,9 @@ export async function acquireOne(
   if (row.granted) return grantOf(row);
   if (row.ownEnded) return { outcome: "ended", cause: row.lockedEnded ?? "expired" };
   if (row.reusedCause) return { outcome: "ended", cause: row.reusedCause };
+  if (row.keeperRefusal) return { outcome: row.keeperRefusal };
   if (row.overQuota) return { outcome: "quota" };
+  if (row.delayedUntilUs !== null) return { outcome: "delayed", untilUs: row.delayedUntilUs };
   return { outcome: "refused" };
 }
 
@@ -395,19 +490,27 @@ function upsertOnConflict(sql: Sql) {
       ttl = EXCLUDED.ttl,
       expires_at = EXCLUDED.expires_at,
       ended = NULL,
+      keeper_id = EXCLUDED.keeper_id,
       -- Read by this statement's audit insert below: RETURNING sees only
       -- the new row.
       previous_run_id = held.run_id,
       previous_fencing_token = held.fencing_token,
       previous_holder = held.holder,
       previous_ended = held.ended,
-      previous_expires_at = held.expires_at
+      -- Keepers: a lease on a keeper ended at its keeper's deadline.
+      previous_expires_at = ${leaseDeadline(sql, "held")}
     WHERE (held.run_id <> EXCLUDED.run_id AND held.expires_at <= EXCLUDED.acquired_at)
        -- S4: the same run only while its lease is valid and not ended. The
        -- row is the version locked, maybe ended after this statement read
        -- its clock: \`ended\` says so where the older clock reading cannot.
        OR (held.run_id = EXCLUDED.run_id AND held.ended IS NULL
-           AND held.expires_at > EXCLUDED.acquired_at)`;
+           AND held.expires_at > EXCLUDED.acquired_at
+           -- Keepers: and while its keeper is valid (K1, S4); a retry names
+           -- the same keeper, or none for a lease of its own.
+           AND held.keeper_id IS NOT DISTINCT FROM EXCLUDED.keeper_id
+           AND ${keeperValid(sql, "held", sql`EXCLUDED.acquired_at`)})
+       -- Keepers: a lease whose keeper is gone, once its lock-delay passed (K1, K2).
+       OR ${keeperTakeover(sql)}`;
 }
 
 /**
@@ -452,7 +555,9 @@ function earlierGrantEnd(
  */
 function ownEnded(sql: Sql, k: string, runId: postgres.PendingQuery<postgres.Row[]>) {
   return sql`coalesce(${sql(k)}.run_id = ${runId} AND (${sql(k)}.ended IS NOT NULL
-    OR ${sql(k)}.expires_at <= lease_clock.observed_at), false)`;
+    OR ${sql(k)}.expires_at <= lease_clock.observed_at
+    -- Keepers: or its keeper is over (K1).
+    OR NOT ${keeperValid(sql, k, sql`lease_clock.observed_at`)}), false)`;
 }
 
 /**

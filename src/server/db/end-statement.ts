@@ -22,7 +22,7 @@
 
 import type { EndedLease, GrantVersion } from "../../lease/types.js";
 import type { Sql } from "../../postgres/pool.js";
-import { leaseColumns, leaseOf } from "./lease-columns.js";
+import { keeperValid, leaseColumns, leaseOf } from "./lease-columns.js";
 
 export interface EndItem {
   accountId: string;
@@ -77,6 +77,8 @@ export async function endMany(
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
           AND (w.run_id IS NULL OR l.run_id = w.run_id) AND l.ended IS NULL
           AND l.expires_at > (SELECT observed_at FROM lease_clock)
+          -- Keepers: S4, S5 for a lease on a keeper that is over (K1).
+          AND ${keeperValid(sql, "l", sql`(SELECT observed_at FROM lease_clock)`)}
           AND (w.grant_token IS NULL OR (l.fencing_token = w.grant_token
                AND (extract(epoch FROM l.expires_at) * 1000000)::bigint = w.grant_expires_us))
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
@@ -85,12 +87,13 @@ export async function endMany(
     ended AS (
       -- The locked row versions, by ctid: stable while the lock is held.
       UPDATE leases AS held
-      SET expires_at = greatest(lease_clock.observed_at, held.expires_at - held.ttl), ended = k.ended
+      SET expires_at = ${endAt(sql)}, ended = k.ended
       FROM locked k, lease_clock
       -- S5's "ended IS NULL", written with coalesce: see renew-statement.ts.
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
         AND held.ctid = k.row_id AND coalesce(held.ended, 'open') = 'open'
         AND held.expires_at > lease_clock.observed_at
+        AND ${keeperValid(sql, "held", sql`lease_clock.observed_at`)}
         AND (k.grant_token IS NULL OR (held.fencing_token = k.grant_token
              AND (extract(epoch FROM held.expires_at) * 1000000)::bigint = k.grant_expires_us))
       RETURNING k.idx, k.reason, held.*
@@ -114,6 +117,7 @@ export async function endMany(
              WHERE p.account_id = w.account_id AND p.session_id = w.session_id
                AND (w.run_id IS NULL OR p.run_id = w.run_id) AND p.ended IS NULL
                AND p.expires_at > lease_clock.observed_at
+               AND ${keeperValid(sql, "p", sql`lease_clock.observed_at`)}
                AND (w.grant_token IS NULL OR (p.fencing_token = w.grant_token
                     AND (extract(epoch FROM p.expires_at) * 1000000)::bigint = w.grant_expires_us))
              LIMIT 1
@@ -153,6 +157,8 @@ export async function endOne(
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR l.run_id = ${item.runId ?? null}::uuid)
           AND l.ended IS NULL AND l.expires_at > c.observed_at
+          -- Keepers: S4, S5 for a lease on a keeper that is over (K1).
+          AND ${keeperValid(sql, "l", sql`c.observed_at`)}
           AND (${grantToken}::bigint IS NULL OR (l.fencing_token = ${grantToken}::bigint
                AND (extract(epoch FROM l.expires_at) * 1000000)::bigint = ${grantExpiresUs}::bigint))
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
@@ -163,12 +169,13 @@ export async function endOne(
       -- UPDATE does in READ COMMITTED) where one by ctid would not see it.
       ended AS (
         UPDATE leases AS held
-        SET expires_at = greatest(lease_clock.observed_at, held.expires_at - held.ttl),
+        SET expires_at = ${endAt(sql)},
             ended = ${item.ended}
         FROM locked k, lease_clock
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
           AND (${item.runId ?? null}::uuid IS NULL OR held.run_id = ${item.runId ?? null}::uuid)
           AND held.ended IS NULL AND held.expires_at > lease_clock.observed_at
+          AND ${keeperValid(sql, "held", sql`lease_clock.observed_at`)}
           AND (${grantToken}::bigint IS NULL OR (held.fencing_token = ${grantToken}::bigint
                AND (extract(epoch FROM held.expires_at) * 1000000)::bigint = ${grantExpiresUs}::bigint))
         RETURNING held.*
@@ -196,4 +203,15 @@ export async function endOne(
   // guard `locked` passed, on the version it holds). Kept so that a plan
   // that did not re-check answers busy, and is retried, never "no lease".
   return row && Number(row.lockedRows) > 0 ? { outcome: "busy" } : { outcome: "none" };
+}
+
+/**
+ * The end time of row `held`: the clock reading, never before its last
+ * grant or renewal's (expires_at − ttl). Keepers: a lease on a keeper has no
+ * renewal of its own and an open deadline ('infinity'): never before its grant.
+ */
+function endAt(sql: Sql) {
+  return sql`CASE WHEN held.keeper_id IS NULL
+    THEN greatest(lease_clock.observed_at, held.expires_at - held.ttl)
+    ELSE greatest(lease_clock.observed_at, held.acquired_at) END`;
 }

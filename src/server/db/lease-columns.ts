@@ -29,9 +29,36 @@ export function leaseColumns(
     ${sql(t)}.holder AS ${c("holder")},
     (extract(epoch FROM ${sql(t)}.ttl) * 1000)::bigint AS ${c("ttl_ms")},
     (extract(epoch FROM ${sql(t)}.acquired_at) * 1000000)::bigint AS ${c("acquired_at_us")},
-    (extract(epoch FROM ${sql(t)}.expires_at) * 1000000)::bigint AS ${c("expires_at_us")},
-    (extract(epoch FROM greatest(${sql(t)}.expires_at - lease_clock.observed_at, interval '0'))
+    (extract(epoch FROM ${leaseDeadline(sql, t)}) * 1000000)::bigint AS ${c("expires_at_us")},
+    (extract(epoch FROM greatest(${leaseDeadline(sql, t)} - lease_clock.observed_at, interval '0'))
       * 1000000)::bigint AS ${c("remaining_us")}`;
+}
+
+// Keepers (K1; docs/keepers.md). A lease on a keeper is stored with
+// expires_at 'infinity' while open: every deadline guard on `leases` stays a
+// necessary condition, and keeperValid below is the added one.
+
+/**
+ * The deadline of the lease in row alias `t` (which has acquired_at,
+ * expires_at and keeper_id): its own, or its keeper's when earlier; never
+ * before its grant (a keeper trimmed away reads as long over).
+ */
+export function leaseDeadline(sql: Sql, t: string): postgres.PendingQuery<postgres.Row[]> {
+  return sql`greatest(${sql(t)}.acquired_at,
+    least(${sql(t)}.expires_at, leasehold_keeper_deadline(${sql(t)}.keeper_id)))`;
+}
+
+/**
+ * K1: the keeper of the lease in row alias `t`, if it has one, is valid at
+ * `at` (its deadline not passed, not closed or revoked: both set its
+ * expires_at to the end). True for a lease of its own.
+ */
+export function keeperValid(
+  sql: Sql,
+  t: string,
+  at: postgres.PendingQuery<postgres.Row[]>,
+): postgres.PendingQuery<postgres.Row[]> {
+  return sql`(${sql(t)}.keeper_id IS NULL OR leasehold_keeper_deadline(${sql(t)}.keeper_id) > ${at})`;
 }
 
 /** The LeaseRecord of a row whose lease columns carry `prefix` (camelCased by the pool). */

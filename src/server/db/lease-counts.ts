@@ -4,6 +4,7 @@
 import type { LeaseCounts } from "../../lease/types.js";
 import { classifyDatabaseError } from "../../postgres/database-errors.js";
 import type { Sql } from "../../postgres/pool.js";
+import { keeperValid } from "./lease-columns.js";
 
 export function createLeaseCounts(sql: Sql): LeaseCounts {
   const run = async (statement: () => Promise<{ n: number }[]>) => {
@@ -17,7 +18,10 @@ export function createLeaseCounts(sql: Sql): LeaseCounts {
     heldTotal: () =>
       run(
         () => sql<{ n: number }[]>`
-          SELECT count(*)::int AS n FROM leases WHERE expires_at > clock_timestamp()`,
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          SELECT count(*)::int AS n FROM leases, lease_clock
+          WHERE expires_at > lease_clock.observed_at
+            AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}`,
       ),
   };
 }

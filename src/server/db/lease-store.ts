@@ -18,6 +18,7 @@
 import {
   DatabaseUnavailableError,
   endedLeaseNotReacquired,
+  KeeperNotHeldError,
   ResourceExhaustedError,
 } from "../../lease/errors.js";
 import type {
@@ -39,13 +40,16 @@ import { LimitName } from "../../protocol/errors.js";
 import { acquireMany, acquireOne } from "./acquire-statement.js";
 import { type EndItem, type EndOutcome, endMany, endOne } from "./end-statement.js";
 import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
-import { leaseColumns, leaseOf } from "./lease-columns.js";
+import { keeperEnd } from "./keeper-store.js";
+import { keeperValid, leaseColumns, leaseOf } from "./lease-columns.js";
 import { renewMany, renewOne } from "./renew-statement.js";
 import type { StatementTracer } from "./statement-tracer.js";
 
 export interface LeaseStoreOptions {
   /** Valid leases one account may hold at once; 0 (the default) means no quota. */
   maxLeasesPerAccount?: number;
+  /** Open leases one keeper may hold at once; 0 (the default) means no limit. */
+  maxLeasesPerKeeper?: number;
   /** Rows per group-committed statement. */
   maxBatch?: number;
   /** Group-committed statements of one kind in flight at once. */
@@ -92,7 +96,8 @@ export function createLeaseStore(
   const maxLeasesPerAccount = options.maxLeasesPerAccount ?? 0;
   const maxBatch = options.maxBatch ?? 500;
   const maxInFlight = options.maxInFlight ?? 1;
-  const quota = { maxLeasesPerAccount };
+  const maxLeasesPerKeeper = options.maxLeasesPerKeeper ?? 0;
+  const quota = { maxLeasesPerAccount, maxLeasesPerKeeper };
   const tracer = options.tracer;
 
   const unansweredAfterMs = options.unansweredAfterMs ?? 0;
@@ -218,6 +223,8 @@ export function createLeaseStore(
             };
           case "held":
             return { acquired: false, current: outcome.current };
+          case "delayed":
+            return { acquired: false, current: undefined, lockDelayUntilUs: outcome.untilUs };
           case "ended":
             throw endedLeaseNotReacquired(input.runId, outcome.cause);
           case "quota":
@@ -225,6 +232,17 @@ export function createLeaseStore(
               `the account holds ${maxLeasesPerAccount} leases, the most its quota (--max-leases-per-account) allows: release one first`,
               LimitName.leasesPerAccount,
               maxLeasesPerAccount,
+            );
+          case "keeper":
+            throw new KeeperNotHeldError(
+              input.keeperId ?? "",
+              await run(() => keeperEnd(sql, input.accountId, input.keeperId ?? "")),
+            );
+          case "keeper_full":
+            throw new ResourceExhaustedError(
+              `keeper ${input.keeperId} holds ${maxLeasesPerKeeper} leases, the most --max-leases-per-keeper allows: release one first, or open another keeper`,
+              LimitName.leasesPerKeeper,
+              maxLeasesPerKeeper,
             );
           case "refused": {
             // Refused by a valid lease that RETURNING could not show: read it.
@@ -298,6 +316,23 @@ export function createLeaseStore(
 
     get: (key) => getBatch.submit(key),
 
+    lockDelayUntil: (key) =>
+      run(async () => {
+        // K2: an open lease on a keeper that expired (marked or not), its
+        // delay not over. A read: the marking is left to the takeover.
+        const [row] = await sql<{ untilUs: bigint }[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          SELECT (extract(epoch FROM k.expires_at + k.lock_delay) * 1000000)::bigint AS until_us
+          FROM leases l
+          JOIN keepers k ON k.id = l.keeper_id
+          CROSS JOIN lease_clock c
+          WHERE l.account_id = ${key.accountId} AND l.session_id = ${key.sessionId}
+            AND l.ended IS NULL AND l.expires_at = 'infinity'
+            AND (k.ended = 'expired' OR (k.ended IS NULL AND k.expires_at <= c.observed_at))
+            AND k.expires_at + k.lock_delay > c.observed_at`;
+        return row?.untilUs;
+      }),
+
     requestHandoff: (key, requesterHolder, reason) =>
       run(async () => {
         // S3: only reads the lease and appends to the audit trail; a handoff
@@ -310,6 +345,7 @@ export function createLeaseStore(
             SELECT leases.* FROM leases, lease_clock
             WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
               AND leases.expires_at > lease_clock.observed_at
+              AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
           ),
           recorded AS (
             INSERT INTO lease_events
@@ -346,10 +382,25 @@ export function createLeaseStore(
         // skipWritten: a key's row is read under FOR SHARE SKIP LOCKED, which
         // gives its latest committed version; a row a transaction is writing
         // is skipped (never waited for: one stuck writer must not hold up the
-        // other keys) and named in `written`.
+        // other keys) and named in `written`. Keepers: a lease on a keeper
+        // is renewed by its keeper's heartbeat, which writes the keeper's row,
+        // not the lease's; while that row is being written the lease counts
+        // as written too (a keeper row that no longer exists does not).
         const skipWritten = options?.skipWritten === true;
         const matched = skipWritten
-          ? sql`keyed AS (${keyed()} FOR SHARE OF l SKIP LOCKED),
+          ? sql`keyed_rows AS (${keyed()} FOR SHARE OF l SKIP LOCKED),
+                keeper_written AS (
+                  SELECT r.account_id, r.session_id FROM keyed_rows r
+                  WHERE r.keeper_id IS NOT NULL AND r.ended IS NULL AND r.expires_at = 'infinity'
+                    AND EXISTS (SELECT 1 FROM keepers kp WHERE kp.id = r.keeper_id)
+                    AND NOT EXISTS (SELECT 1 FROM keepers kp WHERE kp.id = r.keeper_id
+                                    FOR SHARE SKIP LOCKED)
+                ),
+                keyed AS (
+                  SELECT * FROM keyed_rows r
+                  WHERE NOT EXISTS (SELECT 1 FROM keeper_written w
+                                    WHERE w.account_id = r.account_id AND w.session_id = r.session_id)
+                ),
                 written AS (
                   SELECT p.account_id, p.session_id FROM (${keyed()}) p
                   WHERE NOT EXISTS (SELECT 1 FROM keyed k
@@ -372,7 +423,8 @@ export function createLeaseStore(
           FROM lease_clock
           LEFT JOIN LATERAL (
             SELECT ${leaseColumns(sql, "l")},
-                   l.expires_at > lease_clock.observed_at AS valid,
+                   l.expires_at > lease_clock.observed_at
+                     AND ${keeperValid(sql, "l", sql`lease_clock.observed_at`)} AS valid,
                    l.ended, ev.id AS end_event_id, ev.reason AS end_reason
             FROM matched l
             LEFT JOIN LATERAL (
@@ -406,6 +458,7 @@ export function createLeaseStore(
           WHERE leases.account_id = ${accountId}
             AND leases.session_id > ${after ?? ""}
             AND leases.expires_at > lease_clock.observed_at
+            AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
           ORDER BY leases.session_id
           LIMIT ${limit + 1}`;
         const more = rows.length > limit;
@@ -422,7 +475,8 @@ export function createLeaseStore(
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
           SELECT leases.fencing_token AS highest_token,
                  (leases.fencing_token = ${token}
-                  AND leases.expires_at > lease_clock.observed_at) AS current
+                  AND leases.expires_at > lease_clock.observed_at
+                  AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}) AS current
           FROM leases, lease_clock
           WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}`;
         return rows[0] ?? { current: false, highestToken: 0n };
@@ -459,6 +513,7 @@ async function getMany(
       SELECT * FROM leases
       WHERE leases.account_id = w.account_id AND leases.session_id = w.session_id
         AND leases.expires_at > lease_clock.observed_at
+        AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}
     ) l ON true
     ORDER BY w.idx`;
   return rows.map((row) => (row.found ? leaseOf(row) : undefined));
@@ -471,6 +526,7 @@ async function getOne(sql: Sql, key: SessionKey): Promise<LeaseRecord | undefine
     SELECT ${leaseColumns(sql, "leases")}
     FROM leases, lease_clock
     WHERE leases.account_id = ${key.accountId} AND leases.session_id = ${key.sessionId}
-      AND leases.expires_at > lease_clock.observed_at`;
+      AND leases.expires_at > lease_clock.observed_at
+      AND ${keeperValid(sql, "leases", sql`lease_clock.observed_at`)}`;
   return rows[0];
 }

@@ -15,7 +15,7 @@
 
 import type { LeaseRecord, RenewItem, RenewManyResult } from "../../lease/types.js";
 import type { Sql } from "../../postgres/pool.js";
-import { leaseColumns } from "./lease-columns.js";
+import { keeperValid, leaseColumns } from "./lease-columns.js";
 
 // A renewed row's key and run are the request's (the guard matched them
 // exactly; run ids reach the store lower-cased, as PostgreSQL prints a
@@ -66,6 +66,8 @@ export async function renewMany(
         WHERE l.account_id = w.account_id AND l.session_id = w.session_id
           AND l.run_id = w.run_id AND l.ended IS NULL
           AND l.expires_at > (SELECT observed_at FROM lease_clock)
+          -- Keepers: S4 for a lease on a keeper that is over (K1).
+          AND ${keeperValid(sql, "l", sql`(SELECT observed_at FROM lease_clock)`)}
         FOR UPDATE ${options.wait ? sql`` : sql`SKIP LOCKED`}
       ) held
     ),
@@ -73,10 +75,14 @@ export async function renewMany(
       -- The locked row versions, by ctid: stable while the lock is held.
       -- A row changed by a transaction that committed after this
       -- statement began is not seen here and is answered busy.
+      -- Keepers: a lease on a keeper keeps its TTL and its open deadline
+      -- ('infinity'): only the keeper's heartbeat extends it.
       UPDATE leases AS held SET
-        ttl = coalesce(k.ttl_ms * interval '1 millisecond', held.ttl),
-        expires_at = lease_clock.observed_at
-          + coalesce(k.ttl_ms * interval '1 millisecond', held.ttl)
+        ttl = CASE WHEN held.keeper_id IS NOT NULL THEN held.ttl
+          ELSE coalesce(k.ttl_ms * interval '1 millisecond', held.ttl) END,
+        expires_at = CASE WHEN held.keeper_id IS NOT NULL THEN held.expires_at
+          ELSE lease_clock.observed_at
+            + coalesce(k.ttl_ms * interval '1 millisecond', held.ttl) END
       FROM locked k, lease_clock
       -- S4's "ended IS NULL", written with coalesce (ended is NULL,
       -- 'released' or 'revoked': the same test): written plainly, it let
@@ -86,6 +92,7 @@ export async function renewMany(
       WHERE held.ctid = ANY (ARRAY(SELECT row_id FROM locked))
         AND held.ctid = k.row_id AND coalesce(held.ended, 'open') = 'open'
         AND held.expires_at > lease_clock.observed_at
+        AND ${keeperValid(sql, "held", sql`lease_clock.observed_at`)}
       RETURNING k.idx, held.*
     )
     SELECT r.idx IS NOT NULL AS renewed,
@@ -93,7 +100,8 @@ export async function renewMany(
            cur.account_id IS NOT NULL AS current_exists,
            cur.run_id AS current_run_id,
            cur.ended AS current_ended,
-           coalesce(cur.expires_at > lease_clock.observed_at, false) AS current_valid,
+           coalesce(cur.expires_at > lease_clock.observed_at
+                    AND ${keeperValid(sql, "cur", sql`lease_clock.observed_at`)}, false) AS current_valid,
            h.holder AS handoff_requester, h.reason AS handoff_reason,
            h.at_us AS handoff_at_us, h.id AS handoff_event_id
     FROM wanted w
@@ -102,7 +110,7 @@ export async function renewMany(
     -- Read at the statement's snapshot: explains a renewal that did
     -- not happen; it decides nothing.
     LEFT JOIN LATERAL (
-      SELECT c.account_id, c.run_id, c.ended, c.expires_at FROM leases c
+      SELECT c.account_id, c.run_id, c.ended, c.expires_at, c.keeper_id FROM leases c
       WHERE r.idx IS NULL AND c.account_id = w.account_id AND c.session_id = w.session_id
       OFFSET 0 -- keeps it a per-row probe, skipped for renewed rows
     ) cur ON true
@@ -171,19 +179,25 @@ export async function renewOne(
         WHERE l.account_id = ${item.accountId} AND l.session_id = ${item.sessionId}
           AND l.run_id = ${item.runId}::uuid AND l.ended IS NULL
           AND l.expires_at > c.observed_at
+          -- Keepers: S4 for a lease on a keeper that is over (K1).
+          AND ${keeperValid(sql, "l", sql`c.observed_at`)}
         FOR UPDATE OF l ${options.wait ? sql`` : sql`NOWAIT`}
       ),
       -- By key, not by the locked ctid (end-statement.ts, endOne: a version
       -- locked after a wait is newer than the snapshot).
       renewed AS (
+        -- Keepers: a lease on a keeper keeps its TTL and its open deadline.
         UPDATE leases AS held SET
-          ttl = coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl),
-          expires_at = lease_clock.observed_at
-            + coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl)
+          ttl = CASE WHEN held.keeper_id IS NOT NULL THEN held.ttl
+            ELSE coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl) END,
+          expires_at = CASE WHEN held.keeper_id IS NOT NULL THEN held.expires_at
+            ELSE lease_clock.observed_at
+              + coalesce(${newTtl}::bigint * interval '1 millisecond', held.ttl) END
         FROM locked k, lease_clock
         WHERE held.account_id = ${item.accountId} AND held.session_id = ${item.sessionId}
           AND held.run_id = ${item.runId}::uuid AND held.ended IS NULL
           AND held.expires_at > lease_clock.observed_at
+          AND ${keeperValid(sql, "held", sql`lease_clock.observed_at`)}
         RETURNING held.*
       )
       SELECT ${leaseColumns(sql, "renewed")}, renewed.account_id IS NOT NULL AS renewed,

@@ -29,7 +29,11 @@ export interface RetentionOptions {
 export interface Retention {
   /** Deletes lease_events older than the retention; returns how many. */
   trimEvents(): Promise<number>;
-  /** Deletes tombstones whose expiry is older than the horizon; returns how many. */
+  /**
+   * Deletes tombstones whose expiry is older than the horizon; returns how
+   * many. Keepers over for longer than the horizon are settled first: their
+   * leases become such tombstones, and the keepers are deleted.
+   */
   collectTombstones(): Promise<number>;
 }
 
@@ -72,8 +76,9 @@ export function createRetention(sql: Sql, options: RetentionOptions): Retention 
         return rows.count;
       }),
 
-    collectTombstones: () =>
-      batches(async (tx) => {
+    collectTombstones: async () => {
+      await batches(settleKeepers);
+      return batches(async (tx) => {
         // S6: only rows whose expiry lies a whole horizon in the past. The
         // outer condition is checked again on the row's newest version
         // after the row lock, so a row re-granted meanwhile is kept; SKIP
@@ -89,8 +94,66 @@ export function createRetention(sql: Sql, options: RetentionOptions): Retention 
           WHERE l.account_id = old.account_id AND l.session_id = old.session_id
             AND l.expires_at < clock_timestamp() - ${options.tombstoneHorizonMs}::bigint * interval '1 millisecond'`;
         return rows.count;
-      }),
+      });
+    },
   };
+
+  /**
+   * Keepers (K1, K2; docs/keepers.md). A lease on a keeper stays open
+   * (expires_at 'infinity') after its keeper ended, over by the keeper's
+   * deadline alone, so the tombstone rule never sees it. A keeper whose end,
+   * lock-delay included, lies a whole horizon in the past is settled: its
+   * open leases take its end as their expires_at (released or revoked with
+   * an audit row when the keeper was closed or revoked and its close missed
+   * them; left expired otherwise, as a plain lease that ran out), which makes
+   * them tombstones of that age (S6 as above); then the keeper, with no open
+   * lease left, is deleted. SKIP LOCKED leaves rows an acquire is working on;
+   * their keeper is settled in a later round.
+   */
+  async function settleKeepers(tx: Sql): Promise<number> {
+    const horizon = tx`clock_timestamp() - ${options.tombstoneHorizonMs}::bigint * interval '1 millisecond'`;
+    const settled = await tx`
+      WITH old AS MATERIALIZED (
+        SELECT k.id, k.expires_at, k.end_reason,
+               CASE k.ended WHEN 'closed' THEN 'released' WHEN 'revoked' THEN 'revoked' END AS lease_end
+        FROM keepers k
+        WHERE k.expires_at + k.lock_delay < ${horizon}
+        LIMIT ${batchSize}
+      ),
+      open AS MATERIALIZED (
+        SELECT l.account_id, l.session_id FROM leases l
+        WHERE l.keeper_id IN (SELECT id FROM old) AND l.ended IS NULL AND l.expires_at = 'infinity'
+        LIMIT ${batchSize}
+        FOR UPDATE SKIP LOCKED
+      ),
+      ended AS (
+        UPDATE leases AS l
+        SET expires_at = greatest(l.acquired_at, old.expires_at), ended = old.lease_end
+        FROM open, old
+        WHERE l.account_id = open.account_id AND l.session_id = open.session_id
+          AND l.keeper_id = old.id AND l.ended IS NULL AND l.expires_at = 'infinity'
+        RETURNING l.*, old.end_reason
+      ),
+      audit AS (
+        INSERT INTO lease_events
+          (account_id, session_id, type, run_id, fencing_token, holder, reason, at)
+        SELECT account_id, session_id, ended, run_id, fencing_token, holder, end_reason, expires_at
+        FROM ended WHERE ended IS NOT NULL
+      )
+      SELECT count(*)::int AS n FROM ended`;
+    // A keeper with an open lease left (locked above, or granted on it
+    // long ago and still open) is kept for a later round.
+    const deleted = await tx`
+      DELETE FROM keepers AS k
+      WHERE k.id IN (
+        SELECT id FROM keepers
+        WHERE expires_at + lock_delay < ${horizon}
+        LIMIT ${batchSize}
+      )
+        AND NOT EXISTS (SELECT 1 FROM leases l
+                        WHERE l.keeper_id = k.id AND l.ended IS NULL AND l.expires_at = 'infinity')`;
+    return Math.max((settled[0]?.n as number | undefined) ?? 0, deleted.count);
+  }
 }
 
 export interface Maintenance {

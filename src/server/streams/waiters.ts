@@ -65,6 +65,24 @@ export function createWaiters(options: WaitersOptions): Waiters {
   const stats = { waiting: 0, attempts: 0, granted: 0 };
   const stops: (() => void)[] = [];
   let recheckTimer: NodeJS.Timeout | undefined;
+  // K2: keys whose lease ended with a lock-delay, tried again when it is over.
+  const delayTimers = new Map<string, NodeJS.Timeout>();
+
+  /**
+   * K2 (keepers): the key is free of any valid lease but not granted before
+   * `untilUs`, a known database instant: the next attempt is made then, not
+   * at once (that would spin for the whole delay).
+   */
+  function afterDelay(k: string, untilUs: bigint): void {
+    if (delayTimers.has(k)) return;
+    const waitMs = Math.max(1, Number(untilUs - tracker.databaseNowUs()) / 1_000 + 1);
+    const timer = setTimeout(() => {
+      delayTimers.delete(k);
+      trigger(k);
+    }, waitMs);
+    timer.unref();
+    delayTimers.set(k, timer);
+  }
 
   async function releaseUnwanted(result: AcquireResult & { acquired: true }) {
     if (result.retried) return; // the caller's own earlier grant: theirs to release
@@ -159,6 +177,7 @@ export function createWaiters(options: WaitersOptions): Waiters {
         }
         head.current = result.current;
         if (result.current) tracker.learn(result.current);
+        else if (result.lockDelayUntilUs !== undefined) afterDelay(k, result.lockDelayUntilUs);
         else q.again = true; // ended between the UPSERT and the read: go again
       } while (q.again);
     } finally {
@@ -199,6 +218,7 @@ export function createWaiters(options: WaitersOptions): Waiters {
           "acquire waiting",
         );
         if (first.current) tracker.learn(first.current);
+        else if (first.lockDelayUntilUs !== undefined) afterDelay(k, first.lockDelayUntilUs);
         else trigger(k);
 
         const onAbort = () => {
@@ -262,6 +282,8 @@ export function createWaiters(options: WaitersOptions): Waiters {
     },
     close() {
       if (recheckTimer) clearInterval(recheckTimer);
+      for (const timer of delayTimers.values()) clearTimeout(timer);
+      delayTimers.clear();
       for (const stop of stops) stop();
     },
   };

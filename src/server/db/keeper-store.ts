@@ -1,0 +1,272 @@
+// The keepers on PostgreSQL (K1, K2; docs/keepers.md): open or re-attach,
+// heartbeat, close and revoke. Every statement reads the database clock once
+// (S9), in a materialized `lease_clock` CTE, and runs in autocommit.
+//
+// K1: a heartbeat is one row written, whatever the number of leases on the
+//     keeper: leases on a keeper keep expires_at 'infinity' and take the
+//     keeper's deadline (lease-columns.ts, leaseDeadline and keeperValid).
+// S4: the heartbeat's guard is `ended IS NULL AND expires_at > observed_at`:
+//     a late heartbeat of an expired keeper fails, even when none of its
+//     keys was taken over. A takeover of one of its keys marks the keeper
+//     `expired` under its row lock first (keeper-acquire.ts), so a heartbeat
+//     that read its clock before the deadline and waited behind that
+//     marking re-checks `ended` and fails.
+
+import { ResourceExhaustedError } from "../../lease/errors.js";
+import type {
+  EndedLease,
+  KeeperEnd,
+  KeeperRecord,
+  KeeperResult,
+  KeeperStore,
+  OpenKeeperInput,
+} from "../../lease/types.js";
+import { classifyDatabaseError } from "../../postgres/database-errors.js";
+import type { Sql } from "../../postgres/pool.js";
+import { LimitName } from "../../protocol/errors.js";
+import { createGroupCommit, type GroupCommitStats } from "./group-commit.js";
+import { leaseColumns, leaseOf } from "./lease-columns.js";
+
+export interface KeeperStoreOptions {
+  /** Open keepers one account may hold at once; 0 (the default) means no limit. */
+  maxKeepersPerAccount?: number;
+  /** Heartbeats per group-committed statement. */
+  maxBatch?: number;
+  /** Heartbeat statements in flight at once. */
+  maxInFlight?: number;
+}
+
+interface Beat {
+  accountId: string;
+  id: string;
+}
+
+/** The keeper columns of alias `k`, relative to `lease_clock.observed_at`. */
+function keeperColumns(sql: Sql, k: string) {
+  return sql`
+    ${sql(k)}.id, ${sql(k)}.account_id, ${sql(k)}.holder,
+    (extract(epoch FROM ${sql(k)}.ttl) * 1000)::bigint AS ttl_ms,
+    (extract(epoch FROM ${sql(k)}.lock_delay) * 1000)::bigint AS lock_delay_ms,
+    (extract(epoch FROM ${sql(k)}.created_at) * 1000000)::bigint AS created_at_us,
+    (extract(epoch FROM ${sql(k)}.expires_at) * 1000000)::bigint AS expires_at_us,
+    (extract(epoch FROM greatest(${sql(k)}.expires_at - lease_clock.observed_at, interval '0'))
+      * 1000000)::bigint AS remaining_us`;
+}
+
+/**
+ * Why keeper `id` of `accountId` does not keep leases now: how it ended, or
+ * `expired` when it ran past its deadline unmarked; `not_found` when there is
+ * no such keeper in the account. Read at the statement's snapshot; it
+ * explains a refusal and decides nothing.
+ */
+export async function keeperEnd(sql: Sql, accountId: string, id: string): Promise<KeeperEnd> {
+  const [row] = await sql<{ ended: KeeperEnd | null }[]>`
+    SELECT ended FROM keepers WHERE id = ${id}::uuid AND account_id = ${accountId}`;
+  if (!row) return "not_found";
+  return row.ended ?? "expired";
+}
+
+export function createKeeperStore(
+  sql: Sql,
+  options: KeeperStoreOptions = {},
+): KeeperStore & { readonly stats: { heartbeat: GroupCommitStats } } {
+  const maxKeepers = options.maxKeepersPerAccount ?? 0;
+
+  const run = async <T>(statement: () => Promise<T>): Promise<T> => {
+    try {
+      return await statement();
+    } catch (error) {
+      throw classifyDatabaseError(error);
+    }
+  };
+
+  const notHeld = async (accountId: string, id: string): Promise<KeeperResult> => ({
+    held: false,
+    cause: await keeperEnd(sql, accountId, id),
+  });
+
+  /**
+   * One keeper's heartbeat (K1: one row, whatever the number of leases;
+   * S4: not once over), for one the batch did not renew: by key, it waits on
+   * the row lock (up to lock_timeout), re-checks its guard on the version it
+   * locked, and decides or names the cause.
+   */
+  const heartbeatOne = async ({ accountId, id }: Beat): Promise<KeeperResult> => {
+    const rows = await sql<KeeperRecord[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+      UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
+      FROM lease_clock
+      WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+        AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
+      RETURNING ${keeperColumns(sql, "k")}`;
+    const keeper = rows[0];
+    return keeper ? { held: true, keeper } : notHeld(accountId, id);
+  };
+
+  /**
+   * Many keepers' heartbeats in one statement (every stream of an instance:
+   * DESIGN §3's batching, as for KeepAlive renewals), also for a batch of
+   * one: rows are locked in id order with SKIP LOCKED, so a keeper's row
+   * another transaction holds never holds up the statement, nor the
+   * heartbeats queued behind it (S8). Undefined: not renewed here (locked,
+   * or not held), decided alone by heartbeatOne outside the batch.
+   */
+  const heartbeatMany = async (beats: readonly Beat[]): Promise<(KeeperRecord | undefined)[]> => {
+    const rows = await sql<(KeeperRecord & { idx: number; beaten: boolean })[]>`
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      wanted AS MATERIALIZED (
+        SELECT * FROM unnest(
+          ${beats.map((_, i) => i)}::int[],
+          ${beats.map((b) => b.id)}::uuid[],
+          ${beats.map((b) => b.accountId)}::text[]
+        ) AS w(idx, id, account_id)
+      ),
+      locked AS MATERIALIZED (
+        SELECT w.idx, held.ctid AS row_id
+        FROM (SELECT * FROM wanted ORDER BY id) w
+        CROSS JOIN LATERAL (
+          SELECT k.ctid FROM keepers k
+          WHERE k.id = w.id AND k.account_id = w.account_id AND k.ended IS NULL
+            AND k.expires_at > (SELECT observed_at FROM lease_clock)
+          FOR UPDATE SKIP LOCKED
+        ) held
+      ),
+      beaten AS (
+        -- The locked row versions, by ctid: stable while the lock is held.
+        UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
+        FROM locked l, lease_clock
+        WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM locked))
+          AND k.ctid = l.row_id AND k.ended IS NULL
+          AND k.expires_at > lease_clock.observed_at
+        RETURNING l.idx, k.*
+      )
+      SELECT w.idx, b.idx IS NOT NULL AS beaten, ${keeperColumns(sql, "b")}
+      FROM wanted w CROSS JOIN lease_clock LEFT JOIN beaten b ON b.idx = w.idx
+      ORDER BY w.idx`;
+    return rows.map(({ idx: _, beaten, ...keeper }) => (beaten ? keeper : undefined));
+  };
+
+  const heartbeats = createGroupCommit<Beat, KeeperRecord | undefined>({
+    run: (beats) => run(() => heartbeatMany(beats)),
+    keyOf: (beat) => beat.id,
+    maxBatch: options.maxBatch ?? 500,
+    maxInFlight: options.maxInFlight ?? 1,
+    operation: "heartbeat",
+  });
+
+  return {
+    stats: { heartbeat: heartbeats.stats },
+
+    open: (input: OpenKeeperInput) =>
+      run(async () => {
+        // A new id inserts; the id of a valid keeper of the same account
+        // re-attaches, which renews it (a heartbeat). The open-keeper count
+        // leaves out this id, so a re-attach at the limit succeeds.
+        const rows = await sql<(KeeperRecord & { overLimit: boolean })[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          open_keepers AS MATERIALIZED (
+            SELECT CASE WHEN ${maxKeepers} > 0 THEN (
+              SELECT count(*)::int FROM (
+                SELECT 1 FROM keepers k, lease_clock c
+                WHERE k.account_id = ${input.accountId} AND k.ended IS NULL
+                  AND k.expires_at > c.observed_at AND k.id <> ${input.id}::uuid
+                LIMIT ${maxKeepers}
+              ) counted
+            ) ELSE 0 END AS n
+          ),
+          opened AS (
+            INSERT INTO keepers AS k
+              (id, account_id, holder, ttl, lock_delay, created_at, expires_at)
+            SELECT ${input.id}::uuid, ${input.accountId}, ${input.holder},
+                   ${input.ttlMs}::bigint * interval '1 millisecond',
+                   ${input.lockDelayMs}::bigint * interval '1 millisecond',
+                   c.observed_at, c.observed_at + ${input.ttlMs}::bigint * interval '1 millisecond'
+            FROM lease_clock c, open_keepers o
+            WHERE ${maxKeepers} = 0 OR o.n < ${maxKeepers}
+            ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.created_at + k.ttl
+            WHERE k.account_id = EXCLUDED.account_id AND k.ended IS NULL
+              AND k.expires_at > EXCLUDED.created_at
+            RETURNING k.*
+          )
+          SELECT ${keeperColumns(sql, "opened")},
+                 ${maxKeepers} > 0 AND o.n >= ${maxKeepers} AS over_limit
+          FROM lease_clock CROSS JOIN open_keepers o LEFT JOIN opened ON true`;
+        const row = rows[0];
+        if (row?.id != null) {
+          const { overLimit: _, ...keeper } = row;
+          return { held: true, keeper };
+        }
+        const cause = await keeperEnd(sql, input.accountId, input.id);
+        if (cause === "not_found" && row?.overLimit) {
+          throw new ResourceExhaustedError(
+            `the account holds ${maxKeepers} open keepers, the most --max-keepers-per-account allows: close one first`,
+            LimitName.keepersPerAccount,
+            maxKeepers,
+          );
+        }
+        return { held: false, cause };
+      }),
+
+    // Group-committed: concurrent heartbeats share one statement.
+    async heartbeat(accountId, id) {
+      const keeper = await heartbeats.submit({ accountId, id });
+      return keeper ? { held: true, keeper } : run(() => heartbeatOne({ accountId, id }));
+    },
+
+    end: (accountId, id, how) =>
+      run(async () => {
+        // The keeper first, alone: once it is ended, every lease on it is
+        // over (keeperValid), whatever happens to the second statement. Its
+        // end is never before its last heartbeat's clock reading.
+        const reason = how.ended === "revoked" ? how.reason : null;
+        const ended = await sql<{ id: string }[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          UPDATE keepers AS k
+          SET ended = ${how.ended}, end_reason = ${reason}::text,
+              expires_at = greatest(lease_clock.observed_at, k.expires_at - k.ttl)
+          FROM lease_clock
+          WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+            AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
+          RETURNING k.id`;
+        const cause = ended.length > 0 ? undefined : await keeperEnd(sql, accountId, id);
+        if (cause === "expired" || cause === "not_found")
+          return { ended: false, cause, leases: [] };
+        // Then its open leases, released (closed) or revoked, at the
+        // keeper's end, one audit row each. Also run when the keeper was
+        // already closed or revoked: a close retried after this statement
+        // failed finishes the leases.
+        const rows = await sql<(EndedLease & Record<string, unknown>)[]>`
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          keeper AS MATERIALIZED (
+            SELECT k.id, k.expires_at, k.end_reason,
+                   CASE k.ended WHEN 'closed' THEN 'released' ELSE 'revoked' END AS lease_end
+            FROM keepers k
+            WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+              AND k.ended IN ('closed', 'revoked')
+          ),
+          ended AS (
+            UPDATE leases AS held
+            SET ended = keeper.lease_end, expires_at = greatest(held.acquired_at, keeper.expires_at)
+            FROM keeper
+            WHERE held.keeper_id = keeper.id AND held.ended IS NULL
+              AND held.expires_at = 'infinity'
+            RETURNING held.*, keeper.end_reason
+          ),
+          audit AS (
+            INSERT INTO lease_events
+              (account_id, session_id, type, run_id, fencing_token, holder, reason, at)
+            SELECT account_id, session_id, ended, run_id, fencing_token, holder, end_reason,
+                   expires_at
+            FROM ended
+            RETURNING id, account_id, session_id
+          )
+          SELECT ${leaseColumns(sql, "ended")}, audit.id AS event_id
+          FROM ended
+          CROSS JOIN lease_clock
+          JOIN audit ON audit.account_id = ended.account_id AND audit.session_id = ended.session_id
+          ORDER BY ended.account_id, ended.session_id`;
+        const leases = rows.map((row) => ({ ...leaseOf(row), eventId: row.eventId as bigint }));
+        return cause === undefined ? { ended: true, leases } : { ended: false, cause, leases };
+      }),
+  };
+}
