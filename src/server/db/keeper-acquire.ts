@@ -7,7 +7,7 @@
 //
 // Takeover. An open lease on a keeper is taken over once its keeper is gone
 // and, after an expiry, its lock-delay has passed: the SQL function
-// leasehold_keeper_free_at (migrations/lease/0005_keepers.sql), called under
+// leasehold_keeper_free_at (migrations/lease/0006_keepers.sql), called under
 // the lease row's lock, marks a keeper past its deadline `expired` under the
 // keeper's row lock first. The write is what makes it safe against a
 // heartbeat in flight that read its clock before the deadline: either the

@@ -27,8 +27,12 @@ CREATE TABLE keepers (
 );
 
 -- The keepers-per-account limit counts an account's open keepers. `ended`
--- changes on end only, never on a heartbeat: heartbeats stay HOT.
-CREATE INDEX keepers_open_by_account ON keepers (account_id) WHERE ended IS NULL;
+-- changes on end only, never on a heartbeat: heartbeats stay HOT. The id is
+-- in the index too: a heartbeat's guard (id, account_id, ended IS NULL)
+-- implies its predicate, and on a table without statistics the planner may
+-- take it over the primary key (the cause of issue 33 on leases); with the
+-- whole key a probe reads one entry whichever index is chosen.
+CREATE INDEX keepers_open_by_account ON keepers (account_id, id) WHERE ended IS NULL;
 
 -- The keeper a lease was acquired on; NULL for a lease of its own. A lease on
 -- a keeper is written with expires_at 'infinity' while open: every deadline
