@@ -6,13 +6,15 @@ import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobu
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
+import type { Status } from "../../google/rpc/status_pb.js";
+import { file_google_rpc_status } from "../../google/rpc/status_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file leasehold/v1/lease.proto.
  */
 export const file_leasehold_v1_lease: GenFile = /*@__PURE__*/
-  fileDesc("ChhsZWFzZWhvbGQvdjEvbGVhc2UucHJvdG8SDGxlYXNlaG9sZC52MSI0CgpTZXNzaW9uS2V5EhIKCmFjY291bnRfaWQYASABKAkSEgoKc2Vzc2lvbl9pZBgCIAEoCSKcAgoFTGVhc2USJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSDgoGaG9sZGVyGAQgASgJEiYKA3R0bBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIvCgthY3F1aXJlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoJcmVtYWluaW5nGAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIqgBCg5BY3F1aXJlUmVxdWVzdBIlCgNrZXkYASABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIOCgZydW5faWQYAiABKAkSJgoDdHRsGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEicKBHdhaXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGaG9sZGVyGAUgASgJIm0KD0FjcXVpcmVSZXNwb25zZRIQCghhY3F1aXJlZBgBIAEoCBIiCgVsZWFzZRgCIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZRIkCgdjdXJyZW50GAMgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlIm0KDFJlbmV3UmVxdWVzdBIlCgNrZXkYASABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIOCgZydW5faWQYAiABKAkSJgoDdHRsGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjMKDVJlbmV3UmVzcG9uc2USIgoFbGVhc2UYASABKAsyEy5sZWFzZWhvbGQudjEuTGVhc2UiRwoOUmVsZWFzZVJlcXVlc3QSJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJIiMKD1JlbGVhc2VSZXNwb25zZRIQCghyZWxlYXNlZBgBIAEoCCIzCgpHZXRSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Ij8KC0dldFJlc3BvbnNlEgwKBGhlbGQYASABKAgSIgoFbGVhc2UYAiABKAsyEy5sZWFzZWhvbGQudjEuTGVhc2UiSAoLTGlzdFJlcXVlc3QSEgoKYWNjb3VudF9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJMCgxMaXN0UmVzcG9uc2USIwoGbGVhc2VzGAEgAygLMhMubGVhc2Vob2xkLnYxLkxlYXNlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJxChBLZWVwQWxpdmVSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJ1bl9pZBgCIAEoCRImCgN0dGwYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24i2wEKEUtlZXBBbGl2ZVJlc3BvbnNlEiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJ1bl9pZBgCIAEoCRIkCgVsZWFzZRgDIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZUgAEiIKBGxvc3QYBCABKAsyEi5sZWFzZWhvbGQudjEuTG9zdEgAEjsKEWhhbmRvZmZfcmVxdWVzdGVkGAUgASgLMh4ubGVhc2Vob2xkLnYxLkhhbmRvZmZSZXF1ZXN0ZWRIAEIICgZyZXN1bHQiMAoETG9zdBIoCgZyZWFzb24YASABKA4yGC5sZWFzZWhvbGQudjEuTG9zc1JlYXNvbiJuChBIYW5kb2ZmUmVxdWVzdGVkEhgKEHJlcXVlc3Rlcl9ob2xkZXIYASABKAkSDgoGcmVhc29uGAIgASgJEjAKDHJlcXVlc3RlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiTwoMV2F0Y2hSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhgKEGluY2x1ZGVfcmVuZXdhbHMYAiABKAgiaQoNV2F0Y2hSZXNwb25zZRIqCghzbmFwc2hvdBgBIAEoCzIWLmxlYXNlaG9sZC52MS5TbmFwc2hvdEgAEiQKBWV2ZW50GAIgASgLMhMubGVhc2Vob2xkLnYxLkV2ZW50SABCBgoEa2luZCJXCghTbmFwc2hvdBIjCgZsZWFzZXMYASADKAsyEy5sZWFzZWhvbGQudjEuTGVhc2USJgoCYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIo4CCgVFdmVudBIlCgR0eXBlGAEgASgOMhcubGVhc2Vob2xkLnYxLkV2ZW50VHlwZRIlCgNrZXkYAiABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIOCgZydW5faWQYAyABKAkSFQoNZmVuY2luZ190b2tlbhgEIAEoAxIOCgZob2xkZXIYBSABKAkSDgoGcmVhc29uGAYgASgJEiYKAmF0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIiCgVsZWFzZRgIIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZRIYChByZXF1ZXN0ZXJfaG9sZGVyGAkgASgJEgoKAmlkGAogASgDImgKFVJlcXVlc3RIYW5kb2ZmUmVxdWVzdBIlCgNrZXkYASABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIYChByZXF1ZXN0ZXJfaG9sZGVyGAIgASgJEg4KBnJlYXNvbhgDIAEoCSJRChZSZXF1ZXN0SGFuZG9mZlJlc3BvbnNlEhEKCWRlbGl2ZXJlZBgBIAEoCBIkCgdjdXJyZW50GAIgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlIl4KDkhpc3RvcnlSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIk8KD0hpc3RvcnlSZXNwb25zZRIjCgZldmVudHMYASADKAsyEy5sZWFzZWhvbGQudjEuRXZlbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIlEKEUNoZWNrRmVuY2VSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhUKDWZlbmNpbmdfdG9rZW4YAiABKAMiPAoSQ2hlY2tGZW5jZVJlc3BvbnNlEg8KB2N1cnJlbnQYASABKAgSFQoNaGlnaGVzdF90b2tlbhgCIAEoAyJGCg1SZXZva2VSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJlYXNvbhgCIAEoCSJFCg5SZXZva2VSZXNwb25zZRIPCgdyZXZva2VkGAEgASgIEiIKBWxlYXNlGAIgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlKqwBCgpMb3NzUmVhc29uEhsKF0xPU1NfUkVBU09OX1VOU1BFQ0lGSUVEEAASFwoTTE9TU19SRUFTT05fRVhQSVJFRBABEhgKFExPU1NfUkVBU09OX1JFTEVBU0VEEAISGgoWTE9TU19SRUFTT05fVEFLRU5fT1ZFUhADEhcKE0xPU1NfUkVBU09OX1JFVk9LRUQQBBIZChVMT1NTX1JFQVNPTl9OT1RfRk9VTkQQBSrDAQoJRXZlbnRUeXBlEhoKFkVWRU5UX1RZUEVfVU5TUEVDSUZJRUQQABIXChNFVkVOVF9UWVBFX0FDUVVJUkVEEAESFwoTRVZFTlRfVFlQRV9SRUxFQVNFRBACEhYKEkVWRU5UX1RZUEVfRVhQSVJFRBADEhYKEkVWRU5UX1RZUEVfUkVWT0tFRBAEEiAKHEVWRU5UX1RZUEVfSEFORE9GRl9SRVFVRVNURUQQBRIWChJFVkVOVF9UWVBFX1JFTkVXRUQQBjKsBgoMTGVhc2VTZXJ2aWNlEkYKB0FjcXVpcmUSHC5sZWFzZWhvbGQudjEuQWNxdWlyZVJlcXVlc3QaHS5sZWFzZWhvbGQudjEuQWNxdWlyZVJlc3BvbnNlEkAKBVJlbmV3EhoubGVhc2Vob2xkLnYxLlJlbmV3UmVxdWVzdBobLmxlYXNlaG9sZC52MS5SZW5ld1Jlc3BvbnNlEkYKB1JlbGVhc2USHC5sZWFzZWhvbGQudjEuUmVsZWFzZVJlcXVlc3QaHS5sZWFzZWhvbGQudjEuUmVsZWFzZVJlc3BvbnNlEjoKA0dldBIYLmxlYXNlaG9sZC52MS5HZXRSZXF1ZXN0GhkubGVhc2Vob2xkLnYxLkdldFJlc3BvbnNlEj0KBExpc3QSGS5sZWFzZWhvbGQudjEuTGlzdFJlcXVlc3QaGi5sZWFzZWhvbGQudjEuTGlzdFJlc3BvbnNlElAKCUtlZXBBbGl2ZRIeLmxlYXNlaG9sZC52MS5LZWVwQWxpdmVSZXF1ZXN0Gh8ubGVhc2Vob2xkLnYxLktlZXBBbGl2ZVJlc3BvbnNlKAEwARJCCgVXYXRjaBIaLmxlYXNlaG9sZC52MS5XYXRjaFJlcXVlc3QaGy5sZWFzZWhvbGQudjEuV2F0Y2hSZXNwb25zZTABElsKDlJlcXVlc3RIYW5kb2ZmEiMubGVhc2Vob2xkLnYxLlJlcXVlc3RIYW5kb2ZmUmVxdWVzdBokLmxlYXNlaG9sZC52MS5SZXF1ZXN0SGFuZG9mZlJlc3BvbnNlEkYKB0hpc3RvcnkSHC5sZWFzZWhvbGQudjEuSGlzdG9yeVJlcXVlc3QaHS5sZWFzZWhvbGQudjEuSGlzdG9yeVJlc3BvbnNlEk8KCkNoZWNrRmVuY2USHy5sZWFzZWhvbGQudjEuQ2hlY2tGZW5jZVJlcXVlc3QaIC5sZWFzZWhvbGQudjEuQ2hlY2tGZW5jZVJlc3BvbnNlEkMKBlJldm9rZRIbLmxlYXNlaG9sZC52MS5SZXZva2VSZXF1ZXN0GhwubGVhc2Vob2xkLnYxLlJldm9rZVJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChhsZWFzZWhvbGQvdjEvbGVhc2UucHJvdG8SDGxlYXNlaG9sZC52MSI0CgpTZXNzaW9uS2V5EhIKCmFjY291bnRfaWQYASABKAkSEgoKc2Vzc2lvbl9pZBgCIAEoCSKvAgoFTGVhc2USJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJEhUKDWZlbmNpbmdfdG9rZW4YAyABKAMSDgoGaG9sZGVyGAQgASgJEiYKA3R0bBgFIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIvCgthY3F1aXJlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoJcmVtYWluaW5nGAggASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhEKCWtlZXBlcl9pZBgJIAEoCSK7AQoOQWNxdWlyZVJlcXVlc3QSJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJEiYKA3R0bBgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhInCgR3YWl0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBmhvbGRlchgFIAEoCRIRCglrZWVwZXJfaWQYBiABKAkiowEKD0FjcXVpcmVSZXNwb25zZRIQCghhY3F1aXJlZBgBIAEoCBIiCgVsZWFzZRgCIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZRIkCgdjdXJyZW50GAMgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlEjQKEGxvY2tfZGVsYXlfdW50aWwYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIm0KDFJlbmV3UmVxdWVzdBIlCgNrZXkYASABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIOCgZydW5faWQYAiABKAkSJgoDdHRsGAMgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjMKDVJlbmV3UmVzcG9uc2USIgoFbGVhc2UYASABKAsyEy5sZWFzZWhvbGQudjEuTGVhc2UiRwoOUmVsZWFzZVJlcXVlc3QSJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJIiMKD1JlbGVhc2VSZXNwb25zZRIQCghyZWxlYXNlZBgBIAEoCCIzCgpHZXRSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5InUKC0dldFJlc3BvbnNlEgwKBGhlbGQYASABKAgSIgoFbGVhc2UYAiABKAsyEy5sZWFzZWhvbGQudjEuTGVhc2USNAoQbG9ja19kZWxheV91bnRpbBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiSAoLTGlzdFJlcXVlc3QSEgoKYWNjb3VudF9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJMCgxMaXN0UmVzcG9uc2USIwoGbGVhc2VzGAEgAygLMhMubGVhc2Vob2xkLnYxLkxlYXNlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJxChBLZWVwQWxpdmVSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJ1bl9pZBgCIAEoCRImCgN0dGwYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24i2wEKEUtlZXBBbGl2ZVJlc3BvbnNlEiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJ1bl9pZBgCIAEoCRIkCgVsZWFzZRgDIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZUgAEiIKBGxvc3QYBCABKAsyEi5sZWFzZWhvbGQudjEuTG9zdEgAEjsKEWhhbmRvZmZfcmVxdWVzdGVkGAUgASgLMh4ubGVhc2Vob2xkLnYxLkhhbmRvZmZSZXF1ZXN0ZWRIAEIICgZyZXN1bHQiMAoETG9zdBIoCgZyZWFzb24YASABKA4yGC5sZWFzZWhvbGQudjEuTG9zc1JlYXNvbiJuChBIYW5kb2ZmUmVxdWVzdGVkEhgKEHJlcXVlc3Rlcl9ob2xkZXIYASABKAkSDgoGcmVhc29uGAIgASgJEjAKDHJlcXVlc3RlZF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiTwoMV2F0Y2hSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhgKEGluY2x1ZGVfcmVuZXdhbHMYAiABKAgiaQoNV2F0Y2hSZXNwb25zZRIqCghzbmFwc2hvdBgBIAEoCzIWLmxlYXNlaG9sZC52MS5TbmFwc2hvdEgAEiQKBWV2ZW50GAIgASgLMhMubGVhc2Vob2xkLnYxLkV2ZW50SABCBgoEa2luZCJXCghTbmFwc2hvdBIjCgZsZWFzZXMYASADKAsyEy5sZWFzZWhvbGQudjEuTGVhc2USJgoCYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIo4CCgVFdmVudBIlCgR0eXBlGAEgASgOMhcubGVhc2Vob2xkLnYxLkV2ZW50VHlwZRIlCgNrZXkYAiABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIOCgZydW5faWQYAyABKAkSFQoNZmVuY2luZ190b2tlbhgEIAEoAxIOCgZob2xkZXIYBSABKAkSDgoGcmVhc29uGAYgASgJEiYKAmF0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIiCgVsZWFzZRgIIAEoCzITLmxlYXNlaG9sZC52MS5MZWFzZRIYChByZXF1ZXN0ZXJfaG9sZGVyGAkgASgJEgoKAmlkGAogASgDImgKFVJlcXVlc3RIYW5kb2ZmUmVxdWVzdBIlCgNrZXkYASABKAsyGC5sZWFzZWhvbGQudjEuU2Vzc2lvbktleRIYChByZXF1ZXN0ZXJfaG9sZGVyGAIgASgJEg4KBnJlYXNvbhgDIAEoCSJRChZSZXF1ZXN0SGFuZG9mZlJlc3BvbnNlEhEKCWRlbGl2ZXJlZBgBIAEoCBIkCgdjdXJyZW50GAIgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlIl4KDkhpc3RvcnlSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIk8KD0hpc3RvcnlSZXNwb25zZRIjCgZldmVudHMYASADKAsyEy5sZWFzZWhvbGQudjEuRXZlbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIlEKEUNoZWNrRmVuY2VSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5EhUKDWZlbmNpbmdfdG9rZW4YAiABKAMiPAoSQ2hlY2tGZW5jZVJlc3BvbnNlEg8KB2N1cnJlbnQYASABKAgSFQoNaGlnaGVzdF90b2tlbhgCIAEoAyJGCg1SZXZva2VSZXF1ZXN0EiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJlYXNvbhgCIAEoCSJFCg5SZXZva2VSZXNwb25zZRIPCgdyZXZva2VkGAEgASgIEiIKBWxlYXNlGAIgASgLMhMubGVhc2Vob2xkLnYxLkxlYXNlIoQCCgZLZWVwZXISEQoJa2VlcGVyX2lkGAEgASgJEhIKCmFjY291bnRfaWQYAiABKAkSDgoGaG9sZGVyGAMgASgJEiYKA3R0bBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhItCgpsb2NrX2RlbGF5GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEi4KCmV4cGlyZXNfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCXJlbWFpbmluZxgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZsZWFzZXMYCCABKAUimgEKCk9wZW5LZWVwZXISEgoKYWNjb3VudF9pZBgBIAEoCRIRCglrZWVwZXJfaWQYAiABKAkSDgoGaG9sZGVyGAMgASgJEiYKA3R0bBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhItCgpsb2NrX2RlbGF5GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjMKCUhlYXJ0YmVhdBImCgN0dGwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iDQoLQ2xvc2VLZWVwZXIirgIKC0tlZXBSZXF1ZXN0EgoKAmlkGAEgASgEEigKBG9wZW4YAiABKAsyGC5sZWFzZWhvbGQudjEuT3BlbktlZXBlckgAEiwKCWhlYXJ0YmVhdBgDIAEoCzIXLmxlYXNlaG9sZC52MS5IZWFydGJlYXRIABIvCgdhY3F1aXJlGAQgASgLMhwubGVhc2Vob2xkLnYxLkFjcXVpcmVSZXF1ZXN0SAASLwoHcmVsZWFzZRgFIAEoCzIcLmxlYXNlaG9sZC52MS5SZWxlYXNlUmVxdWVzdEgAEicKA2dldBgGIAEoCzIYLmxlYXNlaG9sZC52MS5HZXRSZXF1ZXN0SAASKgoFY2xvc2UYByABKAsyGS5sZWFzZWhvbGQudjEuQ2xvc2VLZWVwZXJIAEIECgJvcCKhAwoMS2VlcFJlc3BvbnNlEgoKAmlkGAEgASgEEiYKBmtlZXBlchgCIAEoCzIULmxlYXNlaG9sZC52MS5LZWVwZXJIABIwCgdhY3F1aXJlGAMgASgLMh0ubGVhc2Vob2xkLnYxLkFjcXVpcmVSZXNwb25zZUgAEjAKB3JlbGVhc2UYBCABKAsyHS5sZWFzZWhvbGQudjEuUmVsZWFzZVJlc3BvbnNlSAASKAoDZ2V0GAUgASgLMhkubGVhc2Vob2xkLnYxLkdldFJlc3BvbnNlSAASIwoFZXJyb3IYBiABKAsyEi5nb29nbGUucnBjLlN0YXR1c0gAEjMKCmxlYXNlX2xvc3QYByABKAsyHS5sZWFzZWhvbGQudjEuS2VlcGVyTGVhc2VMb3N0SAASQQoRaGFuZG9mZl9yZXF1ZXN0ZWQYCCABKAsyJC5sZWFzZWhvbGQudjEuS2VlcGVySGFuZG9mZlJlcXVlc3RlZEgAEigKBGxvc3QYCSABKAsyGC5sZWFzZWhvbGQudjEuS2VlcGVyTG9zdEgAQggKBnJlc3VsdCJyCg9LZWVwZXJMZWFzZUxvc3QSJQoDa2V5GAEgASgLMhgubGVhc2Vob2xkLnYxLlNlc3Npb25LZXkSDgoGcnVuX2lkGAIgASgJEigKBnJlYXNvbhgDIAEoDjIYLmxlYXNlaG9sZC52MS5Mb3NzUmVhc29uIoABChZLZWVwZXJIYW5kb2ZmUmVxdWVzdGVkEiUKA2tleRgBIAEoCzIYLmxlYXNlaG9sZC52MS5TZXNzaW9uS2V5Eg4KBnJ1bl9pZBgCIAEoCRIvCgdyZXF1ZXN0GAMgASgLMh4ubGVhc2Vob2xkLnYxLkhhbmRvZmZSZXF1ZXN0ZWQiRgoKS2VlcGVyTG9zdBIoCgZyZWFzb24YASABKA4yGC5sZWFzZWhvbGQudjEuTG9zc1JlYXNvbhIOCgZkZXRhaWwYAiABKAkiTAoTUmV2b2tlS2VlcGVyUmVxdWVzdBISCgphY2NvdW50X2lkGAEgASgJEhEKCWtlZXBlcl9pZBgCIAEoCRIOCgZyZWFzb24YAyABKAkiPwoUUmV2b2tlS2VlcGVyUmVzcG9uc2USDwoHcmV2b2tlZBgBIAEoCBIWCg5sZWFzZXNfcmV2b2tlZBgCIAEoBSqsAQoKTG9zc1JlYXNvbhIbChdMT1NTX1JFQVNPTl9VTlNQRUNJRklFRBAAEhcKE0xPU1NfUkVBU09OX0VYUElSRUQQARIYChRMT1NTX1JFQVNPTl9SRUxFQVNFRBACEhoKFkxPU1NfUkVBU09OX1RBS0VOX09WRVIQAxIXChNMT1NTX1JFQVNPTl9SRVZPS0VEEAQSGQoVTE9TU19SRUFTT05fTk9UX0ZPVU5EEAUqwwEKCUV2ZW50VHlwZRIaChZFVkVOVF9UWVBFX1VOU1BFQ0lGSUVEEAASFwoTRVZFTlRfVFlQRV9BQ1FVSVJFRBABEhcKE0VWRU5UX1RZUEVfUkVMRUFTRUQQAhIWChJFVkVOVF9UWVBFX0VYUElSRUQQAxIWChJFVkVOVF9UWVBFX1JFVk9LRUQQBBIgChxFVkVOVF9UWVBFX0hBTkRPRkZfUkVRVUVTVEVEEAUSFgoSRVZFTlRfVFlQRV9SRU5FV0VEEAYyxgcKDExlYXNlU2VydmljZRJGCgdBY3F1aXJlEhwubGVhc2Vob2xkLnYxLkFjcXVpcmVSZXF1ZXN0Gh0ubGVhc2Vob2xkLnYxLkFjcXVpcmVSZXNwb25zZRJACgVSZW5ldxIaLmxlYXNlaG9sZC52MS5SZW5ld1JlcXVlc3QaGy5sZWFzZWhvbGQudjEuUmVuZXdSZXNwb25zZRJGCgdSZWxlYXNlEhwubGVhc2Vob2xkLnYxLlJlbGVhc2VSZXF1ZXN0Gh0ubGVhc2Vob2xkLnYxLlJlbGVhc2VSZXNwb25zZRI6CgNHZXQSGC5sZWFzZWhvbGQudjEuR2V0UmVxdWVzdBoZLmxlYXNlaG9sZC52MS5HZXRSZXNwb25zZRI9CgRMaXN0EhkubGVhc2Vob2xkLnYxLkxpc3RSZXF1ZXN0GhoubGVhc2Vob2xkLnYxLkxpc3RSZXNwb25zZRJQCglLZWVwQWxpdmUSHi5sZWFzZWhvbGQudjEuS2VlcEFsaXZlUmVxdWVzdBofLmxlYXNlaG9sZC52MS5LZWVwQWxpdmVSZXNwb25zZSgBMAESQgoFV2F0Y2gSGi5sZWFzZWhvbGQudjEuV2F0Y2hSZXF1ZXN0GhsubGVhc2Vob2xkLnYxLldhdGNoUmVzcG9uc2UwARJbCg5SZXF1ZXN0SGFuZG9mZhIjLmxlYXNlaG9sZC52MS5SZXF1ZXN0SGFuZG9mZlJlcXVlc3QaJC5sZWFzZWhvbGQudjEuUmVxdWVzdEhhbmRvZmZSZXNwb25zZRJGCgdIaXN0b3J5EhwubGVhc2Vob2xkLnYxLkhpc3RvcnlSZXF1ZXN0Gh0ubGVhc2Vob2xkLnYxLkhpc3RvcnlSZXNwb25zZRJPCgpDaGVja0ZlbmNlEh8ubGVhc2Vob2xkLnYxLkNoZWNrRmVuY2VSZXF1ZXN0GiAubGVhc2Vob2xkLnYxLkNoZWNrRmVuY2VSZXNwb25zZRJDCgZSZXZva2USGy5sZWFzZWhvbGQudjEuUmV2b2tlUmVxdWVzdBocLmxlYXNlaG9sZC52MS5SZXZva2VSZXNwb25zZRJBCgRLZWVwEhkubGVhc2Vob2xkLnYxLktlZXBSZXF1ZXN0GhoubGVhc2Vob2xkLnYxLktlZXBSZXNwb25zZSgBMAESVQoMUmV2b2tlS2VlcGVyEiEubGVhc2Vob2xkLnYxLlJldm9rZUtlZXBlclJlcXVlc3QaIi5sZWFzZWhvbGQudjEuUmV2b2tlS2VlcGVyUmVzcG9uc2ViBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_google_rpc_status]);
 
 /**
  * SessionKey names one logical session of one account.
@@ -92,6 +94,15 @@ export type Lease = Message<"leasehold.v1.Lease"> & {
    * @generated from field: google.protobuf.Duration remaining = 8;
    */
   remaining?: Duration | undefined;
+
+  /**
+   * The keeper the lease was acquired on; empty for a lease of its own. A
+   * keeper's lease lives as long as its keeper (expires_at and remaining are
+   * the keeper's), ended earlier only by its Release or a Revoke.
+   *
+   * @generated from field: string keeper_id = 9;
+   */
+  keeperId: string;
 };
 
 /**
@@ -134,6 +145,16 @@ export type AcquireRequest = Message<"leasehold.v1.AcquireRequest"> & {
    * @generated from field: string holder = 5;
    */
   holder: string;
+
+  /**
+   * Optional. Acquire on this keeper (of the same account): the lease lives
+   * as long as the keeper, and `ttl` must be unset. On a Keep stream, the
+   * stream's keeper is meant when it is empty, and it must be that keeper's
+   * id when set.
+   *
+   * @generated from field: string keeper_id = 6;
+   */
+  keeperId: string;
 };
 
 /**
@@ -165,6 +186,15 @@ export type AcquireResponse = Message<"leasehold.v1.AcquireResponse"> & {
    * @generated from field: leasehold.v1.Lease current = 3;
    */
   current?: Lease | undefined;
+
+  /**
+   * When not acquired because the key's last lease was on a keeper that
+   * expired and its lock-delay is still running: when the delay ends, on the
+   * database clock. `current` is then empty.
+   *
+   * @generated from field: google.protobuf.Timestamp lock_delay_until = 4;
+   */
+  lockDelayUntil?: Timestamp | undefined;
 };
 
 /**
@@ -289,6 +319,14 @@ export type GetResponse = Message<"leasehold.v1.GetResponse"> & {
    * @generated from field: leasehold.v1.Lease lease = 2;
    */
   lease?: Lease | undefined;
+
+  /**
+   * When the session is not held but its last lease was on a keeper that
+   * expired and its lock-delay is still running: when the delay ends.
+   *
+   * @generated from field: google.protobuf.Timestamp lock_delay_until = 3;
+   */
+  lockDelayUntil?: Timestamp | undefined;
 };
 
 /**
@@ -817,6 +855,441 @@ export const RevokeResponseSchema: GenMessage<RevokeResponse> = /*@__PURE__*/
   messageDesc(file_leasehold_v1_lease, 27);
 
 /**
+ * Keeper is the state of one keeper.
+ *
+ * @generated from message leasehold.v1.Keeper
+ */
+export type Keeper = Message<"leasehold.v1.Keeper"> & {
+  /**
+   * @generated from field: string keeper_id = 1;
+   */
+  keeperId: string;
+
+  /**
+   * @generated from field: string account_id = 2;
+   */
+  accountId: string;
+
+  /**
+   * @generated from field: string holder = 3;
+   */
+  holder: string;
+
+  /**
+   * @generated from field: google.protobuf.Duration ttl = 4;
+   */
+  ttl?: Duration | undefined;
+
+  /**
+   * After the keeper expires (not after a close or a revoke), none of its
+   * keys is granted to another run before this has passed.
+   *
+   * @generated from field: google.protobuf.Duration lock_delay = 5;
+   */
+  lockDelay?: Duration | undefined;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp expires_at = 6;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * Time left, computed by the database when the answer was made. Clients
+   * set the local deadline of every lease on the keeper from this.
+   *
+   * @generated from field: google.protobuf.Duration remaining = 7;
+   */
+  remaining?: Duration | undefined;
+
+  /**
+   * Open leases on the keeper when the answer was made.
+   *
+   * @generated from field: int32 leases = 8;
+   */
+  leases: number;
+};
+
+/**
+ * Describes the message leasehold.v1.Keeper.
+ * Use `create(KeeperSchema)` to create a new message.
+ */
+export const KeeperSchema: GenMessage<Keeper> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 28);
+
+/**
+ * OpenKeeper is the first request of a Keep stream.
+ *
+ * @generated from message leasehold.v1.OpenKeeper
+ */
+export type OpenKeeper = Message<"leasehold.v1.OpenKeeper"> & {
+  /**
+   * @generated from field: string account_id = 1;
+   */
+  accountId: string;
+
+  /**
+   * Optional. A UUID chosen by the client: a new keeper with that id, or, when
+   * a valid keeper of the account has it, a re-attach to that keeper (after
+   * a cut stream, on any instance), keeping every lease on it. Empty: the
+   * server makes one.
+   *
+   * @generated from field: string keeper_id = 2;
+   */
+  keeperId: string;
+
+  /**
+   * @generated from field: string holder = 3;
+   */
+  holder: string;
+
+  /**
+   * The keeper's TTL, within the server's TTL bounds. On a re-attach it
+   * replaces the keeper's TTL when set.
+   *
+   * @generated from field: google.protobuf.Duration ttl = 4;
+   */
+  ttl?: Duration | undefined;
+
+  /**
+   * Optional, 0 to the server's maximum (default 60 s). Ignored on a re-attach.
+   *
+   * @generated from field: google.protobuf.Duration lock_delay = 5;
+   */
+  lockDelay?: Duration | undefined;
+};
+
+/**
+ * Describes the message leasehold.v1.OpenKeeper.
+ * Use `create(OpenKeeperSchema)` to create a new message.
+ */
+export const OpenKeeperSchema: GenMessage<OpenKeeper> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 29);
+
+/**
+ * Heartbeat renews the keeper, and with it every lease on it.
+ *
+ * @generated from message leasehold.v1.Heartbeat
+ */
+export type Heartbeat = Message<"leasehold.v1.Heartbeat"> & {
+  /**
+   * Optional. A new TTL for the keeper; its TTL is kept when unset.
+   *
+   * @generated from field: google.protobuf.Duration ttl = 1;
+   */
+  ttl?: Duration | undefined;
+};
+
+/**
+ * Describes the message leasehold.v1.Heartbeat.
+ * Use `create(HeartbeatSchema)` to create a new message.
+ */
+export const HeartbeatSchema: GenMessage<Heartbeat> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 30);
+
+/**
+ * CloseKeeper releases every lease on the keeper and ends it (no lock-delay).
+ * The stream ends after its answer.
+ *
+ * @generated from message leasehold.v1.CloseKeeper
+ */
+export type CloseKeeper = Message<"leasehold.v1.CloseKeeper"> & {
+};
+
+/**
+ * Describes the message leasehold.v1.CloseKeeper.
+ * Use `create(CloseKeeperSchema)` to create a new message.
+ */
+export const CloseKeeperSchema: GenMessage<CloseKeeper> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 31);
+
+/**
+ * @generated from message leasehold.v1.KeepRequest
+ */
+export type KeepRequest = Message<"leasehold.v1.KeepRequest"> & {
+  /**
+   * Chosen by the client, echoed in the answer; not reused on one stream
+   * while its request is in flight.
+   *
+   * @generated from field: uint64 id = 1;
+   */
+  id: bigint;
+
+  /**
+   * @generated from oneof leasehold.v1.KeepRequest.op
+   */
+  op: {
+    /**
+     * @generated from field: leasehold.v1.OpenKeeper open = 2;
+     */
+    value: OpenKeeper;
+    case: "open";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.Heartbeat heartbeat = 3;
+     */
+    value: Heartbeat;
+    case: "heartbeat";
+  } | {
+    /**
+     * key, run_id, wait, holder, keeper_id (empty: this keeper); ttl unset.
+     *
+     * @generated from field: leasehold.v1.AcquireRequest acquire = 4;
+     */
+    value: AcquireRequest;
+    case: "acquire";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.ReleaseRequest release = 5;
+     */
+    value: ReleaseRequest;
+    case: "release";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.GetRequest get = 6;
+     */
+    value: GetRequest;
+    case: "get";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.CloseKeeper close = 7;
+     */
+    value: CloseKeeper;
+    case: "close";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message leasehold.v1.KeepRequest.
+ * Use `create(KeepRequestSchema)` to create a new message.
+ */
+export const KeepRequestSchema: GenMessage<KeepRequest> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 32);
+
+/**
+ * @generated from message leasehold.v1.KeepResponse
+ */
+export type KeepResponse = Message<"leasehold.v1.KeepResponse"> & {
+  /**
+   * The request answered; 0 for what the server says unasked (lease_lost,
+   * handoff_requested, lost).
+   *
+   * @generated from field: uint64 id = 1;
+   */
+  id: bigint;
+
+  /**
+   * @generated from oneof leasehold.v1.KeepResponse.result
+   */
+  result: {
+    /**
+     * The keeper after an open, a heartbeat or a close.
+     *
+     * @generated from field: leasehold.v1.Keeper keeper = 2;
+     */
+    value: Keeper;
+    case: "keeper";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.AcquireResponse acquire = 3;
+     */
+    value: AcquireResponse;
+    case: "acquire";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.ReleaseResponse release = 4;
+     */
+    value: ReleaseResponse;
+    case: "release";
+  } | {
+    /**
+     * @generated from field: leasehold.v1.GetResponse get = 5;
+     */
+    value: GetResponse;
+    case: "get";
+  } | {
+    /**
+     * The request was refused: its code (INVALID_ARGUMENT naming the field,
+     * FAILED_PRECONDITION, RESOURCE_EXHAUSTED, PERMISSION_DENIED, …), message
+     * and details (google.rpc.ErrorInfo), as a unary call's error. The keeper
+     * and the stream go on.
+     *
+     * @generated from field: google.rpc.Status error = 6;
+     */
+    value: Status;
+    case: "error";
+  } | {
+    /**
+     * One lease of the keeper ended without its Release (an admin Revoke):
+     * that run never holds the session again.
+     *
+     * @generated from field: leasehold.v1.KeeperLeaseLost lease_lost = 7;
+     */
+    value: KeeperLeaseLost;
+    case: "leaseLost";
+  } | {
+    /**
+     * Someone asked the run holding one of the keeper's leases to finish.
+     *
+     * @generated from field: leasehold.v1.KeeperHandoffRequested handoff_requested = 8;
+     */
+    value: KeeperHandoffRequested;
+    case: "handoffRequested";
+  } | {
+    /**
+     * The keeper ended (expired, revoked): every lease on it ended with it.
+     * The stream ends after this.
+     *
+     * @generated from field: leasehold.v1.KeeperLost lost = 9;
+     */
+    value: KeeperLost;
+    case: "lost";
+  } | { case: undefined; value?: undefined };
+};
+
+/**
+ * Describes the message leasehold.v1.KeepResponse.
+ * Use `create(KeepResponseSchema)` to create a new message.
+ */
+export const KeepResponseSchema: GenMessage<KeepResponse> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 33);
+
+/**
+ * @generated from message leasehold.v1.KeeperLeaseLost
+ */
+export type KeeperLeaseLost = Message<"leasehold.v1.KeeperLeaseLost"> & {
+  /**
+   * @generated from field: leasehold.v1.SessionKey key = 1;
+   */
+  key?: SessionKey | undefined;
+
+  /**
+   * @generated from field: string run_id = 2;
+   */
+  runId: string;
+
+  /**
+   * @generated from field: leasehold.v1.LossReason reason = 3;
+   */
+  reason: LossReason;
+};
+
+/**
+ * Describes the message leasehold.v1.KeeperLeaseLost.
+ * Use `create(KeeperLeaseLostSchema)` to create a new message.
+ */
+export const KeeperLeaseLostSchema: GenMessage<KeeperLeaseLost> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 34);
+
+/**
+ * @generated from message leasehold.v1.KeeperHandoffRequested
+ */
+export type KeeperHandoffRequested = Message<"leasehold.v1.KeeperHandoffRequested"> & {
+  /**
+   * @generated from field: leasehold.v1.SessionKey key = 1;
+   */
+  key?: SessionKey | undefined;
+
+  /**
+   * @generated from field: string run_id = 2;
+   */
+  runId: string;
+
+  /**
+   * @generated from field: leasehold.v1.HandoffRequested request = 3;
+   */
+  request?: HandoffRequested | undefined;
+};
+
+/**
+ * Describes the message leasehold.v1.KeeperHandoffRequested.
+ * Use `create(KeeperHandoffRequestedSchema)` to create a new message.
+ */
+export const KeeperHandoffRequestedSchema: GenMessage<KeeperHandoffRequested> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 35);
+
+/**
+ * @generated from message leasehold.v1.KeeperLost
+ */
+export type KeeperLost = Message<"leasehold.v1.KeeperLost"> & {
+  /**
+   * LOSS_REASON_EXPIRED or LOSS_REASON_REVOKED (LOSS_REASON_NOT_FOUND for a
+   * keeper that does not exist any more).
+   *
+   * @generated from field: leasehold.v1.LossReason reason = 1;
+   */
+  reason: LossReason;
+
+  /**
+   * The revoke's reason, when revoked.
+   *
+   * @generated from field: string detail = 2;
+   */
+  detail: string;
+};
+
+/**
+ * Describes the message leasehold.v1.KeeperLost.
+ * Use `create(KeeperLostSchema)` to create a new message.
+ */
+export const KeeperLostSchema: GenMessage<KeeperLost> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 36);
+
+/**
+ * @generated from message leasehold.v1.RevokeKeeperRequest
+ */
+export type RevokeKeeperRequest = Message<"leasehold.v1.RevokeKeeperRequest"> & {
+  /**
+   * The keeper's account (where the server's access rule reads it).
+   *
+   * @generated from field: string account_id = 1;
+   */
+  accountId: string;
+
+  /**
+   * @generated from field: string keeper_id = 2;
+   */
+  keeperId: string;
+
+  /**
+   * @generated from field: string reason = 3;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message leasehold.v1.RevokeKeeperRequest.
+ * Use `create(RevokeKeeperRequestSchema)` to create a new message.
+ */
+export const RevokeKeeperRequestSchema: GenMessage<RevokeKeeperRequest> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 37);
+
+/**
+ * @generated from message leasehold.v1.RevokeKeeperResponse
+ */
+export type RevokeKeeperResponse = Message<"leasehold.v1.RevokeKeeperResponse"> & {
+  /**
+   * False when the keeper had already ended.
+   *
+   * @generated from field: bool revoked = 1;
+   */
+  revoked: boolean;
+
+  /**
+   * The leases the revoke ended.
+   *
+   * @generated from field: int32 leases_revoked = 2;
+   */
+  leasesRevoked: number;
+};
+
+/**
+ * Describes the message leasehold.v1.RevokeKeeperResponse.
+ * Use `create(RevokeKeeperResponseSchema)` to create a new message.
+ */
+export const RevokeKeeperResponseSchema: GenMessage<RevokeKeeperResponse> = /*@__PURE__*/
+  messageDesc(file_leasehold_v1_lease, 38);
+
+/**
  * Why a run no longer holds its lease.
  *
  * @generated from enum leasehold.v1.LossReason
@@ -1030,6 +1503,30 @@ export const LeaseService: GenService<{
     methodKind: "unary";
     input: typeof RevokeRequestSchema;
     output: typeof RevokeResponseSchema;
+  },
+  /**
+   * Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+   * its leases' operations, one stream per keeper (docs/keepers.md). Every
+   * request is answered, by its id, in any order; bad input in one request
+   * is answered in that request's `error`, and the keeper goes on.
+   *
+   * @generated from rpc leasehold.v1.LeaseService.Keep
+   */
+  keep: {
+    methodKind: "bidi_streaming";
+    input: typeof KeepRequestSchema;
+    output: typeof KeepResponseSchema;
+  },
+  /**
+   * RevokeKeeper ends a keeper and every lease on it, regardless of its
+   * holder. Admin scope only; audited (one REVOKED row per lease).
+   *
+   * @generated from rpc leasehold.v1.LeaseService.RevokeKeeper
+   */
+  revokeKeeper: {
+    methodKind: "unary";
+    input: typeof RevokeKeeperRequestSchema;
+    output: typeof RevokeKeeperResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_leasehold_v1_lease, 0);

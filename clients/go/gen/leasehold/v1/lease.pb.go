@@ -7,6 +7,7 @@
 package leaseholdv1
 
 import (
+	status "google.golang.org/genproto/googleapis/rpc/status"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
@@ -211,7 +212,11 @@ type Lease struct {
 	ExpiresAt  *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
 	// Time left, computed by the database when the answer was made. Clients
 	// set local deadlines from this, not from expires_at.
-	Remaining     *durationpb.Duration `protobuf:"bytes,8,opt,name=remaining,proto3" json:"remaining,omitempty"`
+	Remaining *durationpb.Duration `protobuf:"bytes,8,opt,name=remaining,proto3" json:"remaining,omitempty"`
+	// The keeper the lease was acquired on; empty for a lease of its own. A
+	// keeper's lease lives as long as its keeper (expires_at and remaining are
+	// the keeper's), ended earlier only by its Release or a Revoke.
+	KeeperId      string `protobuf:"bytes,9,opt,name=keeper_id,json=keeperId,proto3" json:"keeper_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -302,6 +307,13 @@ func (x *Lease) GetRemaining() *durationpb.Duration {
 	return nil
 }
 
+func (x *Lease) GetKeeperId() string {
+	if x != nil {
+		return x.KeeperId
+	}
+	return ""
+}
+
 type AcquireRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Key   *SessionKey            `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
@@ -310,8 +322,13 @@ type AcquireRequest struct {
 	RunId string               `protobuf:"bytes,2,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
 	Ttl   *durationpb.Duration `protobuf:"bytes,3,opt,name=ttl,proto3" json:"ttl,omitempty"`
 	// Optional. How long to wait for the session to become free.
-	Wait          *durationpb.Duration `protobuf:"bytes,4,opt,name=wait,proto3" json:"wait,omitempty"`
-	Holder        string               `protobuf:"bytes,5,opt,name=holder,proto3" json:"holder,omitempty"`
+	Wait   *durationpb.Duration `protobuf:"bytes,4,opt,name=wait,proto3" json:"wait,omitempty"`
+	Holder string               `protobuf:"bytes,5,opt,name=holder,proto3" json:"holder,omitempty"`
+	// Optional. Acquire on this keeper (of the same account): the lease lives
+	// as long as the keeper, and `ttl` must be unset. On a Keep stream, the
+	// stream's keeper is meant when it is empty, and it must be that keeper's
+	// id when set.
+	KeeperId      string `protobuf:"bytes,6,opt,name=keeper_id,json=keeperId,proto3" json:"keeper_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -381,15 +398,26 @@ func (x *AcquireRequest) GetHolder() string {
 	return ""
 }
 
+func (x *AcquireRequest) GetKeeperId() string {
+	if x != nil {
+		return x.KeeperId
+	}
+	return ""
+}
+
 type AcquireResponse struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
 	Acquired bool                   `protobuf:"varint,1,opt,name=acquired,proto3" json:"acquired,omitempty"`
 	// The granted lease, when acquired.
 	Lease *Lease `protobuf:"bytes,2,opt,name=lease,proto3" json:"lease,omitempty"`
 	// The valid lease that blocked the grant, when not acquired.
-	Current       *Lease `protobuf:"bytes,3,opt,name=current,proto3" json:"current,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Current *Lease `protobuf:"bytes,3,opt,name=current,proto3" json:"current,omitempty"`
+	// When not acquired because the key's last lease was on a keeper that
+	// expired and its lock-delay is still running: when the delay ends, on the
+	// database clock. `current` is then empty.
+	LockDelayUntil *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=lock_delay_until,json=lockDelayUntil,proto3" json:"lock_delay_until,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *AcquireResponse) Reset() {
@@ -439,6 +467,13 @@ func (x *AcquireResponse) GetLease() *Lease {
 func (x *AcquireResponse) GetCurrent() *Lease {
 	if x != nil {
 		return x.Current
+	}
+	return nil
+}
+
+func (x *AcquireResponse) GetLockDelayUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LockDelayUntil
 	}
 	return nil
 }
@@ -689,11 +724,14 @@ func (x *GetRequest) GetKey() *SessionKey {
 }
 
 type GetResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Held          bool                   `protobuf:"varint,1,opt,name=held,proto3" json:"held,omitempty"`
-	Lease         *Lease                 `protobuf:"bytes,2,opt,name=lease,proto3" json:"lease,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Held  bool                   `protobuf:"varint,1,opt,name=held,proto3" json:"held,omitempty"`
+	Lease *Lease                 `protobuf:"bytes,2,opt,name=lease,proto3" json:"lease,omitempty"`
+	// When the session is not held but its last lease was on a keeper that
+	// expired and its lock-delay is still running: when the delay ends.
+	LockDelayUntil *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=lock_delay_until,json=lockDelayUntil,proto3" json:"lock_delay_until,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *GetResponse) Reset() {
@@ -736,6 +774,13 @@ func (x *GetResponse) GetHeld() bool {
 func (x *GetResponse) GetLease() *Lease {
 	if x != nil {
 		return x.Lease
+	}
+	return nil
+}
+
+func (x *GetResponse) GetLockDelayUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LockDelayUntil
 	}
 	return nil
 }
@@ -1881,17 +1926,936 @@ func (x *RevokeResponse) GetLease() *Lease {
 	return nil
 }
 
+// Keeper is the state of one keeper.
+type Keeper struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	KeeperId  string                 `protobuf:"bytes,1,opt,name=keeper_id,json=keeperId,proto3" json:"keeper_id,omitempty"`
+	AccountId string                 `protobuf:"bytes,2,opt,name=account_id,json=accountId,proto3" json:"account_id,omitempty"`
+	Holder    string                 `protobuf:"bytes,3,opt,name=holder,proto3" json:"holder,omitempty"`
+	Ttl       *durationpb.Duration   `protobuf:"bytes,4,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// After the keeper expires (not after a close or a revoke), none of its
+	// keys is granted to another run before this has passed.
+	LockDelay *durationpb.Duration   `protobuf:"bytes,5,opt,name=lock_delay,json=lockDelay,proto3" json:"lock_delay,omitempty"`
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// Time left, computed by the database when the answer was made. Clients
+	// set the local deadline of every lease on the keeper from this.
+	Remaining *durationpb.Duration `protobuf:"bytes,7,opt,name=remaining,proto3" json:"remaining,omitempty"`
+	// Open leases on the keeper when the answer was made.
+	Leases        int32 `protobuf:"varint,8,opt,name=leases,proto3" json:"leases,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Keeper) Reset() {
+	*x = Keeper{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Keeper) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Keeper) ProtoMessage() {}
+
+func (x *Keeper) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Keeper.ProtoReflect.Descriptor instead.
+func (*Keeper) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *Keeper) GetKeeperId() string {
+	if x != nil {
+		return x.KeeperId
+	}
+	return ""
+}
+
+func (x *Keeper) GetAccountId() string {
+	if x != nil {
+		return x.AccountId
+	}
+	return ""
+}
+
+func (x *Keeper) GetHolder() string {
+	if x != nil {
+		return x.Holder
+	}
+	return ""
+}
+
+func (x *Keeper) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *Keeper) GetLockDelay() *durationpb.Duration {
+	if x != nil {
+		return x.LockDelay
+	}
+	return nil
+}
+
+func (x *Keeper) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
+func (x *Keeper) GetRemaining() *durationpb.Duration {
+	if x != nil {
+		return x.Remaining
+	}
+	return nil
+}
+
+func (x *Keeper) GetLeases() int32 {
+	if x != nil {
+		return x.Leases
+	}
+	return 0
+}
+
+// OpenKeeper is the first request of a Keep stream.
+type OpenKeeper struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	AccountId string                 `protobuf:"bytes,1,opt,name=account_id,json=accountId,proto3" json:"account_id,omitempty"`
+	// Optional. A UUID chosen by the client: a new keeper with that id, or, when
+	// a valid keeper of the account has it, a re-attach to that keeper (after
+	// a cut stream, on any instance), keeping every lease on it. Empty: the
+	// server makes one.
+	KeeperId string `protobuf:"bytes,2,opt,name=keeper_id,json=keeperId,proto3" json:"keeper_id,omitempty"`
+	Holder   string `protobuf:"bytes,3,opt,name=holder,proto3" json:"holder,omitempty"`
+	// The keeper's TTL, within the server's TTL bounds. On a re-attach it
+	// replaces the keeper's TTL when set.
+	Ttl *durationpb.Duration `protobuf:"bytes,4,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	// Optional, 0 to the server's maximum (default 60 s). Ignored on a re-attach.
+	LockDelay     *durationpb.Duration `protobuf:"bytes,5,opt,name=lock_delay,json=lockDelay,proto3" json:"lock_delay,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *OpenKeeper) Reset() {
+	*x = OpenKeeper{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *OpenKeeper) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*OpenKeeper) ProtoMessage() {}
+
+func (x *OpenKeeper) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use OpenKeeper.ProtoReflect.Descriptor instead.
+func (*OpenKeeper) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *OpenKeeper) GetAccountId() string {
+	if x != nil {
+		return x.AccountId
+	}
+	return ""
+}
+
+func (x *OpenKeeper) GetKeeperId() string {
+	if x != nil {
+		return x.KeeperId
+	}
+	return ""
+}
+
+func (x *OpenKeeper) GetHolder() string {
+	if x != nil {
+		return x.Holder
+	}
+	return ""
+}
+
+func (x *OpenKeeper) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+func (x *OpenKeeper) GetLockDelay() *durationpb.Duration {
+	if x != nil {
+		return x.LockDelay
+	}
+	return nil
+}
+
+// Heartbeat renews the keeper, and with it every lease on it.
+type Heartbeat struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Optional. A new TTL for the keeper; its TTL is kept when unset.
+	Ttl           *durationpb.Duration `protobuf:"bytes,1,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Heartbeat) Reset() {
+	*x = Heartbeat{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Heartbeat) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Heartbeat) ProtoMessage() {}
+
+func (x *Heartbeat) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Heartbeat.ProtoReflect.Descriptor instead.
+func (*Heartbeat) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *Heartbeat) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+// CloseKeeper releases every lease on the keeper and ends it (no lock-delay).
+// The stream ends after its answer.
+type CloseKeeper struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseKeeper) Reset() {
+	*x = CloseKeeper{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseKeeper) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseKeeper) ProtoMessage() {}
+
+func (x *CloseKeeper) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseKeeper.ProtoReflect.Descriptor instead.
+func (*CloseKeeper) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{31}
+}
+
+type KeepRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Chosen by the client, echoed in the answer; not reused on one stream
+	// while its request is in flight.
+	Id uint64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Op:
+	//
+	//	*KeepRequest_Open
+	//	*KeepRequest_Heartbeat
+	//	*KeepRequest_Acquire
+	//	*KeepRequest_Release
+	//	*KeepRequest_Get
+	//	*KeepRequest_Close
+	Op            isKeepRequest_Op `protobuf_oneof:"op"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeepRequest) Reset() {
+	*x = KeepRequest{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeepRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeepRequest) ProtoMessage() {}
+
+func (x *KeepRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeepRequest.ProtoReflect.Descriptor instead.
+func (*KeepRequest) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *KeepRequest) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *KeepRequest) GetOp() isKeepRequest_Op {
+	if x != nil {
+		return x.Op
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetOpen() *OpenKeeper {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Open); ok {
+			return x.Open
+		}
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetHeartbeat() *Heartbeat {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Heartbeat); ok {
+			return x.Heartbeat
+		}
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetAcquire() *AcquireRequest {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Acquire); ok {
+			return x.Acquire
+		}
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetRelease() *ReleaseRequest {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Release); ok {
+			return x.Release
+		}
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetGet() *GetRequest {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Get); ok {
+			return x.Get
+		}
+	}
+	return nil
+}
+
+func (x *KeepRequest) GetClose() *CloseKeeper {
+	if x != nil {
+		if x, ok := x.Op.(*KeepRequest_Close); ok {
+			return x.Close
+		}
+	}
+	return nil
+}
+
+type isKeepRequest_Op interface {
+	isKeepRequest_Op()
+}
+
+type KeepRequest_Open struct {
+	Open *OpenKeeper `protobuf:"bytes,2,opt,name=open,proto3,oneof"`
+}
+
+type KeepRequest_Heartbeat struct {
+	Heartbeat *Heartbeat `protobuf:"bytes,3,opt,name=heartbeat,proto3,oneof"`
+}
+
+type KeepRequest_Acquire struct {
+	// key, run_id, wait, holder, keeper_id (empty: this keeper); ttl unset.
+	Acquire *AcquireRequest `protobuf:"bytes,4,opt,name=acquire,proto3,oneof"`
+}
+
+type KeepRequest_Release struct {
+	Release *ReleaseRequest `protobuf:"bytes,5,opt,name=release,proto3,oneof"`
+}
+
+type KeepRequest_Get struct {
+	Get *GetRequest `protobuf:"bytes,6,opt,name=get,proto3,oneof"`
+}
+
+type KeepRequest_Close struct {
+	Close *CloseKeeper `protobuf:"bytes,7,opt,name=close,proto3,oneof"`
+}
+
+func (*KeepRequest_Open) isKeepRequest_Op() {}
+
+func (*KeepRequest_Heartbeat) isKeepRequest_Op() {}
+
+func (*KeepRequest_Acquire) isKeepRequest_Op() {}
+
+func (*KeepRequest_Release) isKeepRequest_Op() {}
+
+func (*KeepRequest_Get) isKeepRequest_Op() {}
+
+func (*KeepRequest_Close) isKeepRequest_Op() {}
+
+type KeepResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The request answered; 0 for what the server says unasked (lease_lost,
+	// handoff_requested, lost).
+	Id uint64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Result:
+	//
+	//	*KeepResponse_Keeper
+	//	*KeepResponse_Acquire
+	//	*KeepResponse_Release
+	//	*KeepResponse_Get
+	//	*KeepResponse_Error
+	//	*KeepResponse_LeaseLost
+	//	*KeepResponse_HandoffRequested
+	//	*KeepResponse_Lost
+	Result        isKeepResponse_Result `protobuf_oneof:"result"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeepResponse) Reset() {
+	*x = KeepResponse{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeepResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeepResponse) ProtoMessage() {}
+
+func (x *KeepResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeepResponse.ProtoReflect.Descriptor instead.
+func (*KeepResponse) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *KeepResponse) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *KeepResponse) GetResult() isKeepResponse_Result {
+	if x != nil {
+		return x.Result
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetKeeper() *Keeper {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Keeper); ok {
+			return x.Keeper
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetAcquire() *AcquireResponse {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Acquire); ok {
+			return x.Acquire
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetRelease() *ReleaseResponse {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Release); ok {
+			return x.Release
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetGet() *GetResponse {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Get); ok {
+			return x.Get
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetError() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Error); ok {
+			return x.Error
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetLeaseLost() *KeeperLeaseLost {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_LeaseLost); ok {
+			return x.LeaseLost
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetHandoffRequested() *KeeperHandoffRequested {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_HandoffRequested); ok {
+			return x.HandoffRequested
+		}
+	}
+	return nil
+}
+
+func (x *KeepResponse) GetLost() *KeeperLost {
+	if x != nil {
+		if x, ok := x.Result.(*KeepResponse_Lost); ok {
+			return x.Lost
+		}
+	}
+	return nil
+}
+
+type isKeepResponse_Result interface {
+	isKeepResponse_Result()
+}
+
+type KeepResponse_Keeper struct {
+	// The keeper after an open, a heartbeat or a close.
+	Keeper *Keeper `protobuf:"bytes,2,opt,name=keeper,proto3,oneof"`
+}
+
+type KeepResponse_Acquire struct {
+	Acquire *AcquireResponse `protobuf:"bytes,3,opt,name=acquire,proto3,oneof"`
+}
+
+type KeepResponse_Release struct {
+	Release *ReleaseResponse `protobuf:"bytes,4,opt,name=release,proto3,oneof"`
+}
+
+type KeepResponse_Get struct {
+	Get *GetResponse `protobuf:"bytes,5,opt,name=get,proto3,oneof"`
+}
+
+type KeepResponse_Error struct {
+	// The request was refused: its code (INVALID_ARGUMENT naming the field,
+	// FAILED_PRECONDITION, RESOURCE_EXHAUSTED, PERMISSION_DENIED, …), message
+	// and details (google.rpc.ErrorInfo), as a unary call's error. The keeper
+	// and the stream go on.
+	Error *status.Status `protobuf:"bytes,6,opt,name=error,proto3,oneof"`
+}
+
+type KeepResponse_LeaseLost struct {
+	// One lease of the keeper ended without its Release (an admin Revoke):
+	// that run never holds the session again.
+	LeaseLost *KeeperLeaseLost `protobuf:"bytes,7,opt,name=lease_lost,json=leaseLost,proto3,oneof"`
+}
+
+type KeepResponse_HandoffRequested struct {
+	// Someone asked the run holding one of the keeper's leases to finish.
+	HandoffRequested *KeeperHandoffRequested `protobuf:"bytes,8,opt,name=handoff_requested,json=handoffRequested,proto3,oneof"`
+}
+
+type KeepResponse_Lost struct {
+	// The keeper ended (expired, revoked): every lease on it ended with it.
+	// The stream ends after this.
+	Lost *KeeperLost `protobuf:"bytes,9,opt,name=lost,proto3,oneof"`
+}
+
+func (*KeepResponse_Keeper) isKeepResponse_Result() {}
+
+func (*KeepResponse_Acquire) isKeepResponse_Result() {}
+
+func (*KeepResponse_Release) isKeepResponse_Result() {}
+
+func (*KeepResponse_Get) isKeepResponse_Result() {}
+
+func (*KeepResponse_Error) isKeepResponse_Result() {}
+
+func (*KeepResponse_LeaseLost) isKeepResponse_Result() {}
+
+func (*KeepResponse_HandoffRequested) isKeepResponse_Result() {}
+
+func (*KeepResponse_Lost) isKeepResponse_Result() {}
+
+type KeeperLeaseLost struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           *SessionKey            `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	RunId         string                 `protobuf:"bytes,2,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	Reason        LossReason             `protobuf:"varint,3,opt,name=reason,proto3,enum=leasehold.v1.LossReason" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeeperLeaseLost) Reset() {
+	*x = KeeperLeaseLost{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeeperLeaseLost) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeeperLeaseLost) ProtoMessage() {}
+
+func (x *KeeperLeaseLost) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeeperLeaseLost.ProtoReflect.Descriptor instead.
+func (*KeeperLeaseLost) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *KeeperLeaseLost) GetKey() *SessionKey {
+	if x != nil {
+		return x.Key
+	}
+	return nil
+}
+
+func (x *KeeperLeaseLost) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+func (x *KeeperLeaseLost) GetReason() LossReason {
+	if x != nil {
+		return x.Reason
+	}
+	return LossReason_LOSS_REASON_UNSPECIFIED
+}
+
+type KeeperHandoffRequested struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Key           *SessionKey            `protobuf:"bytes,1,opt,name=key,proto3" json:"key,omitempty"`
+	RunId         string                 `protobuf:"bytes,2,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	Request       *HandoffRequested      `protobuf:"bytes,3,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeeperHandoffRequested) Reset() {
+	*x = KeeperHandoffRequested{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeeperHandoffRequested) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeeperHandoffRequested) ProtoMessage() {}
+
+func (x *KeeperHandoffRequested) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeeperHandoffRequested.ProtoReflect.Descriptor instead.
+func (*KeeperHandoffRequested) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *KeeperHandoffRequested) GetKey() *SessionKey {
+	if x != nil {
+		return x.Key
+	}
+	return nil
+}
+
+func (x *KeeperHandoffRequested) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+func (x *KeeperHandoffRequested) GetRequest() *HandoffRequested {
+	if x != nil {
+		return x.Request
+	}
+	return nil
+}
+
+type KeeperLost struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// LOSS_REASON_EXPIRED or LOSS_REASON_REVOKED (LOSS_REASON_NOT_FOUND for a
+	// keeper that does not exist any more).
+	Reason LossReason `protobuf:"varint,1,opt,name=reason,proto3,enum=leasehold.v1.LossReason" json:"reason,omitempty"`
+	// The revoke's reason, when revoked.
+	Detail        string `protobuf:"bytes,2,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeeperLost) Reset() {
+	*x = KeeperLost{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeeperLost) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeeperLost) ProtoMessage() {}
+
+func (x *KeeperLost) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeeperLost.ProtoReflect.Descriptor instead.
+func (*KeeperLost) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *KeeperLost) GetReason() LossReason {
+	if x != nil {
+		return x.Reason
+	}
+	return LossReason_LOSS_REASON_UNSPECIFIED
+}
+
+func (x *KeeperLost) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+type RevokeKeeperRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The keeper's account (where the server's access rule reads it).
+	AccountId     string `protobuf:"bytes,1,opt,name=account_id,json=accountId,proto3" json:"account_id,omitempty"`
+	KeeperId      string `protobuf:"bytes,2,opt,name=keeper_id,json=keeperId,proto3" json:"keeper_id,omitempty"`
+	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeKeeperRequest) Reset() {
+	*x = RevokeKeeperRequest{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeKeeperRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeKeeperRequest) ProtoMessage() {}
+
+func (x *RevokeKeeperRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeKeeperRequest.ProtoReflect.Descriptor instead.
+func (*RevokeKeeperRequest) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *RevokeKeeperRequest) GetAccountId() string {
+	if x != nil {
+		return x.AccountId
+	}
+	return ""
+}
+
+func (x *RevokeKeeperRequest) GetKeeperId() string {
+	if x != nil {
+		return x.KeeperId
+	}
+	return ""
+}
+
+func (x *RevokeKeeperRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+type RevokeKeeperResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// False when the keeper had already ended.
+	Revoked bool `protobuf:"varint,1,opt,name=revoked,proto3" json:"revoked,omitempty"`
+	// The leases the revoke ended.
+	LeasesRevoked int32 `protobuf:"varint,2,opt,name=leases_revoked,json=leasesRevoked,proto3" json:"leases_revoked,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RevokeKeeperResponse) Reset() {
+	*x = RevokeKeeperResponse{}
+	mi := &file_leasehold_v1_lease_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RevokeKeeperResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RevokeKeeperResponse) ProtoMessage() {}
+
+func (x *RevokeKeeperResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_leasehold_v1_lease_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RevokeKeeperResponse.ProtoReflect.Descriptor instead.
+func (*RevokeKeeperResponse) Descriptor() ([]byte, []int) {
+	return file_leasehold_v1_lease_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *RevokeKeeperResponse) GetRevoked() bool {
+	if x != nil {
+		return x.Revoked
+	}
+	return false
+}
+
+func (x *RevokeKeeperResponse) GetLeasesRevoked() int32 {
+	if x != nil {
+		return x.LeasesRevoked
+	}
+	return 0
+}
+
 var File_leasehold_v1_lease_proto protoreflect.FileDescriptor
 
 const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\n" +
-	"\x18leasehold/v1/lease.proto\x12\fleasehold.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"J\n" +
+	"\x18leasehold/v1/lease.proto\x12\fleasehold.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17google/rpc/status.proto\"J\n" +
 	"\n" +
 	"SessionKey\x12\x1d\n" +
 	"\n" +
 	"account_id\x18\x01 \x01(\tR\taccountId\x12\x1d\n" +
 	"\n" +
-	"session_id\x18\x02 \x01(\tR\tsessionId\"\xe5\x02\n" +
+	"session_id\x18\x02 \x01(\tR\tsessionId\"\x82\x03\n" +
 	"\x05Lease\x12*\n" +
 	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
 	"\x06run_id\x18\x02 \x01(\tR\x05runId\x12#\n" +
@@ -1902,17 +2866,20 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"acquiredAt\x129\n" +
 	"\n" +
 	"expires_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x127\n" +
-	"\tremaining\x18\b \x01(\v2\x19.google.protobuf.DurationR\tremaining\"\xc7\x01\n" +
+	"\tremaining\x18\b \x01(\v2\x19.google.protobuf.DurationR\tremaining\x12\x1b\n" +
+	"\tkeeper_id\x18\t \x01(\tR\bkeeperId\"\xe4\x01\n" +
 	"\x0eAcquireRequest\x12*\n" +
 	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
 	"\x06run_id\x18\x02 \x01(\tR\x05runId\x12+\n" +
 	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12-\n" +
 	"\x04wait\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x04wait\x12\x16\n" +
-	"\x06holder\x18\x05 \x01(\tR\x06holder\"\x87\x01\n" +
+	"\x06holder\x18\x05 \x01(\tR\x06holder\x12\x1b\n" +
+	"\tkeeper_id\x18\x06 \x01(\tR\bkeeperId\"\xcd\x01\n" +
 	"\x0fAcquireResponse\x12\x1a\n" +
 	"\bacquired\x18\x01 \x01(\bR\bacquired\x12)\n" +
 	"\x05lease\x18\x02 \x01(\v2\x13.leasehold.v1.LeaseR\x05lease\x12-\n" +
-	"\acurrent\x18\x03 \x01(\v2\x13.leasehold.v1.LeaseR\acurrent\"~\n" +
+	"\acurrent\x18\x03 \x01(\v2\x13.leasehold.v1.LeaseR\acurrent\x12D\n" +
+	"\x10lock_delay_until\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\x0elockDelayUntil\"~\n" +
 	"\fRenewRequest\x12*\n" +
 	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
 	"\x06run_id\x18\x02 \x01(\tR\x05runId\x12+\n" +
@@ -1926,10 +2893,11 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\breleased\x18\x01 \x01(\bR\breleased\"8\n" +
 	"\n" +
 	"GetRequest\x12*\n" +
-	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\"L\n" +
+	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\"\x92\x01\n" +
 	"\vGetResponse\x12\x12\n" +
 	"\x04held\x18\x01 \x01(\bR\x04held\x12)\n" +
-	"\x05lease\x18\x02 \x01(\v2\x13.leasehold.v1.LeaseR\x05lease\"h\n" +
+	"\x05lease\x18\x02 \x01(\v2\x13.leasehold.v1.LeaseR\x05lease\x12D\n" +
+	"\x10lock_delay_until\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\x0elockDelayUntil\"h\n" +
 	"\vListRequest\x12\x1d\n" +
 	"\n" +
 	"account_id\x18\x01 \x01(\tR\taccountId\x12\x1b\n" +
@@ -2004,7 +2972,72 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"U\n" +
 	"\x0eRevokeResponse\x12\x18\n" +
 	"\arevoked\x18\x01 \x01(\bR\arevoked\x12)\n" +
-	"\x05lease\x18\x02 \x01(\v2\x13.leasehold.v1.LeaseR\x05lease*\xac\x01\n" +
+	"\x05lease\x18\x02 \x01(\v2\x13.leasehold.v1.LeaseR\x05lease\"\xcf\x02\n" +
+	"\x06Keeper\x12\x1b\n" +
+	"\tkeeper_id\x18\x01 \x01(\tR\bkeeperId\x12\x1d\n" +
+	"\n" +
+	"account_id\x18\x02 \x01(\tR\taccountId\x12\x16\n" +
+	"\x06holder\x18\x03 \x01(\tR\x06holder\x12+\n" +
+	"\x03ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x128\n" +
+	"\n" +
+	"lock_delay\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\tlockDelay\x129\n" +
+	"\n" +
+	"expires_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x127\n" +
+	"\tremaining\x18\a \x01(\v2\x19.google.protobuf.DurationR\tremaining\x12\x16\n" +
+	"\x06leases\x18\b \x01(\x05R\x06leases\"\xc7\x01\n" +
+	"\n" +
+	"OpenKeeper\x12\x1d\n" +
+	"\n" +
+	"account_id\x18\x01 \x01(\tR\taccountId\x12\x1b\n" +
+	"\tkeeper_id\x18\x02 \x01(\tR\bkeeperId\x12\x16\n" +
+	"\x06holder\x18\x03 \x01(\tR\x06holder\x12+\n" +
+	"\x03ttl\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x128\n" +
+	"\n" +
+	"lock_delay\x18\x05 \x01(\v2\x19.google.protobuf.DurationR\tlockDelay\"8\n" +
+	"\tHeartbeat\x12+\n" +
+	"\x03ttl\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\r\n" +
+	"\vCloseKeeper\"\xe1\x02\n" +
+	"\vKeepRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12.\n" +
+	"\x04open\x18\x02 \x01(\v2\x18.leasehold.v1.OpenKeeperH\x00R\x04open\x127\n" +
+	"\theartbeat\x18\x03 \x01(\v2\x17.leasehold.v1.HeartbeatH\x00R\theartbeat\x128\n" +
+	"\aacquire\x18\x04 \x01(\v2\x1c.leasehold.v1.AcquireRequestH\x00R\aacquire\x128\n" +
+	"\arelease\x18\x05 \x01(\v2\x1c.leasehold.v1.ReleaseRequestH\x00R\arelease\x12,\n" +
+	"\x03get\x18\x06 \x01(\v2\x18.leasehold.v1.GetRequestH\x00R\x03get\x121\n" +
+	"\x05close\x18\a \x01(\v2\x19.leasehold.v1.CloseKeeperH\x00R\x05closeB\x04\n" +
+	"\x02op\"\xee\x03\n" +
+	"\fKeepResponse\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12.\n" +
+	"\x06keeper\x18\x02 \x01(\v2\x14.leasehold.v1.KeeperH\x00R\x06keeper\x129\n" +
+	"\aacquire\x18\x03 \x01(\v2\x1d.leasehold.v1.AcquireResponseH\x00R\aacquire\x129\n" +
+	"\arelease\x18\x04 \x01(\v2\x1d.leasehold.v1.ReleaseResponseH\x00R\arelease\x12-\n" +
+	"\x03get\x18\x05 \x01(\v2\x19.leasehold.v1.GetResponseH\x00R\x03get\x12*\n" +
+	"\x05error\x18\x06 \x01(\v2\x12.google.rpc.StatusH\x00R\x05error\x12>\n" +
+	"\n" +
+	"lease_lost\x18\a \x01(\v2\x1d.leasehold.v1.KeeperLeaseLostH\x00R\tleaseLost\x12S\n" +
+	"\x11handoff_requested\x18\b \x01(\v2$.leasehold.v1.KeeperHandoffRequestedH\x00R\x10handoffRequested\x12.\n" +
+	"\x04lost\x18\t \x01(\v2\x18.leasehold.v1.KeeperLostH\x00R\x04lostB\b\n" +
+	"\x06result\"\x86\x01\n" +
+	"\x0fKeeperLeaseLost\x12*\n" +
+	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
+	"\x06run_id\x18\x02 \x01(\tR\x05runId\x120\n" +
+	"\x06reason\x18\x03 \x01(\x0e2\x18.leasehold.v1.LossReasonR\x06reason\"\x95\x01\n" +
+	"\x16KeeperHandoffRequested\x12*\n" +
+	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
+	"\x06run_id\x18\x02 \x01(\tR\x05runId\x128\n" +
+	"\arequest\x18\x03 \x01(\v2\x1e.leasehold.v1.HandoffRequestedR\arequest\"V\n" +
+	"\n" +
+	"KeeperLost\x120\n" +
+	"\x06reason\x18\x01 \x01(\x0e2\x18.leasehold.v1.LossReasonR\x06reason\x12\x16\n" +
+	"\x06detail\x18\x02 \x01(\tR\x06detail\"i\n" +
+	"\x13RevokeKeeperRequest\x12\x1d\n" +
+	"\n" +
+	"account_id\x18\x01 \x01(\tR\taccountId\x12\x1b\n" +
+	"\tkeeper_id\x18\x02 \x01(\tR\bkeeperId\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\"W\n" +
+	"\x14RevokeKeeperResponse\x12\x18\n" +
+	"\arevoked\x18\x01 \x01(\bR\arevoked\x12%\n" +
+	"\x0eleases_revoked\x18\x02 \x01(\x05R\rleasesRevoked*\xac\x01\n" +
 	"\n" +
 	"LossReason\x12\x1b\n" +
 	"\x17LOSS_REASON_UNSPECIFIED\x10\x00\x12\x17\n" +
@@ -2020,7 +3053,7 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\x12EVENT_TYPE_EXPIRED\x10\x03\x12\x16\n" +
 	"\x12EVENT_TYPE_REVOKED\x10\x04\x12 \n" +
 	"\x1cEVENT_TYPE_HANDOFF_REQUESTED\x10\x05\x12\x16\n" +
-	"\x12EVENT_TYPE_RENEWED\x10\x062\xac\x06\n" +
+	"\x12EVENT_TYPE_RENEWED\x10\x062\xc6\a\n" +
 	"\fLeaseService\x12F\n" +
 	"\aAcquire\x12\x1c.leasehold.v1.AcquireRequest\x1a\x1d.leasehold.v1.AcquireResponse\x12@\n" +
 	"\x05Renew\x12\x1a.leasehold.v1.RenewRequest\x1a\x1b.leasehold.v1.RenewResponse\x12F\n" +
@@ -2033,7 +3066,9 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\aHistory\x12\x1c.leasehold.v1.HistoryRequest\x1a\x1d.leasehold.v1.HistoryResponse\x12O\n" +
 	"\n" +
 	"CheckFence\x12\x1f.leasehold.v1.CheckFenceRequest\x1a .leasehold.v1.CheckFenceResponse\x12C\n" +
-	"\x06Revoke\x12\x1b.leasehold.v1.RevokeRequest\x1a\x1c.leasehold.v1.RevokeResponseB\x9e\x01\n" +
+	"\x06Revoke\x12\x1b.leasehold.v1.RevokeRequest\x1a\x1c.leasehold.v1.RevokeResponse\x12A\n" +
+	"\x04Keep\x12\x19.leasehold.v1.KeepRequest\x1a\x1a.leasehold.v1.KeepResponse(\x010\x01\x12U\n" +
+	"\fRevokeKeeper\x12!.leasehold.v1.RevokeKeeperRequest\x1a\".leasehold.v1.RevokeKeeperResponseB\x9e\x01\n" +
 	"\x10com.leasehold.v1B\n" +
 	"LeaseProtoP\x01Z-leasehold.dev/go/gen/leasehold/v1;leaseholdv1\xa2\x02\x03LXX\xaa\x02\fLeasehold.V1\xca\x02\fLeasehold\\V1\xe2\x02\x18Leasehold\\V1\\GPBMetadata\xea\x02\rLeasehold::V1b\x06proto3"
 
@@ -2050,7 +3085,7 @@ func file_leasehold_v1_lease_proto_rawDescGZIP() []byte {
 }
 
 var file_leasehold_v1_lease_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_leasehold_v1_lease_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_leasehold_v1_lease_proto_msgTypes = make([]protoimpl.MessageInfo, 39)
 var file_leasehold_v1_lease_proto_goTypes = []any{
 	(LossReason)(0),                // 0: leasehold.v1.LossReason
 	(EventType)(0),                 // 1: leasehold.v1.EventType
@@ -2082,78 +3117,122 @@ var file_leasehold_v1_lease_proto_goTypes = []any{
 	(*CheckFenceResponse)(nil),     // 27: leasehold.v1.CheckFenceResponse
 	(*RevokeRequest)(nil),          // 28: leasehold.v1.RevokeRequest
 	(*RevokeResponse)(nil),         // 29: leasehold.v1.RevokeResponse
-	(*durationpb.Duration)(nil),    // 30: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),  // 31: google.protobuf.Timestamp
+	(*Keeper)(nil),                 // 30: leasehold.v1.Keeper
+	(*OpenKeeper)(nil),             // 31: leasehold.v1.OpenKeeper
+	(*Heartbeat)(nil),              // 32: leasehold.v1.Heartbeat
+	(*CloseKeeper)(nil),            // 33: leasehold.v1.CloseKeeper
+	(*KeepRequest)(nil),            // 34: leasehold.v1.KeepRequest
+	(*KeepResponse)(nil),           // 35: leasehold.v1.KeepResponse
+	(*KeeperLeaseLost)(nil),        // 36: leasehold.v1.KeeperLeaseLost
+	(*KeeperHandoffRequested)(nil), // 37: leasehold.v1.KeeperHandoffRequested
+	(*KeeperLost)(nil),             // 38: leasehold.v1.KeeperLost
+	(*RevokeKeeperRequest)(nil),    // 39: leasehold.v1.RevokeKeeperRequest
+	(*RevokeKeeperResponse)(nil),   // 40: leasehold.v1.RevokeKeeperResponse
+	(*durationpb.Duration)(nil),    // 41: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),  // 42: google.protobuf.Timestamp
+	(*status.Status)(nil),          // 43: google.rpc.Status
 }
 var file_leasehold_v1_lease_proto_depIdxs = []int32{
 	2,  // 0: leasehold.v1.Lease.key:type_name -> leasehold.v1.SessionKey
-	30, // 1: leasehold.v1.Lease.ttl:type_name -> google.protobuf.Duration
-	31, // 2: leasehold.v1.Lease.acquired_at:type_name -> google.protobuf.Timestamp
-	31, // 3: leasehold.v1.Lease.expires_at:type_name -> google.protobuf.Timestamp
-	30, // 4: leasehold.v1.Lease.remaining:type_name -> google.protobuf.Duration
+	41, // 1: leasehold.v1.Lease.ttl:type_name -> google.protobuf.Duration
+	42, // 2: leasehold.v1.Lease.acquired_at:type_name -> google.protobuf.Timestamp
+	42, // 3: leasehold.v1.Lease.expires_at:type_name -> google.protobuf.Timestamp
+	41, // 4: leasehold.v1.Lease.remaining:type_name -> google.protobuf.Duration
 	2,  // 5: leasehold.v1.AcquireRequest.key:type_name -> leasehold.v1.SessionKey
-	30, // 6: leasehold.v1.AcquireRequest.ttl:type_name -> google.protobuf.Duration
-	30, // 7: leasehold.v1.AcquireRequest.wait:type_name -> google.protobuf.Duration
+	41, // 6: leasehold.v1.AcquireRequest.ttl:type_name -> google.protobuf.Duration
+	41, // 7: leasehold.v1.AcquireRequest.wait:type_name -> google.protobuf.Duration
 	3,  // 8: leasehold.v1.AcquireResponse.lease:type_name -> leasehold.v1.Lease
 	3,  // 9: leasehold.v1.AcquireResponse.current:type_name -> leasehold.v1.Lease
-	2,  // 10: leasehold.v1.RenewRequest.key:type_name -> leasehold.v1.SessionKey
-	30, // 11: leasehold.v1.RenewRequest.ttl:type_name -> google.protobuf.Duration
-	3,  // 12: leasehold.v1.RenewResponse.lease:type_name -> leasehold.v1.Lease
-	2,  // 13: leasehold.v1.ReleaseRequest.key:type_name -> leasehold.v1.SessionKey
-	2,  // 14: leasehold.v1.GetRequest.key:type_name -> leasehold.v1.SessionKey
-	3,  // 15: leasehold.v1.GetResponse.lease:type_name -> leasehold.v1.Lease
-	3,  // 16: leasehold.v1.ListResponse.leases:type_name -> leasehold.v1.Lease
-	2,  // 17: leasehold.v1.KeepAliveRequest.key:type_name -> leasehold.v1.SessionKey
-	30, // 18: leasehold.v1.KeepAliveRequest.ttl:type_name -> google.protobuf.Duration
-	2,  // 19: leasehold.v1.KeepAliveResponse.key:type_name -> leasehold.v1.SessionKey
-	3,  // 20: leasehold.v1.KeepAliveResponse.lease:type_name -> leasehold.v1.Lease
-	16, // 21: leasehold.v1.KeepAliveResponse.lost:type_name -> leasehold.v1.Lost
-	17, // 22: leasehold.v1.KeepAliveResponse.handoff_requested:type_name -> leasehold.v1.HandoffRequested
-	0,  // 23: leasehold.v1.Lost.reason:type_name -> leasehold.v1.LossReason
-	31, // 24: leasehold.v1.HandoffRequested.requested_at:type_name -> google.protobuf.Timestamp
-	2,  // 25: leasehold.v1.WatchRequest.key:type_name -> leasehold.v1.SessionKey
-	20, // 26: leasehold.v1.WatchResponse.snapshot:type_name -> leasehold.v1.Snapshot
-	21, // 27: leasehold.v1.WatchResponse.event:type_name -> leasehold.v1.Event
-	3,  // 28: leasehold.v1.Snapshot.leases:type_name -> leasehold.v1.Lease
-	31, // 29: leasehold.v1.Snapshot.at:type_name -> google.protobuf.Timestamp
-	1,  // 30: leasehold.v1.Event.type:type_name -> leasehold.v1.EventType
-	2,  // 31: leasehold.v1.Event.key:type_name -> leasehold.v1.SessionKey
-	31, // 32: leasehold.v1.Event.at:type_name -> google.protobuf.Timestamp
-	3,  // 33: leasehold.v1.Event.lease:type_name -> leasehold.v1.Lease
-	2,  // 34: leasehold.v1.RequestHandoffRequest.key:type_name -> leasehold.v1.SessionKey
-	3,  // 35: leasehold.v1.RequestHandoffResponse.current:type_name -> leasehold.v1.Lease
-	2,  // 36: leasehold.v1.HistoryRequest.key:type_name -> leasehold.v1.SessionKey
-	21, // 37: leasehold.v1.HistoryResponse.events:type_name -> leasehold.v1.Event
-	2,  // 38: leasehold.v1.CheckFenceRequest.key:type_name -> leasehold.v1.SessionKey
-	2,  // 39: leasehold.v1.RevokeRequest.key:type_name -> leasehold.v1.SessionKey
-	3,  // 40: leasehold.v1.RevokeResponse.lease:type_name -> leasehold.v1.Lease
-	4,  // 41: leasehold.v1.LeaseService.Acquire:input_type -> leasehold.v1.AcquireRequest
-	6,  // 42: leasehold.v1.LeaseService.Renew:input_type -> leasehold.v1.RenewRequest
-	8,  // 43: leasehold.v1.LeaseService.Release:input_type -> leasehold.v1.ReleaseRequest
-	10, // 44: leasehold.v1.LeaseService.Get:input_type -> leasehold.v1.GetRequest
-	12, // 45: leasehold.v1.LeaseService.List:input_type -> leasehold.v1.ListRequest
-	14, // 46: leasehold.v1.LeaseService.KeepAlive:input_type -> leasehold.v1.KeepAliveRequest
-	18, // 47: leasehold.v1.LeaseService.Watch:input_type -> leasehold.v1.WatchRequest
-	22, // 48: leasehold.v1.LeaseService.RequestHandoff:input_type -> leasehold.v1.RequestHandoffRequest
-	24, // 49: leasehold.v1.LeaseService.History:input_type -> leasehold.v1.HistoryRequest
-	26, // 50: leasehold.v1.LeaseService.CheckFence:input_type -> leasehold.v1.CheckFenceRequest
-	28, // 51: leasehold.v1.LeaseService.Revoke:input_type -> leasehold.v1.RevokeRequest
-	5,  // 52: leasehold.v1.LeaseService.Acquire:output_type -> leasehold.v1.AcquireResponse
-	7,  // 53: leasehold.v1.LeaseService.Renew:output_type -> leasehold.v1.RenewResponse
-	9,  // 54: leasehold.v1.LeaseService.Release:output_type -> leasehold.v1.ReleaseResponse
-	11, // 55: leasehold.v1.LeaseService.Get:output_type -> leasehold.v1.GetResponse
-	13, // 56: leasehold.v1.LeaseService.List:output_type -> leasehold.v1.ListResponse
-	15, // 57: leasehold.v1.LeaseService.KeepAlive:output_type -> leasehold.v1.KeepAliveResponse
-	19, // 58: leasehold.v1.LeaseService.Watch:output_type -> leasehold.v1.WatchResponse
-	23, // 59: leasehold.v1.LeaseService.RequestHandoff:output_type -> leasehold.v1.RequestHandoffResponse
-	25, // 60: leasehold.v1.LeaseService.History:output_type -> leasehold.v1.HistoryResponse
-	27, // 61: leasehold.v1.LeaseService.CheckFence:output_type -> leasehold.v1.CheckFenceResponse
-	29, // 62: leasehold.v1.LeaseService.Revoke:output_type -> leasehold.v1.RevokeResponse
-	52, // [52:63] is the sub-list for method output_type
-	41, // [41:52] is the sub-list for method input_type
-	41, // [41:41] is the sub-list for extension type_name
-	41, // [41:41] is the sub-list for extension extendee
-	0,  // [0:41] is the sub-list for field type_name
+	42, // 10: leasehold.v1.AcquireResponse.lock_delay_until:type_name -> google.protobuf.Timestamp
+	2,  // 11: leasehold.v1.RenewRequest.key:type_name -> leasehold.v1.SessionKey
+	41, // 12: leasehold.v1.RenewRequest.ttl:type_name -> google.protobuf.Duration
+	3,  // 13: leasehold.v1.RenewResponse.lease:type_name -> leasehold.v1.Lease
+	2,  // 14: leasehold.v1.ReleaseRequest.key:type_name -> leasehold.v1.SessionKey
+	2,  // 15: leasehold.v1.GetRequest.key:type_name -> leasehold.v1.SessionKey
+	3,  // 16: leasehold.v1.GetResponse.lease:type_name -> leasehold.v1.Lease
+	42, // 17: leasehold.v1.GetResponse.lock_delay_until:type_name -> google.protobuf.Timestamp
+	3,  // 18: leasehold.v1.ListResponse.leases:type_name -> leasehold.v1.Lease
+	2,  // 19: leasehold.v1.KeepAliveRequest.key:type_name -> leasehold.v1.SessionKey
+	41, // 20: leasehold.v1.KeepAliveRequest.ttl:type_name -> google.protobuf.Duration
+	2,  // 21: leasehold.v1.KeepAliveResponse.key:type_name -> leasehold.v1.SessionKey
+	3,  // 22: leasehold.v1.KeepAliveResponse.lease:type_name -> leasehold.v1.Lease
+	16, // 23: leasehold.v1.KeepAliveResponse.lost:type_name -> leasehold.v1.Lost
+	17, // 24: leasehold.v1.KeepAliveResponse.handoff_requested:type_name -> leasehold.v1.HandoffRequested
+	0,  // 25: leasehold.v1.Lost.reason:type_name -> leasehold.v1.LossReason
+	42, // 26: leasehold.v1.HandoffRequested.requested_at:type_name -> google.protobuf.Timestamp
+	2,  // 27: leasehold.v1.WatchRequest.key:type_name -> leasehold.v1.SessionKey
+	20, // 28: leasehold.v1.WatchResponse.snapshot:type_name -> leasehold.v1.Snapshot
+	21, // 29: leasehold.v1.WatchResponse.event:type_name -> leasehold.v1.Event
+	3,  // 30: leasehold.v1.Snapshot.leases:type_name -> leasehold.v1.Lease
+	42, // 31: leasehold.v1.Snapshot.at:type_name -> google.protobuf.Timestamp
+	1,  // 32: leasehold.v1.Event.type:type_name -> leasehold.v1.EventType
+	2,  // 33: leasehold.v1.Event.key:type_name -> leasehold.v1.SessionKey
+	42, // 34: leasehold.v1.Event.at:type_name -> google.protobuf.Timestamp
+	3,  // 35: leasehold.v1.Event.lease:type_name -> leasehold.v1.Lease
+	2,  // 36: leasehold.v1.RequestHandoffRequest.key:type_name -> leasehold.v1.SessionKey
+	3,  // 37: leasehold.v1.RequestHandoffResponse.current:type_name -> leasehold.v1.Lease
+	2,  // 38: leasehold.v1.HistoryRequest.key:type_name -> leasehold.v1.SessionKey
+	21, // 39: leasehold.v1.HistoryResponse.events:type_name -> leasehold.v1.Event
+	2,  // 40: leasehold.v1.CheckFenceRequest.key:type_name -> leasehold.v1.SessionKey
+	2,  // 41: leasehold.v1.RevokeRequest.key:type_name -> leasehold.v1.SessionKey
+	3,  // 42: leasehold.v1.RevokeResponse.lease:type_name -> leasehold.v1.Lease
+	41, // 43: leasehold.v1.Keeper.ttl:type_name -> google.protobuf.Duration
+	41, // 44: leasehold.v1.Keeper.lock_delay:type_name -> google.protobuf.Duration
+	42, // 45: leasehold.v1.Keeper.expires_at:type_name -> google.protobuf.Timestamp
+	41, // 46: leasehold.v1.Keeper.remaining:type_name -> google.protobuf.Duration
+	41, // 47: leasehold.v1.OpenKeeper.ttl:type_name -> google.protobuf.Duration
+	41, // 48: leasehold.v1.OpenKeeper.lock_delay:type_name -> google.protobuf.Duration
+	41, // 49: leasehold.v1.Heartbeat.ttl:type_name -> google.protobuf.Duration
+	31, // 50: leasehold.v1.KeepRequest.open:type_name -> leasehold.v1.OpenKeeper
+	32, // 51: leasehold.v1.KeepRequest.heartbeat:type_name -> leasehold.v1.Heartbeat
+	4,  // 52: leasehold.v1.KeepRequest.acquire:type_name -> leasehold.v1.AcquireRequest
+	8,  // 53: leasehold.v1.KeepRequest.release:type_name -> leasehold.v1.ReleaseRequest
+	10, // 54: leasehold.v1.KeepRequest.get:type_name -> leasehold.v1.GetRequest
+	33, // 55: leasehold.v1.KeepRequest.close:type_name -> leasehold.v1.CloseKeeper
+	30, // 56: leasehold.v1.KeepResponse.keeper:type_name -> leasehold.v1.Keeper
+	5,  // 57: leasehold.v1.KeepResponse.acquire:type_name -> leasehold.v1.AcquireResponse
+	9,  // 58: leasehold.v1.KeepResponse.release:type_name -> leasehold.v1.ReleaseResponse
+	11, // 59: leasehold.v1.KeepResponse.get:type_name -> leasehold.v1.GetResponse
+	43, // 60: leasehold.v1.KeepResponse.error:type_name -> google.rpc.Status
+	36, // 61: leasehold.v1.KeepResponse.lease_lost:type_name -> leasehold.v1.KeeperLeaseLost
+	37, // 62: leasehold.v1.KeepResponse.handoff_requested:type_name -> leasehold.v1.KeeperHandoffRequested
+	38, // 63: leasehold.v1.KeepResponse.lost:type_name -> leasehold.v1.KeeperLost
+	2,  // 64: leasehold.v1.KeeperLeaseLost.key:type_name -> leasehold.v1.SessionKey
+	0,  // 65: leasehold.v1.KeeperLeaseLost.reason:type_name -> leasehold.v1.LossReason
+	2,  // 66: leasehold.v1.KeeperHandoffRequested.key:type_name -> leasehold.v1.SessionKey
+	17, // 67: leasehold.v1.KeeperHandoffRequested.request:type_name -> leasehold.v1.HandoffRequested
+	0,  // 68: leasehold.v1.KeeperLost.reason:type_name -> leasehold.v1.LossReason
+	4,  // 69: leasehold.v1.LeaseService.Acquire:input_type -> leasehold.v1.AcquireRequest
+	6,  // 70: leasehold.v1.LeaseService.Renew:input_type -> leasehold.v1.RenewRequest
+	8,  // 71: leasehold.v1.LeaseService.Release:input_type -> leasehold.v1.ReleaseRequest
+	10, // 72: leasehold.v1.LeaseService.Get:input_type -> leasehold.v1.GetRequest
+	12, // 73: leasehold.v1.LeaseService.List:input_type -> leasehold.v1.ListRequest
+	14, // 74: leasehold.v1.LeaseService.KeepAlive:input_type -> leasehold.v1.KeepAliveRequest
+	18, // 75: leasehold.v1.LeaseService.Watch:input_type -> leasehold.v1.WatchRequest
+	22, // 76: leasehold.v1.LeaseService.RequestHandoff:input_type -> leasehold.v1.RequestHandoffRequest
+	24, // 77: leasehold.v1.LeaseService.History:input_type -> leasehold.v1.HistoryRequest
+	26, // 78: leasehold.v1.LeaseService.CheckFence:input_type -> leasehold.v1.CheckFenceRequest
+	28, // 79: leasehold.v1.LeaseService.Revoke:input_type -> leasehold.v1.RevokeRequest
+	34, // 80: leasehold.v1.LeaseService.Keep:input_type -> leasehold.v1.KeepRequest
+	39, // 81: leasehold.v1.LeaseService.RevokeKeeper:input_type -> leasehold.v1.RevokeKeeperRequest
+	5,  // 82: leasehold.v1.LeaseService.Acquire:output_type -> leasehold.v1.AcquireResponse
+	7,  // 83: leasehold.v1.LeaseService.Renew:output_type -> leasehold.v1.RenewResponse
+	9,  // 84: leasehold.v1.LeaseService.Release:output_type -> leasehold.v1.ReleaseResponse
+	11, // 85: leasehold.v1.LeaseService.Get:output_type -> leasehold.v1.GetResponse
+	13, // 86: leasehold.v1.LeaseService.List:output_type -> leasehold.v1.ListResponse
+	15, // 87: leasehold.v1.LeaseService.KeepAlive:output_type -> leasehold.v1.KeepAliveResponse
+	19, // 88: leasehold.v1.LeaseService.Watch:output_type -> leasehold.v1.WatchResponse
+	23, // 89: leasehold.v1.LeaseService.RequestHandoff:output_type -> leasehold.v1.RequestHandoffResponse
+	25, // 90: leasehold.v1.LeaseService.History:output_type -> leasehold.v1.HistoryResponse
+	27, // 91: leasehold.v1.LeaseService.CheckFence:output_type -> leasehold.v1.CheckFenceResponse
+	29, // 92: leasehold.v1.LeaseService.Revoke:output_type -> leasehold.v1.RevokeResponse
+	35, // 93: leasehold.v1.LeaseService.Keep:output_type -> leasehold.v1.KeepResponse
+	40, // 94: leasehold.v1.LeaseService.RevokeKeeper:output_type -> leasehold.v1.RevokeKeeperResponse
+	82, // [82:95] is the sub-list for method output_type
+	69, // [69:82] is the sub-list for method input_type
+	69, // [69:69] is the sub-list for extension type_name
+	69, // [69:69] is the sub-list for extension extendee
+	0,  // [0:69] is the sub-list for field type_name
 }
 
 func init() { file_leasehold_v1_lease_proto_init() }
@@ -2170,13 +3249,31 @@ func file_leasehold_v1_lease_proto_init() {
 		(*WatchResponse_Snapshot)(nil),
 		(*WatchResponse_Event)(nil),
 	}
+	file_leasehold_v1_lease_proto_msgTypes[32].OneofWrappers = []any{
+		(*KeepRequest_Open)(nil),
+		(*KeepRequest_Heartbeat)(nil),
+		(*KeepRequest_Acquire)(nil),
+		(*KeepRequest_Release)(nil),
+		(*KeepRequest_Get)(nil),
+		(*KeepRequest_Close)(nil),
+	}
+	file_leasehold_v1_lease_proto_msgTypes[33].OneofWrappers = []any{
+		(*KeepResponse_Keeper)(nil),
+		(*KeepResponse_Acquire)(nil),
+		(*KeepResponse_Release)(nil),
+		(*KeepResponse_Get)(nil),
+		(*KeepResponse_Error)(nil),
+		(*KeepResponse_LeaseLost)(nil),
+		(*KeepResponse_HandoffRequested)(nil),
+		(*KeepResponse_Lost)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_leasehold_v1_lease_proto_rawDesc), len(file_leasehold_v1_lease_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   28,
+			NumMessages:   39,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -30,6 +30,8 @@ const (
 	LeaseService_History_FullMethodName        = "/leasehold.v1.LeaseService/History"
 	LeaseService_CheckFence_FullMethodName     = "/leasehold.v1.LeaseService/CheckFence"
 	LeaseService_Revoke_FullMethodName         = "/leasehold.v1.LeaseService/Revoke"
+	LeaseService_Keep_FullMethodName           = "/leasehold.v1.LeaseService/Keep"
+	LeaseService_RevokeKeeper_FullMethodName   = "/leasehold.v1.LeaseService/RevokeKeeper"
 )
 
 // LeaseServiceClient is the client API for LeaseService service.
@@ -70,6 +72,14 @@ type LeaseServiceClient interface {
 	CheckFence(ctx context.Context, in *CheckFenceRequest, opts ...grpc.CallOption) (*CheckFenceResponse, error)
 	// Revoke ends a valid lease regardless of its run. Admin scope only; audited.
 	Revoke(ctx context.Context, in *RevokeRequest, opts ...grpc.CallOption) (*RevokeResponse, error)
+	// Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+	// its leases' operations, one stream per keeper (docs/keepers.md). Every
+	// request is answered, by its id, in any order; bad input in one request
+	// is answered in that request's `error`, and the keeper goes on.
+	Keep(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[KeepRequest, KeepResponse], error)
+	// RevokeKeeper ends a keeper and every lease on it, regardless of its
+	// holder. Admin scope only; audited (one REVOKED row per lease).
+	RevokeKeeper(ctx context.Context, in *RevokeKeeperRequest, opts ...grpc.CallOption) (*RevokeKeeperResponse, error)
 }
 
 type leaseServiceClient struct {
@@ -202,6 +212,29 @@ func (c *leaseServiceClient) Revoke(ctx context.Context, in *RevokeRequest, opts
 	return out, nil
 }
 
+func (c *leaseServiceClient) Keep(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[KeepRequest, KeepResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &LeaseService_ServiceDesc.Streams[2], LeaseService_Keep_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[KeepRequest, KeepResponse]{ClientStream: stream}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type LeaseService_KeepClient = grpc.BidiStreamingClient[KeepRequest, KeepResponse]
+
+func (c *leaseServiceClient) RevokeKeeper(ctx context.Context, in *RevokeKeeperRequest, opts ...grpc.CallOption) (*RevokeKeeperResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RevokeKeeperResponse)
+	err := c.cc.Invoke(ctx, LeaseService_RevokeKeeper_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // LeaseServiceServer is the server API for LeaseService service.
 // All implementations must embed UnimplementedLeaseServiceServer
 // for forward compatibility.
@@ -240,6 +273,14 @@ type LeaseServiceServer interface {
 	CheckFence(context.Context, *CheckFenceRequest) (*CheckFenceResponse, error)
 	// Revoke ends a valid lease regardless of its run. Admin scope only; audited.
 	Revoke(context.Context, *RevokeRequest) (*RevokeResponse, error)
+	// Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+	// its leases' operations, one stream per keeper (docs/keepers.md). Every
+	// request is answered, by its id, in any order; bad input in one request
+	// is answered in that request's `error`, and the keeper goes on.
+	Keep(grpc.BidiStreamingServer[KeepRequest, KeepResponse]) error
+	// RevokeKeeper ends a keeper and every lease on it, regardless of its
+	// holder. Admin scope only; audited (one REVOKED row per lease).
+	RevokeKeeper(context.Context, *RevokeKeeperRequest) (*RevokeKeeperResponse, error)
 	mustEmbedUnimplementedLeaseServiceServer()
 }
 
@@ -282,6 +323,12 @@ func (UnimplementedLeaseServiceServer) CheckFence(context.Context, *CheckFenceRe
 }
 func (UnimplementedLeaseServiceServer) Revoke(context.Context, *RevokeRequest) (*RevokeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method Revoke not implemented")
+}
+func (UnimplementedLeaseServiceServer) Keep(grpc.BidiStreamingServer[KeepRequest, KeepResponse]) error {
+	return status.Error(codes.Unimplemented, "method Keep not implemented")
+}
+func (UnimplementedLeaseServiceServer) RevokeKeeper(context.Context, *RevokeKeeperRequest) (*RevokeKeeperResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RevokeKeeper not implemented")
 }
 func (UnimplementedLeaseServiceServer) mustEmbedUnimplementedLeaseServiceServer() {}
 func (UnimplementedLeaseServiceServer) testEmbeddedByValue()                      {}
@@ -484,6 +531,31 @@ func _LeaseService_Revoke_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _LeaseService_Keep_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(LeaseServiceServer).Keep(&grpc.GenericServerStream[KeepRequest, KeepResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type LeaseService_KeepServer = grpc.BidiStreamingServer[KeepRequest, KeepResponse]
+
+func _LeaseService_RevokeKeeper_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RevokeKeeperRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(LeaseServiceServer).RevokeKeeper(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: LeaseService_RevokeKeeper_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(LeaseServiceServer).RevokeKeeper(ctx, req.(*RevokeKeeperRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // LeaseService_ServiceDesc is the grpc.ServiceDesc for LeaseService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -527,6 +599,10 @@ var LeaseService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "Revoke",
 			Handler:    _LeaseService_Revoke_Handler,
 		},
+		{
+			MethodName: "RevokeKeeper",
+			Handler:    _LeaseService_RevokeKeeper_Handler,
+		},
 	},
 	Streams: []grpc.StreamDesc{
 		{
@@ -539,6 +615,12 @@ var LeaseService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "Watch",
 			Handler:       _LeaseService_Watch_Handler,
 			ServerStreams: true,
+		},
+		{
+			StreamName:    "Keep",
+			Handler:       _LeaseService_Keep_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
 		},
 	},
 	Metadata: "leasehold/v1/lease.proto",

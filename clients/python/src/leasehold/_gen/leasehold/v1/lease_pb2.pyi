@@ -10,6 +10,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.rpc import status_pb2 as _status_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -108,12 +109,18 @@ class Lease(_message.Message):
     ACQUIRED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     REMAINING_FIELD_NUMBER: _builtins.int
+    KEEPER_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """The run that holds the lease: a UUID, unique per execution."""
     fencing_token: _builtins.int
     """Strictly increasing per session in grant order; kept across renewals."""
     holder: _builtins.str
     """A label of the holder, such as "desktop" or "browser"."""
+    keeper_id: _builtins.str
+    """The keeper the lease was acquired on; empty for a lease of its own. A
+    keeper's lease lives as long as its keeper (expires_at and remaining are
+    the keeper's), ended earlier only by its Release or a Revoke.
+    """
     @_builtins.property
     def key(self) -> Global___SessionKey: ...
     @_builtins.property
@@ -139,10 +146,11 @@ class Lease(_message.Message):
         acquired_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         remaining: _duration_pb2.Duration | None = ...,
+        keeper_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "key", b"key", "remaining", b"remaining", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "key", b"key", "remaining", b"remaining", "run_id", b"run_id", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired_at", b"acquired_at", "expires_at", b"expires_at", "fencing_token", b"fencing_token", "holder", b"holder", "keeper_id", b"keeper_id", "key", b"key", "remaining", b"remaining", "run_id", b"run_id", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -157,11 +165,18 @@ class AcquireRequest(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
+    KEEPER_ID_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     """Optional. A UUID chosen by the client makes retries idempotent: the same
     run_id re-acquiring its valid lease gets the same fencing token.
     """
     holder: _builtins.str
+    keeper_id: _builtins.str
+    """Optional. Acquire on this keeper (of the same account): the lease lives
+    as long as the keeper, and `ttl` must be unset. On a Keep stream, the
+    stream's keeper is meant when it is empty, and it must be that keeper's
+    id when set.
+    """
     @_builtins.property
     def key(self) -> Global___SessionKey: ...
     @_builtins.property
@@ -178,10 +193,11 @@ class AcquireRequest(_message.Message):
         ttl: _duration_pb2.Duration | None = ...,
         wait: _duration_pb2.Duration | None = ...,
         holder: _builtins.str = ...,
+        keeper_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "ttl", b"ttl", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "key", b"key", "run_id", b"run_id", "ttl", b"ttl", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "keeper_id", b"keeper_id", "key", b"key", "run_id", b"run_id", "ttl", b"ttl", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -194,6 +210,7 @@ class AcquireResponse(_message.Message):
     ACQUIRED_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     CURRENT_FIELD_NUMBER: _builtins.int
+    LOCK_DELAY_UNTIL_FIELD_NUMBER: _builtins.int
     acquired: _builtins.bool
     @_builtins.property
     def lease(self) -> Global___Lease:
@@ -203,16 +220,24 @@ class AcquireResponse(_message.Message):
     def current(self) -> Global___Lease:
         """The valid lease that blocked the grant, when not acquired."""
 
+    @_builtins.property
+    def lock_delay_until(self) -> _timestamp_pb2.Timestamp:
+        """When not acquired because the key's last lease was on a keeper that
+        expired and its lock-delay is still running: when the delay ends, on the
+        database clock. `current` is then empty.
+        """
+
     def __init__(
         self,
         *,
         acquired: _builtins.bool = ...,
         lease: Global___Lease | None = ...,
         current: Global___Lease | None = ...,
+        lock_delay_until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current", "lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["current", b"current", "lease", b"lease", "lock_delay_until", b"lock_delay_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired", b"acquired", "current", b"current", "lease", b"lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired", b"acquired", "current", b"current", "lease", b"lease", "lock_delay_until", b"lock_delay_until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -335,18 +360,26 @@ class GetResponse(_message.Message):
 
     HELD_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    LOCK_DELAY_UNTIL_FIELD_NUMBER: _builtins.int
     held: _builtins.bool
     @_builtins.property
     def lease(self) -> Global___Lease: ...
+    @_builtins.property
+    def lock_delay_until(self) -> _timestamp_pb2.Timestamp:
+        """When the session is not held but its last lease was on a keeper that
+        expired and its lock-delay is still running: when the delay ends.
+        """
+
     def __init__(
         self,
         *,
         held: _builtins.bool = ...,
         lease: Global___Lease | None = ...,
+        lock_delay_until: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "lock_delay_until", b"lock_delay_until"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "lease", b"lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["held", b"held", "lease", b"lease", "lock_delay_until", b"lock_delay_until"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -846,3 +879,404 @@ class RevokeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeResponse: _TypeAlias = RevokeResponse  # noqa: Y015
+
+@_typing.final
+class Keeper(_message.Message):
+    """Keepers (docs/keepers.md): one heartbeat keeps every lease acquired on a
+    keeper; its database cost is one row, whatever the number of leases.
+
+    Keeper is the state of one keeper.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEEPER_ID_FIELD_NUMBER: _builtins.int
+    ACCOUNT_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    LOCK_DELAY_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    keeper_id: _builtins.str
+    account_id: _builtins.str
+    holder: _builtins.str
+    leases: _builtins.int
+    """Open leases on the keeper when the answer was made."""
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def lock_delay(self) -> _duration_pb2.Duration:
+        """After the keeper expires (not after a close or a revoke), none of its
+        keys is granted to another run before this has passed.
+        """
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def remaining(self) -> _duration_pb2.Duration:
+        """Time left, computed by the database when the answer was made. Clients
+        set the local deadline of every lease on the keeper from this.
+        """
+
+    def __init__(
+        self,
+        *,
+        keeper_id: _builtins.str = ...,
+        account_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        lock_delay: _duration_pb2.Duration | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        remaining: _duration_pb2.Duration | None = ...,
+        leases: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "lock_delay", b"lock_delay", "remaining", b"remaining", "ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "expires_at", b"expires_at", "holder", b"holder", "keeper_id", b"keeper_id", "leases", b"leases", "lock_delay", b"lock_delay", "remaining", b"remaining", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Keeper: _TypeAlias = Keeper  # noqa: Y015
+
+@_typing.final
+class OpenKeeper(_message.Message):
+    """OpenKeeper is the first request of a Keep stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_ID_FIELD_NUMBER: _builtins.int
+    KEEPER_ID_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    LOCK_DELAY_FIELD_NUMBER: _builtins.int
+    account_id: _builtins.str
+    keeper_id: _builtins.str
+    """Optional. A UUID chosen by the client: a new keeper with that id, or, when
+    a valid keeper of the account has it, a re-attach to that keeper (after
+    a cut stream, on any instance), keeping every lease on it. Empty: the
+    server makes one.
+    """
+    holder: _builtins.str
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """The keeper's TTL, within the server's TTL bounds. On a re-attach it
+        replaces the keeper's TTL when set.
+        """
+
+    @_builtins.property
+    def lock_delay(self) -> _duration_pb2.Duration:
+        """Optional, 0 to the server's maximum (default 60 s). Ignored on a re-attach."""
+
+    def __init__(
+        self,
+        *,
+        account_id: _builtins.str = ...,
+        keeper_id: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+        lock_delay: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lock_delay", b"lock_delay", "ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "holder", b"holder", "keeper_id", b"keeper_id", "lock_delay", b"lock_delay", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenKeeper: _TypeAlias = OpenKeeper  # noqa: Y015
+
+@_typing.final
+class Heartbeat(_message.Message):
+    """Heartbeat renews the keeper, and with it every lease on it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """Optional. A new TTL for the keeper; its TTL is kept when unset."""
+
+    def __init__(
+        self,
+        *,
+        ttl: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
+
+@_typing.final
+class CloseKeeper(_message.Message):
+    """CloseKeeper releases every lease on the keeper and ends it (no lock-delay).
+    The stream ends after its answer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseKeeper: _TypeAlias = CloseKeeper  # noqa: Y015
+
+@_typing.final
+class KeepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OPEN_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    ACQUIRE_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    GET_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the client, echoed in the answer; not reused on one stream
+    while its request is in flight.
+    """
+    @_builtins.property
+    def open(self) -> Global___OpenKeeper: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat: ...
+    @_builtins.property
+    def acquire(self) -> Global___AcquireRequest:
+        """key, run_id, wait, holder, keeper_id (empty: this keeper); ttl unset."""
+
+    @_builtins.property
+    def release(self) -> Global___ReleaseRequest: ...
+    @_builtins.property
+    def get(self) -> Global___GetRequest: ...
+    @_builtins.property
+    def close(self) -> Global___CloseKeeper: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        open: Global___OpenKeeper | None = ...,
+        heartbeat: Global___Heartbeat | None = ...,
+        acquire: Global___AcquireRequest | None = ...,
+        release: Global___ReleaseRequest | None = ...,
+        get: Global___GetRequest | None = ...,
+        close: Global___CloseKeeper | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "close", b"close", "get", b"get", "heartbeat", b"heartbeat", "op", b"op", "open", b"open", "release", b"release"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "close", b"close", "get", b"get", "heartbeat", b"heartbeat", "id", b"id", "op", b"op", "open", b"open", "release", b"release"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["open", "heartbeat", "acquire", "release", "get", "close"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___KeepRequest: _TypeAlias = KeepRequest  # noqa: Y015
+
+@_typing.final
+class KeepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    KEEPER_FIELD_NUMBER: _builtins.int
+    ACQUIRE_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    GET_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    LEASE_LOST_FIELD_NUMBER: _builtins.int
+    HANDOFF_REQUESTED_FIELD_NUMBER: _builtins.int
+    LOST_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """The request answered; 0 for what the server says unasked (lease_lost,
+    handoff_requested, lost).
+    """
+    @_builtins.property
+    def keeper(self) -> Global___Keeper:
+        """The keeper after an open, a heartbeat or a close."""
+
+    @_builtins.property
+    def acquire(self) -> Global___AcquireResponse: ...
+    @_builtins.property
+    def release(self) -> Global___ReleaseResponse: ...
+    @_builtins.property
+    def get(self) -> Global___GetResponse: ...
+    @_builtins.property
+    def error(self) -> _status_pb2.Status:
+        """The request was refused: its code (INVALID_ARGUMENT naming the field,
+        FAILED_PRECONDITION, RESOURCE_EXHAUSTED, PERMISSION_DENIED, …), message
+        and details (google.rpc.ErrorInfo), as a unary call's error. The keeper
+        and the stream go on.
+        """
+
+    @_builtins.property
+    def lease_lost(self) -> Global___KeeperLeaseLost:
+        """One lease of the keeper ended without its Release (an admin Revoke):
+        that run never holds the session again.
+        """
+
+    @_builtins.property
+    def handoff_requested(self) -> Global___KeeperHandoffRequested:
+        """Someone asked the run holding one of the keeper's leases to finish."""
+
+    @_builtins.property
+    def lost(self) -> Global___KeeperLost:
+        """The keeper ended (expired, revoked): every lease on it ended with it.
+        The stream ends after this.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        keeper: Global___Keeper | None = ...,
+        acquire: Global___AcquireResponse | None = ...,
+        release: Global___ReleaseResponse | None = ...,
+        get: Global___GetResponse | None = ...,
+        error: _status_pb2.Status | None = ...,
+        lease_lost: Global___KeeperLeaseLost | None = ...,
+        handoff_requested: Global___KeeperHandoffRequested | None = ...,
+        lost: Global___KeeperLost | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "error", b"error", "get", b"get", "handoff_requested", b"handoff_requested", "keeper", b"keeper", "lease_lost", b"lease_lost", "lost", b"lost", "release", b"release", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquire", b"acquire", "error", b"error", "get", b"get", "handoff_requested", b"handoff_requested", "id", b"id", "keeper", b"keeper", "lease_lost", b"lease_lost", "lost", b"lost", "release", b"release", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["keeper", "acquire", "release", "get", "error", "lease_lost", "handoff_requested", "lost"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___KeepResponse: _TypeAlias = KeepResponse  # noqa: Y015
+
+@_typing.final
+class KeeperLeaseLost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    reason: Global___LossReason.ValueType
+    @_builtins.property
+    def key(self) -> Global___SessionKey: ...
+    def __init__(
+        self,
+        *,
+        key: Global___SessionKey | None = ...,
+        run_id: _builtins.str = ...,
+        reason: Global___LossReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reason", b"reason", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeeperLeaseLost: _TypeAlias = KeeperLeaseLost  # noqa: Y015
+
+@_typing.final
+class KeeperHandoffRequested(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    @_builtins.property
+    def key(self) -> Global___SessionKey: ...
+    @_builtins.property
+    def request(self) -> Global___HandoffRequested: ...
+    def __init__(
+        self,
+        *,
+        key: Global___SessionKey | None = ...,
+        run_id: _builtins.str = ...,
+        request: Global___HandoffRequested | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "request", b"request", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeeperHandoffRequested: _TypeAlias = KeeperHandoffRequested  # noqa: Y015
+
+@_typing.final
+class KeeperLost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    reason: Global___LossReason.ValueType
+    """LOSS_REASON_EXPIRED or LOSS_REASON_REVOKED (LOSS_REASON_NOT_FOUND for a
+    keeper that does not exist any more).
+    """
+    detail: _builtins.str
+    """The revoke's reason, when revoked."""
+    def __init__(
+        self,
+        *,
+        reason: Global___LossReason.ValueType = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeeperLost: _TypeAlias = KeeperLost  # noqa: Y015
+
+@_typing.final
+class RevokeKeeperRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCOUNT_ID_FIELD_NUMBER: _builtins.int
+    KEEPER_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    account_id: _builtins.str
+    """The keeper's account (where the server's access rule reads it)."""
+    keeper_id: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        account_id: _builtins.str = ...,
+        keeper_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["account_id", b"account_id", "keeper_id", b"keeper_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeKeeperRequest: _TypeAlias = RevokeKeeperRequest  # noqa: Y015
+
+@_typing.final
+class RevokeKeeperResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVOKED_FIELD_NUMBER: _builtins.int
+    LEASES_REVOKED_FIELD_NUMBER: _builtins.int
+    revoked: _builtins.bool
+    """False when the keeper had already ended."""
+    leases_revoked: _builtins.int
+    """The leases the revoke ended."""
+    def __init__(
+        self,
+        *,
+        revoked: _builtins.bool = ...,
+        leases_revoked: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases_revoked", b"leases_revoked", "revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeKeeperResponse: _TypeAlias = RevokeKeeperResponse  # noqa: Y015

@@ -91,6 +91,16 @@ class LeaseServiceStub:
                 request_serializer=leasehold_dot_v1_dot_lease__pb2.RevokeRequest.SerializeToString,
                 response_deserializer=leasehold_dot_v1_dot_lease__pb2.RevokeResponse.FromString,
                 _registered_method=True)
+        self.Keep = channel.stream_stream(
+                '/leasehold.v1.LeaseService/Keep',
+                request_serializer=leasehold_dot_v1_dot_lease__pb2.KeepRequest.SerializeToString,
+                response_deserializer=leasehold_dot_v1_dot_lease__pb2.KeepResponse.FromString,
+                _registered_method=True)
+        self.RevokeKeeper = channel.unary_unary(
+                '/leasehold.v1.LeaseService/RevokeKeeper',
+                request_serializer=leasehold_dot_v1_dot_lease__pb2.RevokeKeeperRequest.SerializeToString,
+                response_deserializer=leasehold_dot_v1_dot_lease__pb2.RevokeKeeperResponse.FromString,
+                _registered_method=True)
 
 
 class LeaseServiceServicer:
@@ -184,6 +194,24 @@ class LeaseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Keep(self, request_iterator, context):
+        """Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+        its leases' operations, one stream per keeper (docs/keepers.md). Every
+        request is answered, by its id, in any order; bad input in one request
+        is answered in that request's `error`, and the keeper goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeKeeper(self, request, context):
+        """RevokeKeeper ends a keeper and every lease on it, regardless of its
+        holder. Admin scope only; audited (one REVOKED row per lease).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LeaseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -241,6 +269,16 @@ def add_LeaseServiceServicer_to_server(servicer, server):
                     servicer.Revoke,
                     request_deserializer=leasehold_dot_v1_dot_lease__pb2.RevokeRequest.FromString,
                     response_serializer=leasehold_dot_v1_dot_lease__pb2.RevokeResponse.SerializeToString,
+            ),
+            'Keep': grpc.stream_stream_rpc_method_handler(
+                    servicer.Keep,
+                    request_deserializer=leasehold_dot_v1_dot_lease__pb2.KeepRequest.FromString,
+                    response_serializer=leasehold_dot_v1_dot_lease__pb2.KeepResponse.SerializeToString,
+            ),
+            'RevokeKeeper': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeKeeper,
+                    request_deserializer=leasehold_dot_v1_dot_lease__pb2.RevokeKeeperRequest.FromString,
+                    response_serializer=leasehold_dot_v1_dot_lease__pb2.RevokeKeeperResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -542,6 +580,60 @@ class LeaseService:
             '/leasehold.v1.LeaseService/Revoke',
             leasehold_dot_v1_dot_lease__pb2.RevokeRequest.SerializeToString,
             leasehold_dot_v1_dot_lease__pb2.RevokeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Keep(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/leasehold.v1.LeaseService/Keep',
+            leasehold_dot_v1_dot_lease__pb2.KeepRequest.SerializeToString,
+            leasehold_dot_v1_dot_lease__pb2.KeepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeKeeper(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/leasehold.v1.LeaseService/RevokeKeeper',
+            leasehold_dot_v1_dot_lease__pb2.RevokeKeeperRequest.SerializeToString,
+            leasehold_dot_v1_dot_lease__pb2.RevokeKeeperResponse.FromString,
             options,
             channel_credentials,
             insecure,

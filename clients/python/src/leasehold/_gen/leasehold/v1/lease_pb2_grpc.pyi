@@ -73,6 +73,16 @@ class LeaseServiceStub:
     """
     Revoke: _grpc.UnaryUnaryMultiCallable[_lease_pb2.RevokeRequest, _lease_pb2.RevokeResponse]
     """Revoke ends a valid lease regardless of its run. Admin scope only; audited."""
+    Keep: _grpc.StreamStreamMultiCallable[_lease_pb2.KeepRequest, _lease_pb2.KeepResponse]
+    """Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+    its leases' operations, one stream per keeper (docs/keepers.md). Every
+    request is answered, by its id, in any order; bad input in one request
+    is answered in that request's `error`, and the keeper goes on.
+    """
+    RevokeKeeper: _grpc.UnaryUnaryMultiCallable[_lease_pb2.RevokeKeeperRequest, _lease_pb2.RevokeKeeperResponse]
+    """RevokeKeeper ends a keeper and every lease on it, regardless of its
+    holder. Admin scope only; audited (one REVOKED row per lease).
+    """
 
 @_typing.type_check_only
 class LeaseServiceAsyncStub(LeaseServiceStub):
@@ -119,6 +129,16 @@ class LeaseServiceAsyncStub(LeaseServiceStub):
     """
     Revoke: _aio.UnaryUnaryMultiCallable[_lease_pb2.RevokeRequest, _lease_pb2.RevokeResponse]  # type: ignore[assignment]
     """Revoke ends a valid lease regardless of its run. Admin scope only; audited."""
+    Keep: _aio.StreamStreamMultiCallable[_lease_pb2.KeepRequest, _lease_pb2.KeepResponse]  # type: ignore[assignment]
+    """Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+    its leases' operations, one stream per keeper (docs/keepers.md). Every
+    request is answered, by its id, in any order; bad input in one request
+    is answered in that request's `error`, and the keeper goes on.
+    """
+    RevokeKeeper: _aio.UnaryUnaryMultiCallable[_lease_pb2.RevokeKeeperRequest, _lease_pb2.RevokeKeeperResponse]  # type: ignore[assignment]
+    """RevokeKeeper ends a keeper and every lease on it, regardless of its
+    holder. Admin scope only; audited (one REVOKED row per lease).
+    """
 
 class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
     """LeaseService decides, for every session, which single run may execute it
@@ -228,5 +248,27 @@ class LeaseServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_lease_pb2.RevokeResponse, _abc.Awaitable[_lease_pb2.RevokeResponse]]:
         """Revoke ends a valid lease regardless of its run. Admin scope only; audited."""
+
+    @_abc_1.abstractmethod
+    def Keep(
+        self,
+        request_iterator: _MaybeAsyncIterator[_lease_pb2.KeepRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_lease_pb2.KeepResponse], _abc.AsyncIterator[_lease_pb2.KeepResponse]]:
+        """Keep opens (or re-attaches to) a keeper and carries its heartbeat and
+        its leases' operations, one stream per keeper (docs/keepers.md). Every
+        request is answered, by its id, in any order; bad input in one request
+        is answered in that request's `error`, and the keeper goes on.
+        """
+
+    @_abc_1.abstractmethod
+    def RevokeKeeper(
+        self,
+        request: _lease_pb2.RevokeKeeperRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_lease_pb2.RevokeKeeperResponse, _abc.Awaitable[_lease_pb2.RevokeKeeperResponse]]:
+        """RevokeKeeper ends a keeper and every lease on it, regardless of its
+        holder. Admin scope only; audited (one REVOKED row per lease).
+        """
 
 def add_LeaseServiceServicer_to_server(servicer: LeaseServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
