@@ -195,10 +195,17 @@ const leaseFields: Fields = {
   [bytesField(6)]: ["acquiredAt", message(readTimestamp)],
   [bytesField(7)]: ["expiresAt", message(readTimestamp)],
   [bytesField(8)]: ["remaining", message(readDuration)],
+  [bytesField(9)]: ["keeperId", ascii],
 };
 
 export function readLease(bytes: Uint8Array, start: number, end: number): Lease | undefined {
-  const lease: Lease = { $typeName: "leasehold.v1.Lease", runId: "", fencingToken: 0n, holder: "" };
+  const lease: Lease = {
+    $typeName: "leasehold.v1.Lease",
+    runId: "",
+    fencingToken: 0n,
+    holder: "",
+    keeperId: "",
+  };
   return readInto(lease, leaseFields, bytes, start, end);
 }
 

@@ -1,7 +1,7 @@
 // Routes of the lease server: one plain function from a router to services,
 // over the one service implementation that the native gRPC path serves too.
 
-import type { ConnectRouter, ServiceImpl } from "@connectrpc/connect";
+import { Code, ConnectError, type ConnectRouter, type ServiceImpl } from "@connectrpc/connect";
 import { LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
 import { type AuditServiceDeps, createAuditService } from "./audit-service.js";
 import { createFenceService } from "./fence-service.js";
@@ -17,6 +17,15 @@ export function leaseServiceImpl(deps: LeaseServiceImplDeps): ServiceImpl<typeof
     ...createFenceService(deps),
     ...createAuditService(deps),
     ...createStreamService(deps),
+    // Keepers are in the store (docs/keepers.md); their stream and RevokeKeeper
+    // are not served by this release.
+    // biome-ignore lint/correctness/useYield: answers UNIMPLEMENTED before any message
+    keep: async function* () {
+      throw new ConnectError("Keep is not served by this server", Code.Unimplemented);
+    },
+    revokeKeeper: async () => {
+      throw new ConnectError("RevokeKeeper is not served by this server", Code.Unimplemented);
+    },
   };
 }
 
