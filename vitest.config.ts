@@ -25,6 +25,7 @@ export default defineConfig({
             "test/tools/**",
             "test/ha/**",
             "test/hostile-volume.test.ts",
+            "test/hostile-bodies.test.ts",
             "node_modules/**",
           ],
           globalSetup: ["test/support/global-setup.ts"],

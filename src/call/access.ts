@@ -11,11 +11,15 @@ export interface Access {
   /** Whether calls of this service are checked at all. */
   protects(serviceName: string): boolean;
   /**
-   * The caller of a call of `methodName`, from its authorization header;
+   * The caller of a call of `methodName`, from its request headers (the
+   * authorization header, and whatever else the headers already decide);
    * undefined in development mode. Refuses a bad token and a method the
-   * caller's scopes do not open.
+   * caller's scopes do not open. Runs before the request's body is read.
    */
-  caller(methodName: string, authorization: string | null): Promise<Principal | undefined>;
+  caller(
+    methodName: string,
+    header: (name: string) => string | null,
+  ): Promise<Principal | undefined>;
   /**
    * Checks one request message of the call: its account, then the session
    * authorizer. Returns the principal the call acts as (an anonymous one for

@@ -3,11 +3,25 @@
 // every call connect-node serves — Connect, gRPC-Web, and gRPC when the
 // native path is off (--grpc-path connect). It moves messages in and out;
 // every rule lives in the policy.
+//
+// connect-node reads a unary request's body whole before any interceptor
+// runs, so the caller is authenticated earlier, from the headers, where the
+// request enters (`policyGate`, which src/host/rpc-entry.ts runs before the
+// adapter sees the request): a refused call's body is never read. The
+// interceptor's call then starts from that admission.
 
-import { Code, ConnectError, type Interceptor, type StreamRequest } from "@connectrpc/connect";
+import {
+  Code,
+  ConnectError,
+  type ContextValues,
+  createContextKey,
+  createContextValues,
+  type Interceptor,
+  type StreamRequest,
+} from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
 import { requestIdHeader } from "../protocol/headers.js";
-import type { CallPolicy, PolicyCall } from "./call-policy.js";
+import type { Admission, CallPolicy, CallStart, PolicyCall } from "./call-policy.js";
 import { policyText } from "./error-texts.js";
 
 /** The protocol a request speaks, from its content type. */
@@ -17,6 +31,30 @@ function protocolOf(contentType: string | null): string {
   return "connect";
 }
 
+const admissionKey = createContextKey<Admission | undefined>(undefined, {
+  description: "leasehold call admission",
+});
+
+/**
+ * Authenticates a call from its request headers, before its body is read:
+ * resolves with the context values its handler starts with (the admission,
+ * which the interceptor's call takes over), or rejects with the refusal the
+ * caller is answered with.
+ */
+export function policyGate(
+  policy: CallPolicy,
+): (init: Omit<CallStart, "protocol">) => Promise<ContextValues> {
+  return async (init) => {
+    const admission = await policy.authenticate({
+      ...init,
+      protocol: protocolOf(init.header("content-type")),
+    });
+    const values = createContextValues();
+    values.set(admissionKey, admission);
+    return values;
+  };
+}
+
 export function policyInterceptor(policy: CallPolicy): Interceptor {
   return (next) => async (req) => {
     const call = policy.begin({
@@ -24,6 +62,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
       method: req.method,
       protocol: protocolOf(req.header.get("content-type")),
       header: (name) => req.header.get(name),
+      admission: req.contextValues.get(admissionKey),
     });
     const fail = (error: unknown): ConnectError => {
       const answer = call.end(error);

@@ -10,7 +10,7 @@ import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-no
 import { createAuthenticator } from "../auth/authn.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy } from "../call/call-policy.js";
-import { policyInterceptor } from "../call/policy-interceptor.js";
+import { policyGate, policyInterceptor } from "../call/policy-interceptor.js";
 import { bearerTokenInterceptor } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type RunningServer, startHost } from "../host/host.js";
@@ -101,6 +101,7 @@ export async function startGuardedServer(
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
         interceptors: [policyInterceptor(policy)],
+        gate: policyGate(policy),
         http: (next) => (req, res) => {
           // Before connect-node reads them, as on the lease server.
           clampTimeoutHeaders(req.headers);

@@ -16,7 +16,7 @@ import { type MigrationSet, migrate } from "../postgres/migrate.js";
 import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from "../postgres/pool.js";
 
 import { type Listener, listen, type StreamHandler } from "./listener.js";
-import { createRpcEntry } from "./rpc-entry.js";
+import { createRpcEntry, type HeaderGate } from "./rpc-entry.js";
 
 export interface RunningServer {
   /** Base URL for clients, e.g. http://127.0.0.1:7070 */
@@ -42,8 +42,11 @@ export interface HostedServices {
   http?: (next: NodeHandler) => NodeHandler;
   /** Largest request message in bytes (Connect's readMaxBytes). */
   readMaxBytes?: number;
-  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS. */
-  maxStreamsPerConnection?: number;
+  /**
+   * Decides a routed call from its headers before its body is read (the call
+   * policy's authentication, `policyGate`); a refused call's body is never read.
+   */
+  gate?: HeaderGate;
   /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
   beginShutdown?: () => void;
   /** Serves HTTP/2 streams itself before the Connect adapter sees them (the native gRPC path). */
@@ -119,8 +122,13 @@ export async function startHost(
     // connect-es's own bound when none is given.
     const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
     const acceptUnknownJsonFields = config.jsonUnknownFields === "accept";
-    const entry = createRpcEntry({ readMaxBytes, acceptUnknownJsonFields });
-    const handler = connectNodeAdapter({
+    const entry = createRpcEntry({
+      readMaxBytes,
+      acceptUnknownJsonFields,
+      readTimeoutMs: config.readTimeoutMs,
+      gate: services.gate,
+    });
+    const adapter = connectNodeAdapter({
       routes: entry.routes(services.routes),
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
@@ -129,12 +137,14 @@ export async function startHost(
       // compressed body, a Connect GET's query): protobuf-es refuses the field.
       jsonOptions: { ignoreUnknownFields: acceptUnknownJsonFields },
       fallback: entry.fallback(services.fallback),
+      contextValues: (req) => entry.contextValues(req),
     });
+    const handler = entry.node(adapter);
     listener = await listen({
       host: config.listenHost,
       port: config.listenPort,
       handler: services.http ? services.http(handler) : handler,
-      maxConcurrentStreams: services.maxStreamsPerConnection,
+      maxConcurrentStreams: config.maxStreamsPerConnection,
       streamHandler: services.streamHandler,
       tls: config.tls,
       handshakeTimeoutMs: config.handshakeTimeoutMs,

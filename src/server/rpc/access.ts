@@ -56,12 +56,14 @@ export function createAccess(options: AccessOptions): Access {
   return {
     protects: (serviceName) => options.protectedServices.has(serviceName),
 
-    async caller(methodName, authorization) {
+    async caller(methodName, header) {
       const action = actions[methodName];
       if (action === undefined) {
         throw new PermissionDeniedError(`${methodName} is not open to callers`);
       }
-      const caller = authenticator ? await authenticator.authenticate(authorization) : undefined;
+      const caller = authenticator
+        ? await authenticator.authenticate(header("authorization"))
+        : undefined;
       if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
         throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);
       }
