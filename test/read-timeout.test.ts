@@ -5,6 +5,7 @@
 // it sent, nor its stream, for ever. A stream idle between whole messages (a
 // KeepAlive between renewals) is not ended by it.
 
+import http from "node:http";
 import http2 from "node:http2";
 import { create, toBinary } from "@bufbuild/protobuf";
 import { beforeAll, describe, expect, it } from "vitest";
@@ -157,6 +158,48 @@ describe(`a body that stalls while a message is due ends after --read-timeout ($
       }
     });
   }
+
+  it("guarded store Put, Connect over HTTP/1.1: 504 DEADLINE_EXCEEDED, then the connection is closed", async () => {
+    const url = new URL(store.url);
+    const ended = await within(
+      new Promise<{ status: number; code: string; closed: boolean; elapsedMs: number }>(
+        (resolve, reject) => {
+          let sentAt = 0;
+          const req = http.request({
+            host: url.hostname,
+            port: url.port,
+            path: putPath,
+            method: "POST",
+            agent: false,
+            headers: { ...connect, "content-length": "1000", connection: "keep-alive" },
+          });
+          req.on("error", reject);
+          req.on("response", (res) => {
+            const elapsedMs = performance.now() - sentAt;
+            let text = "";
+            res.setEncoding("utf8");
+            res.on("data", (chunk: string) => {
+              text += chunk;
+            });
+            res.on("end", () => {
+              const code = (JSON.parse(text) as { code: string }).code;
+              const settle = () =>
+                resolve({ status: res.statusCode ?? 0, code, closed: true, elapsedMs });
+              if (req.socket?.destroyed) settle();
+              else req.socket?.once("close", settle);
+            });
+          });
+          // 100 of the 1,000 bytes it declares, and then nothing.
+          req.write(Buffer.alloc(100), () => {
+            sentAt = performance.now();
+          });
+        },
+      ),
+      { what: "the stalled HTTP/1.1 call to end and its connection to close" },
+    );
+    expect(ended).toMatchObject({ status: 504, code: "deadline_exceeded", closed: true });
+    expect(ended.elapsedMs).toBeGreaterThanOrEqual(readTimeoutMs - 1);
+  });
 
   it("a KeepAlive stream idle between whole renewals is not ended by it, while a stalled Acquire on its connection is", async () => {
     const session = open(lease);
