@@ -130,17 +130,22 @@ export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
         next(req, res);
         return;
       }
-      gate({ service: handler.service, method: handler.method, header: nodeHeader(req) }).then(
-        (admitted) => {
-          values.set(req, withBodyControl(admitted, control));
-          next(req, res);
-        },
-        (error: unknown) => {
-          if (res.headersSent || res.writableEnded) return;
-          const type = String(req.headers["content-type"] ?? "");
-          answerError(res, protocol, ConnectError.from(error), type);
-        },
-      );
+      gate({ service: handler.service, method: handler.method, header: nodeHeader(req) })
+        .then(
+          (admitted) => {
+            values.set(req, withBodyControl(admitted, control));
+            next(req, res);
+          },
+          (error: unknown) => {
+            if (res.headersSent || res.writableEnded) return;
+            const type = String(req.headers["content-type"] ?? "");
+            answerError(res, protocol, ConnectError.from(error), type);
+          },
+        )
+        // What `next` or an answer throws (a request connect-node cannot
+        // take, a stream already gone) would otherwise be an unhandled
+        // rejection, which ends the process: the request is dropped instead.
+        .catch(() => res.destroy());
     },
     contextValues: (req) => values.get(req) ?? createContextValues(),
     fallback: (next) => (req, res) => {

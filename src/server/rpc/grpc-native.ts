@@ -123,15 +123,14 @@ export function createNativeGrpc(
     // What the handler starts runs inside the policy's steps (tracing).
     call.policy
       .run(() => call.authenticate())
-      .then(
-        () => {
-          if (call.ended) return;
-          if (route.unary) serveUnary(call, route.unary);
-          else call.policy.run(() => route.stream?.(call));
-          call.resumeReading();
-        },
-        (error: unknown) => call.end(error),
-      );
+      .then(() => {
+        if (call.ended) return;
+        if (route.unary) serveUnary(call, route.unary);
+        else call.policy.run(() => route.stream?.(call));
+        call.resumeReading();
+      })
+      // A refusal, or what a handler threw as it started: the call ends with it.
+      .catch((error: unknown) => call.end(error));
     return true;
   };
 }
