@@ -28,6 +28,7 @@ export default defineConfig({
             "test/ha/**",
             "test/hostile-volume.test.ts",
             "test/scale/**",
+            "test/hostile-bodies.test.ts",
             "node_modules/**",
           ],
           globalSetup: ["test/support/global-setup.ts"],

@@ -27,7 +27,7 @@ function limitOf(error: ConnectError) {
   const info = error.findDetails(ErrorInfoSchema).find((d) => d.reason === "LIMIT_EXCEEDED");
   return info && { limit: info.metadata.limit, max: info.metadata.max };
 }
-const { db, client, startServer } = useTestServer({
+const { db, client, startServer, startGuardedServer } = useTestServer({
   args: ["--max-leases-per-account", String(quota), "--max-message-bytes", "4096"],
 });
 
@@ -139,6 +139,39 @@ describe("concurrent streams per connection", () => {
       for (const id of [1, 3, 5]) peer.headers(id, "/grpc.health.v1.Health/Watch");
       const reset = await peer.reset(5);
       expect(reset).toBe(7); // REFUSED_STREAM: the peer may retry it elsewhere.
+      expect(peer.resets.has(1) || peer.resets.has(3)).toBe(false);
+    } finally {
+      peer.close();
+    }
+  });
+});
+
+describe("concurrent streams per connection on the guarded store", () => {
+  it("the store advertises 100 by default and takes the lease server's --max-streams-per-connection; a peer that opens more gets REFUSED_STREAM", async () => {
+    const lease = await startServer();
+    const byDefault = await startGuardedServer(["--lease-url", lease.url]);
+    const narrow = await startGuardedServer([
+      "--lease-url",
+      lease.url,
+      "--max-streams-per-connection",
+      "2",
+    ]);
+    const advertised = async (url: string) => {
+      const session = http2.connect(url);
+      try {
+        await new Promise<void>((resolve) => session.once("remoteSettings", () => resolve()));
+        return session.remoteSettings.maxConcurrentStreams;
+      } finally {
+        session.destroy();
+      }
+    };
+    // It set none before, and got the listener's 1,000.
+    expect(await advertised(byDefault.url)).toBe(100);
+    expect(await advertised(narrow.url)).toBe(2);
+    const peer = await rawHttp2(new URL(narrow.url));
+    try {
+      for (const id of [1, 3, 5]) peer.headers(id, "/leasehold.guarded.v1.GuardedStoreService/Put");
+      expect(await peer.reset(5)).toBe(7); // REFUSED_STREAM
       expect(peer.resets.has(1) || peer.resets.has(3)).toBe(false);
     } finally {
       peer.close();

@@ -16,6 +16,7 @@ import { isLoopback } from "../src/config/ops-config.js";
 import { ConfigError } from "../src/config/settings.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { parseGuardedConfig } from "../src/guarded/config.js";
 import { createLogger } from "../src/log/logger.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import type { RunningServer } from "../src/server/server.js";
@@ -127,6 +128,24 @@ describe("key settings", () => {
       /--max-leases-per-account .* must be an integer from 0/,
     );
     expect(configError(["--session-authorizer", "ldap"])).toMatch(/own-account or acl-table/);
+  });
+
+  it("the request bounds of both servers: --read-timeout at least 100ms (default 10s), --max-streams-per-connection from 1 (default 100)", () => {
+    const guarded = (argv: string[]) =>
+      parseGuardedConfig(["--lease-url", "http://127.0.0.1:7070", ...argv], {});
+    for (const parse of [(argv: string[]) => parseServerConfig(argv, {}), guarded]) {
+      expect(parse([])).toMatchObject({ readTimeoutMs: 10_000, maxStreamsPerConnection: 100 });
+      expect(parse(["--read-timeout", "2s", "--max-streams-per-connection", "8"])).toMatchObject({
+        readTimeoutMs: 2_000,
+        maxStreamsPerConnection: 8,
+      });
+      expect(() => parse(["--read-timeout", "50ms"])).toThrow(
+        /--read-timeout \(LEASEHOLD_READ_TIMEOUT\) must be at least 100ms/,
+      );
+      expect(() => parse(["--max-streams-per-connection", "0"])).toThrow(
+        /--max-streams-per-connection \(LEASEHOLD_MAX_STREAMS_PER_CONNECTION\) must be an integer from 1 to 100000, got "0"/,
+      );
+    }
   });
 });
 

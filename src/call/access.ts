@@ -12,13 +12,15 @@ export interface Access {
   /** Whether calls of this service are checked at all. */
   protects(serviceName: string): boolean;
   /**
-   * The caller of a call of `methodName`, from its authorization header and
+   * The caller of a call of `methodName`, from its request headers (the
+   * authorization header, and whatever else the headers already decide) and
    * its connection's client certificate; undefined in development mode.
    * Refuses bad credentials and a method the caller's scopes do not open.
+   * Runs before the request's body is read.
    */
   caller(
     methodName: string,
-    authorization: string | null,
+    header: (name: string) => string | null,
     certificate: ClientCertificate | undefined,
   ): Promise<Principal | undefined>;
   /**

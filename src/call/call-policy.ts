@@ -7,10 +7,13 @@
 //   begin    observation (call-observer.ts: request id, latency, log line);
 //            the steps' begin (tracing starts the call's span here,
 //            tracing-step.ts)
-//   admit    authentication (the bearer token, the method's scope); a stream
-//            is then timed to end with UNAUTHENTICATED at its token's expiry
-//            (past the verifier's clock tolerance), without waiting for
-//            another message; extra steps
+//   admit    authentication (the bearer token, the method's scope, what
+//            else the headers decide), from the request headers before any
+//            of the body is read (the adapters ask `authenticate` first, and
+//            a refused call reads nothing); a stream is then timed to end
+//            with UNAUTHENTICATED at its token's expiry (past the verifier's
+//            clock tolerance), without waiting for another message; extra
+//            steps
 //   message  each request message: refused once the token has expired
 //            (nothing is renewed after that), the account and the session
 //            authorizer (the server's Access, access.ts), extra steps
@@ -113,6 +116,25 @@ export interface PolicyCall extends PolicyCallInfo {
   end(error?: unknown): ConnectError | undefined;
 }
 
+/**
+ * A call's caller, decided from its headers before its body was read
+ * (`CallPolicy.authenticate`); the call begun with it is not authenticated
+ * again.
+ */
+export interface Admission {
+  readonly caller: Principal | undefined;
+}
+
+/** What a call is begun from: its method, its serving path and its request headers. */
+export interface CallStart {
+  service: DescService;
+  method: DescMethod;
+  protocol: string;
+  header(name: string): string | null;
+  /** The client certificate of the call's connection; undefined without one (or without TLS). */
+  certificate?: () => ClientCertificate | undefined;
+}
+
 export interface CallPolicyOptions {
   observer: CallObserver;
   access: Access;
@@ -124,14 +146,13 @@ export interface CallPolicyOptions {
 
 export interface CallPolicy {
   /** Starts the policy of one call (of any service: only protected ones are authenticated). */
-  begin(init: {
-    service: DescService;
-    method: DescMethod;
-    protocol: string;
-    header(name: string): string | null;
-    /** The client certificate of the call's connection; undefined without one (or without TLS). */
-    certificate?: () => ClientCertificate | undefined;
-  }): PolicyCall;
+  begin(init: CallStart & { admission?: Admission }): PolicyCall;
+  /**
+   * Authenticates a call from its headers alone, before its body is read.
+   * Refused: the call is begun and ended with the refusal (observed, mapped,
+   * carrying its request id), and the promise rejects with that answer.
+   */
+  authenticate(init: CallStart): Promise<Admission>;
 }
 
 /** The steps, sorted once by the hooks they have. */
@@ -151,16 +172,28 @@ export function createCallPolicy(options: CallPolicyOptions): CallPolicy {
     message: all.filter((s) => s.message),
     around: all.filter((s) => s.around),
   };
+  const begin = (init: CallStart & { admission?: Admission }): PolicyCall => {
+    const observed = observer.begin(
+      init.service.typeName,
+      init.method.name,
+      init.header(requestIdHeader),
+    );
+    const call = new Call(init, observed, access, watchSlots, steps);
+    for (const step of steps.begin) step.begin?.(call);
+    return call;
+  };
   return {
-    begin: (init) => {
-      const observed = observer.begin(
-        init.service.typeName,
-        init.method.name,
-        init.header(requestIdHeader),
-      );
-      const call = new Call(init, observed, access, watchSlots, steps);
-      for (const step of steps.begin) step.begin?.(call);
-      return call;
+    begin,
+    authenticate: async (init) => {
+      if (!access.protects(init.service.typeName)) return { caller: undefined };
+      try {
+        return {
+          caller: await access.caller(init.method.name, init.header, init.certificate?.()),
+        };
+      } catch (error) {
+        // The same call a refusal inside admit() would have ended.
+        throw begin(init).end(error) ?? error;
+      }
     },
   };
 }
@@ -174,6 +207,7 @@ class Call implements PolicyCall {
   readonly header: (name: string) => string | null;
   private readonly certificate: (() => ClientCertificate | undefined) | undefined;
   private readonly decided = new Map<string, number>();
+  private readonly admission: Admission | undefined;
   private caller: Principal | undefined;
   private admitted = false;
   private finished = false;
@@ -184,7 +218,7 @@ class Call implements PolicyCall {
   private endHooks: (() => void)[] = [];
 
   constructor(
-    init: Parameters<CallPolicy["begin"]>[0],
+    init: CallStart & { admission?: Admission },
     private readonly observed: ObservedCall,
     private readonly access: Access,
     private readonly watchSlots: AccountSlots | undefined,
@@ -196,6 +230,7 @@ class Call implements PolicyCall {
     this.streaming = init.method.methodKind !== "unary";
     this.input = init.method.input;
     this.header = init.header;
+    this.admission = init.admission;
     this.certificate = init.certificate;
   }
 
@@ -215,11 +250,9 @@ class Call implements PolicyCall {
     if (this.admitted) return;
     this.admitted = true;
     if (this.access.protects(this.service)) {
-      this.caller = await this.access.caller(
-        this.method,
-        this.header("authorization"),
-        this.certificate?.(),
-      );
+      this.caller = this.admission
+        ? this.admission.caller
+        : await this.access.caller(this.method, this.header, this.certificate?.());
       this.observed.principal = this.caller;
       this.scheduleExpiry();
     }

@@ -1,13 +1,13 @@
-// Where a call finds its connection's client certificate: the Connect
-// adapter puts it in the call's context values (certificateContextValues, given
-// to the adapter by the server), the native gRPC path reads it off its
-// stream's session. Both read the same verdict, made
+// Where a call finds its connection's client certificate: on the Connect
+// adapter's paths the header gate (policy-interceptor.ts's policyGate) reads
+// it off the request and puts it in the call's context values; the native
+// gRPC path reads it off its stream's session. Both read the same verdict, made
 // once per connection (auth/client-certificate.ts).
 
 import type http from "node:http";
 import type http2 from "node:http2";
 import { TLSSocket } from "node:tls";
-import { type ContextValues, createContextKey, createContextValues } from "@connectrpc/connect";
+import { createContextKey } from "@connectrpc/connect";
 import { type ClientCertificate, clientCertificateOf } from "../auth/client-certificate.js";
 
 /** The call's client certificate in Connect's context values; undefined without one. */
@@ -15,10 +15,11 @@ export const clientCertificateKey = createContextKey<ClientCertificate | undefin
   description: "the client certificate of the call's connection",
 });
 
+/** A request as Node's HTTP/1.1 and HTTP/2 servers hand it over. */
+export type NodeRequest = http.IncomingMessage | http2.Http2ServerRequest;
+
 /** The client certificate of a request's connection, HTTP/1.1 or HTTP/2. */
-export function clientCertificateOfRequest(
-  req: http.IncomingMessage | http2.Http2ServerRequest,
-): ClientCertificate | undefined {
+export function clientCertificateOfRequest(req: NodeRequest): ClientCertificate | undefined {
   const socket = "stream" in req ? req.stream.session?.socket : req.socket;
   return socket instanceof TLSSocket ? clientCertificateOf(socket) : undefined;
 }
@@ -29,11 +30,4 @@ export function clientCertificateOfStream(
 ): ClientCertificate | undefined {
   const socket = stream.session?.socket;
   return socket instanceof TLSSocket ? clientCertificateOf(socket) : undefined;
-}
-
-/** The Connect adapter's context values of a request: its client certificate. */
-export function certificateContextValues(
-  req: http.IncomingMessage | http2.Http2ServerRequest,
-): ContextValues {
-  return createContextValues().set(clientCertificateKey, clientCertificateOfRequest(req));
 }

@@ -4,7 +4,9 @@
 // without a compression, a deadline, a cancel, an expired token. Both paths
 // (the Connect adapter and the native gRPC path) answer in these words. The
 // text of a message over the size limit is the frame codec's
-// (src/protocol/grpc-frame.ts, messageSizeText), shared with the client.
+// (src/protocol/grpc-frame.ts, messageSizeText), shared with the client, and
+// so is the text of a body that stalled past --read-timeout (readTimeoutText),
+// which the host answers before this policy sees a message.
 
 /** Error texts the serving paths answer themselves, in one place. */
 export const policyText = {

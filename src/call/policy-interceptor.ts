@@ -3,12 +3,30 @@
 // every call connect-node serves — Connect, gRPC-Web, and gRPC when the
 // native path is off (--grpc-path connect). It moves messages in and out;
 // every rule lives in the policy.
+//
+// connect-node reads a unary request's body whole before any interceptor
+// runs, so the caller is authenticated earlier, from the headers, where the
+// request enters (`policyGate`, which src/host/rpc-entry.ts runs before the
+// adapter sees the request): a refused call's body is never read. The
+// interceptor's call then starts from that admission.
 
-import { Code, ConnectError, type Interceptor, type StreamRequest } from "@connectrpc/connect";
+import {
+  Code,
+  ConnectError,
+  type ContextValues,
+  createContextKey,
+  createContextValues,
+  type Interceptor,
+  type StreamRequest,
+} from "@connectrpc/connect";
 import { createAsyncIterable } from "@connectrpc/connect/protocol";
 import { requestIdHeader } from "../protocol/headers.js";
-import type { CallPolicy, PolicyCall } from "./call-policy.js";
-import { clientCertificateKey } from "./client-certificate-context.js";
+import type { Admission, CallPolicy, CallStart, PolicyCall } from "./call-policy.js";
+import {
+  clientCertificateKey,
+  clientCertificateOfRequest,
+  type NodeRequest,
+} from "./client-certificate-context.js";
 import { policyText } from "./error-texts.js";
 
 /** The protocol a request speaks, from its content type. */
@@ -16,6 +34,35 @@ function protocolOf(contentType: string | null): string {
   if (contentType?.startsWith("application/grpc-web")) return "grpc-web";
   if (contentType?.startsWith("application/grpc")) return "grpc";
   return "connect";
+}
+
+const admissionKey = createContextKey<Admission | undefined>(undefined, {
+  description: "leasehold call admission",
+});
+
+/**
+ * Authenticates a call from its request headers, before its body is read:
+ * resolves with the context values its handler starts with (the admission,
+ * which the interceptor's call takes over), or rejects with the refusal the
+ * caller is answered with.
+ */
+export function policyGate(
+  policy: CallPolicy,
+): (
+  init: Omit<CallStart, "protocol" | "certificate"> & { request: NodeRequest },
+) => Promise<ContextValues> {
+  return async ({ request, ...init }) => {
+    const certificate = clientCertificateOfRequest(request);
+    const admission = await policy.authenticate({
+      ...init,
+      protocol: protocolOf(init.header("content-type")),
+      certificate: () => certificate,
+    });
+    const values = createContextValues();
+    values.set(admissionKey, admission);
+    values.set(clientCertificateKey, certificate);
+    return values;
+  };
 }
 
 export function policyInterceptor(policy: CallPolicy): Interceptor {
@@ -26,6 +73,7 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
       protocol: protocolOf(req.header.get("content-type")),
       header: (name) => req.header.get(name),
       certificate: () => req.contextValues.get(clientCertificateKey),
+      admission: req.contextValues.get(admissionKey),
     });
     const fail = (error: unknown): ConnectError => {
       const answer = call.end(error);

@@ -21,6 +21,16 @@ export const defaultConnectionTimeouts = {
   idleMs: 300_000,
 } as const;
 
+/**
+ * Bounds on what one connection's calls may hold before they are let in
+ * (docs/security.md, "Bodies before authentication"): HTTP/2 streams at once,
+ * and how long a request body may stall while a message is due.
+ */
+export const defaultRequestBounds = {
+  maxStreamsPerConnection: 100,
+  readTimeoutMs: 10_000,
+} as const;
+
 /** What every Leasehold server process needs: a database and a port. */
 export interface HostConfig {
   /** Unset: start embedded PostgreSQL under dataDir. */
@@ -41,6 +51,14 @@ export interface HostConfig {
   handshakeTimeoutMs: number;
   /** An HTTP/2 connection without open streams, or an idle HTTP/1.1 keep-alive connection, is closed after this long. */
   idleTimeoutMs: number;
+  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: concurrent calls per connection. */
+  maxStreamsPerConnection: number;
+  /**
+   * A request body that sends nothing for this long while a message is due
+   * (inside a message; for a call that takes one message, before its end)
+   * ends its call with DEADLINE_EXCEEDED and its stream is reset.
+   */
+  readTimeoutMs: number;
   /** Certificate and key: serve TLS only (h2 and HTTP/1.1 by ALPN). */
   tls: TlsConfig | undefined;
   /**
@@ -125,6 +143,14 @@ export function hostSettings(defaults: HostDefaults) {
       env: "LEASEHOLD_IDLE_TIMEOUT",
       help: "an HTTP/2 connection without open streams, or an idle HTTP/1.1 one, is closed after this (default 5m)",
     },
+    "max-streams-per-connection": {
+      env: "LEASEHOLD_MAX_STREAMS_PER_CONNECTION",
+      help: `concurrent HTTP/2 streams per connection (default ${defaultRequestBounds.maxStreamsPerConnection})`,
+    },
+    "read-timeout": {
+      env: "LEASEHOLD_READ_TIMEOUT",
+      help: "a request body that sends nothing this long while a message is due ends its call with DEADLINE_EXCEEDED (default 10s)",
+    },
     "json-unknown-fields": {
       env: "LEASEHOLD_JSON_UNKNOWN_FIELDS",
       help: "refuse (default: INVALID_ARGUMENT naming them) or accept (ignore, e.g. during a rolling upgrade) JSON request fields the API does not have",
@@ -159,6 +185,23 @@ export function parseHostConfig(
   if (idleTimeoutMs < 100) {
     throw new ConfigError("--idle-timeout (LEASEHOLD_IDLE_TIMEOUT) must be at least 100ms");
   }
+  const readTimeoutMs = read.duration("read-timeout", defaultRequestBounds.readTimeoutMs);
+  if (readTimeoutMs < 100) {
+    throw new ConfigError("--read-timeout (LEASEHOLD_READ_TIMEOUT) must be at least 100ms");
+  }
+  const streamsText = read.get("max-streams-per-connection");
+  const maxStreamsPerConnection =
+    streamsText === undefined ? defaultRequestBounds.maxStreamsPerConnection : Number(streamsText);
+  if (
+    !/^\d+$/.test(streamsText?.trim() ?? "1") ||
+    !Number.isSafeInteger(maxStreamsPerConnection) ||
+    maxStreamsPerConnection < 1 ||
+    maxStreamsPerConnection > 100_000
+  ) {
+    throw new ConfigError(
+      `--max-streams-per-connection (LEASEHOLD_MAX_STREAMS_PER_CONNECTION) must be an integer from 1 to 100000, got ${JSON.stringify(streamsText)}`,
+    );
+  }
   return {
     databaseUrl: parseDatabaseUrl(read.get("database-url")),
     dataDir: read.get("data-dir") ?? defaults.dataDir,
@@ -171,6 +214,8 @@ export function parseHostConfig(
     shutdownGraceMs: read.duration("shutdown-grace", 10_000),
     handshakeTimeoutMs,
     idleTimeoutMs,
+    maxStreamsPerConnection,
+    readTimeoutMs,
     tls: parseTls(read),
     jsonUnknownFields: parseJsonUnknownFields(read.get("json-unknown-fields")),
   };

@@ -107,10 +107,6 @@ export const opsSettings = {
     env: "LEASEHOLD_MAX_MESSAGE_BYTES",
     help: "largest request message (default 65536)",
   },
-  "max-streams-per-connection": {
-    env: "LEASEHOLD_MAX_STREAMS_PER_CONNECTION",
-    help: "concurrent HTTP/2 streams per connection (default 100)",
-  },
   "max-leases-per-stream": {
     env: "LEASEHOLD_MAX_LEASES_PER_STREAM",
     help: "leases one KeepAlive stream may carry (default 1000)",
@@ -170,12 +166,6 @@ export function parseOpsConfig(
   };
   const limits: Partial<Limits> = {
     maxMessageBytes: integer("max-message-bytes", defaultLimits.maxMessageBytes, 1024, 64 << 20),
-    maxStreamsPerConnection: integer(
-      "max-streams-per-connection",
-      defaultLimits.maxStreamsPerConnection,
-      1,
-      100_000,
-    ),
     maxLeasesPerStream: integer(
       "max-leases-per-stream",
       defaultLimits.maxLeasesPerStream,

@@ -11,23 +11,35 @@ import type { Authenticator } from "../auth/authn.js";
 import type { Access } from "../call/access.js";
 import { GuardedStoreService } from "../gen/leasehold/guarded/v1/guarded_pb.js";
 import { PermissionDeniedError } from "../lease/errors.js";
+import { fencingHeaderNames } from "../protocol/headers.js";
 
 /**
  * Refuses a GuardedStoreService call without a valid token (UNAUTHENTICATED)
  * and one whose key names another account (PERMISSION_DENIED), before its
- * handler runs. Undefined `authenticator`: development mode, nothing checked.
+ * handler runs: from the headers, before the body is read, when the fencing
+ * header leasehold-account-id names another account; else once the request
+ * message is read. Undefined `authenticator`: development mode, nothing
+ * checked.
  */
 export function guardedAccess(authenticator: Authenticator | undefined): Access {
   return {
     protects: (serviceName) =>
       authenticator !== undefined && serviceName === GuardedStoreService.typeName,
 
-    async caller(methodName, authorization, certificate) {
-      const caller = await authenticator?.authenticate(authorization, certificate);
+    async caller(methodName, header, certificate) {
+      const caller = await authenticator?.authenticate(header("authorization"), certificate);
       // Every method of the service is unary and names its session in `key`.
       const method = GuardedStoreService.methods.find((m) => m.name === methodName);
       if (method?.methodKind !== "unary") {
         throw new PermissionDeniedError(`${methodName} is not open to callers`);
+      }
+      // A writer's fencing headers name its session: another account's is
+      // refused here, so its body (a Put's value, megabytes) is never read.
+      const headerAccount = header(fencingHeaderNames.accountId);
+      if (caller && headerAccount && headerAccount !== caller.account) {
+        throw new PermissionDeniedError(
+          `${fencingHeaderNames.accountId} is not the account of the caller's token`,
+        );
       }
       return caller;
     },

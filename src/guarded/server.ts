@@ -10,8 +10,7 @@ import { createGrpcTransport, Http2SessionManager } from "@connectrpc/connect-no
 import { createCallerAuthenticator } from "../auth/certificate-auth.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy } from "../call/call-policy.js";
-import { certificateContextValues } from "../call/client-certificate-context.js";
-import { policyInterceptor } from "../call/policy-interceptor.js";
+import { policyGate, policyInterceptor } from "../call/policy-interceptor.js";
 import { bearerTokenInterceptor, clientTlsOptions } from "../client/transport.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
 import { type RunningServer, startHost } from "../host/host.js";
@@ -112,7 +111,7 @@ export async function startGuardedServer(
       return {
         routes: guardedRoutes({ store: createDocumentStore(sql, limits), limits, checks }),
         interceptors: [policyInterceptor(policy)],
-        contextValues: clients ? certificateContextValues : undefined,
+        gate: policyGate(policy),
         http: (next) => (req, res) => {
           // Before connect-node reads them, as on the lease server.
           clampTimeoutHeaders(req.headers);

@@ -16,7 +16,7 @@ import { type MigrationSet, migrate } from "../postgres/migrate.js";
 import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from "../postgres/pool.js";
 
 import { type Listener, listen, type StreamHandler } from "./listener.js";
-import { createRpcEntry } from "./rpc-entry.js";
+import { createRpcEntry, type HeaderGate } from "./rpc-entry.js";
 import { createTlsCredentials, type TlsCredentials } from "./tls-credentials.js";
 
 export interface RunningServer {
@@ -43,14 +43,15 @@ export interface HostedServices {
   http?: (next: NodeHandler) => NodeHandler;
   /** Largest request message in bytes (Connect's readMaxBytes). */
   readMaxBytes?: number;
-  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS. */
-  maxStreamsPerConnection?: number;
+  /**
+   * Decides a routed call from its headers before its body is read (the call
+   * policy's authentication, `policyGate`); a refused call's body is never read.
+   */
+  gate?: HeaderGate;
   /** The first step of a shutdown, before streams end (health turns NOT_SERVING). */
   beginShutdown?: () => void;
   /** Serves HTTP/2 streams itself before the Connect adapter sees them (the native gRPC path). */
   streamHandler?: StreamHandler;
-  /** The context values of each call the Connect adapter serves (its client certificate). */
-  contextValues?: ConnectNodeAdapterOptions["contextValues"];
   /** Answers requests for paths that are not RPCs (the lease server's web page). */
   fallback?: ConnectNodeAdapterOptions["fallback"];
   /** Stops the services' own work; runs after requests drain, before the pool closes. */
@@ -129,8 +130,13 @@ export async function startHost(
     // connect-es's own bound when none is given.
     const readMaxBytes = services.readMaxBytes ?? 0xffffffff;
     const acceptUnknownJsonFields = config.jsonUnknownFields === "accept";
-    const entry = createRpcEntry({ readMaxBytes, acceptUnknownJsonFields });
-    const handler = connectNodeAdapter({
+    const entry = createRpcEntry({
+      readMaxBytes,
+      acceptUnknownJsonFields,
+      readTimeoutMs: config.readTimeoutMs,
+      gate: services.gate,
+    });
+    const adapter = connectNodeAdapter({
       routes: entry.routes(services.routes),
       interceptors: services.interceptors,
       shutdownSignal: shutdown.signal,
@@ -139,13 +145,14 @@ export async function startHost(
       // compressed body, a Connect GET's query): protobuf-es refuses the field.
       jsonOptions: { ignoreUnknownFields: acceptUnknownJsonFields },
       fallback: entry.fallback(services.fallback),
-      contextValues: services.contextValues,
+      contextValues: (req) => entry.contextValues(req),
     });
+    const handler = entry.node(adapter);
     listener = await listen({
       host: config.listenHost,
       port: config.listenPort,
       handler: services.http ? services.http(handler) : handler,
-      maxConcurrentStreams: services.maxStreamsPerConnection,
+      maxConcurrentStreams: config.maxStreamsPerConnection,
       streamHandler: services.streamHandler,
       tls: tls && { credentials: tls, clientCertificates: config.tls?.clients !== undefined },
       handshakeTimeoutMs: config.handshakeTimeoutMs,

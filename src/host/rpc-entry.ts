@@ -1,5 +1,13 @@
 // Where requests enter the Connect adapter, for both servers (host.ts):
 //
+// - a routed call is authenticated from its headers before connect-node
+//   sees it (`gate`: the call policy's authentication, which connect-node
+//   would run only after reading a unary body whole); a refused call is
+//   answered in its protocol and its body is never read;
+// - a body that stalls while a message is due fails after the read timeout
+//   (whole-messages.ts), and whatever of a body is left unread once its call
+//   is answered is cut (request-end.ts): the HTTP/2 stream reset, the
+//   HTTP/1.1 connection closed;
 // - every routed handler gets its request body one whole message per chunk
 //   (whole-messages.ts: connect-es's envelope decoder is quadratic in the
 //   chunks of a message), and JSON request messages are checked for fields
@@ -15,7 +23,15 @@
 //
 // The words are in entry-texts.ts.
 
-import { Code, ConnectError, type ConnectRouter } from "@connectrpc/connect";
+import type { DescMethod, DescService } from "@bufbuild/protobuf";
+import {
+  Code,
+  ConnectError,
+  type ConnectRouter,
+  type ContextValues,
+  createContextKey,
+  createContextValues,
+} from "@connectrpc/connect";
 import {
   encodeEnvelope,
   type UniversalHandler,
@@ -27,28 +43,66 @@ import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
 import type { ConnectNodeAdapterOptions } from "@connectrpc/connect-node";
 import { entryTexts } from "./entry-texts.js";
 import { unknownJsonFields } from "./json-fields.js";
-import { type MessageCheck, wholeBody, wholeEnvelopes } from "./whole-messages.js";
+import { cutUnreadBody } from "./request-end.js";
+import {
+  type MessageCheck,
+  type ReadTimeout,
+  wholeBody,
+  wholeEnvelopes,
+} from "./whole-messages.js";
 
 export type Fallback = NonNullable<ConnectNodeAdapterOptions["fallback"]>;
 type NodeRequest = Parameters<Fallback>[0];
 type NodeResponse = Parameters<Fallback>[1];
+
+/**
+ * Decides a routed call from its request headers, before its body is read:
+ * resolves with the context values its handler starts with, or rejects with
+ * the error the call is answered with.
+ */
+export type HeaderGate = (call: {
+  service: DescService;
+  method: DescMethod;
+  header(name: string): string | null;
+  /** The request itself, for what its connection says (a client certificate). */
+  request: NodeRequest;
+}) => Promise<ContextValues>;
 
 export interface RpcEntryOptions {
   /** Largest request message in bytes (the adapter's readMaxBytes). */
   readMaxBytes: number;
   /** Ignore JSON fields the API does not have (a rolling upgrade), instead of INVALID_ARGUMENT. */
   acceptUnknownJsonFields: boolean;
+  /** How long a request body may stall while a message is due. */
+  readTimeoutMs: number;
+  /** Runs before a routed call's body is read; none: every call goes on. */
+  gate?: HeaderGate;
 }
 
 export interface RpcEntry {
   /** The services' routes, with every handler they register wrapped. */
   routes(register: (router: ConnectRouter) => void): (router: ConnectRouter) => void;
+  /** Gates routed calls by their headers (see above), then hands them to the adapter `next`. */
+  node(next: Fallback): Fallback;
+  /** The context values a request's handler starts with (the adapter's `contextValues`). */
+  contextValues(req: NodeRequest): ContextValues;
   /** Answers unrouted RPC-shaped requests with UNIMPLEMENTED; passes the rest to `next`. */
   fallback(next: Fallback | undefined): Fallback;
 }
 
+/** The request's body as the entry sees it: told when it stalled, so it is cut at once. */
+interface BodyControl {
+  stalled(): void;
+}
+
+const bodyControlKey = createContextKey<BodyControl | undefined>(undefined, {
+  description: "leasehold request body",
+});
+
 export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
   let handlers: UniversalHandler[] = [];
+  let byPath = new Map<string, UniversalHandler>();
+  const values = new WeakMap<NodeRequest, ContextValues>();
   return {
     routes: (register) => (router) => {
       register(router);
@@ -56,7 +110,51 @@ export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
         router.handlers[i] = wrapHandler(handler, options);
       });
       handlers = router.handlers;
+      byPath = new Map(handlers.map((h) => [h.requestPath, h]));
     },
+    node: (next) => (req, res) => {
+      const protocol = rpcProtocol(req);
+      if (protocol === undefined) {
+        next(req, res);
+        return;
+      }
+      // Whatever answers an RPC (its handler, an UNIMPLEMENTED, connect-node's
+      // 415), a body left unread is cut once the answer is out.
+      const control: BodyControl = { stalled: cutUnreadBody(req, res) };
+      const handler = byPath.get((req.url ?? "").split("?", 1)[0] ?? "");
+      if (handler === undefined) {
+        next(req, res);
+        return;
+      }
+      const gate = options.gate;
+      if (gate === undefined || !gated(handler, req)) {
+        values.set(req, withBodyControl(createContextValues(), control));
+        next(req, res);
+        return;
+      }
+      gate({
+        service: handler.service,
+        method: handler.method,
+        header: nodeHeader(req),
+        request: req,
+      })
+        .then(
+          (admitted) => {
+            values.set(req, withBodyControl(admitted, control));
+            next(req, res);
+          },
+          (error: unknown) => {
+            if (res.headersSent || res.writableEnded) return;
+            const type = String(req.headers["content-type"] ?? "");
+            answerError(res, protocol, ConnectError.from(error), type);
+          },
+        )
+        // What `next` or an answer throws (a request connect-node cannot
+        // take, a stream already gone) would otherwise be an unhandled
+        // rejection, which ends the process: the request is dropped instead.
+        .catch(() => res.destroy());
+    },
+    contextValues: (req) => values.get(req) ?? createContextValues(),
     fallback: (next) => (req, res) => {
       const protocol = rpcProtocol(req);
       if (protocol === undefined) {
@@ -71,13 +169,50 @@ export function createRpcEntry(options: RpcEntryOptions): RpcEntry {
 
 // ---- routed requests ------------------------------------------------------
 
+function withBodyControl(values: ContextValues, control: BodyControl): ContextValues {
+  values.set(bodyControlKey, control);
+  return values;
+}
+
+/**
+ * Whether the gate decides this request: one connect-node would serve, not
+ * answer first with its 415, 405 or 505, which read no body either and keep
+ * the status their protocol requires.
+ */
+function gated(handler: UniversalHandler, req: NodeRequest): boolean {
+  if (handler.method.methodKind === "bidi_streaming" && req.httpVersion.startsWith("1.")) {
+    return false;
+  }
+  if (!handler.allowedMethods.includes(req.method ?? "")) return false;
+  return req.method === "GET" || handler.supportedContentType(req.headers["content-type"] ?? "");
+}
+
+/** A request header by its lower-case name, as the call policy reads them. */
+function nodeHeader(req: NodeRequest): (name: string) => string | null {
+  return (name) => {
+    const value = req.headers[name];
+    if (value === undefined) return null;
+    return Array.isArray(value) ? value.join(", ") : value;
+  };
+}
+
 const enveloped = /^application\/(grpc|grpc-web|connect\+)/i;
 const connectUnary = /^application\/(json|proto)(;|$)/i;
 const jsonType = /^application\/[^;]*\bjson(;|$)/i;
 
 function wrapHandler(handler: UniversalHandler, options: RpcEntryOptions): UniversalHandler {
+  // A call that takes one message waits for all of its body; a client or
+  // bidi stream only for the rest of a message it has begun.
+  const kind = handler.method.methodKind;
+  const wholeBodyDue = kind === "unary" || kind === "server_streaming";
   const wrapped = async (req: UniversalServerRequest): Promise<UniversalServerResponse> => {
-    const res = await handler(withWholeMessages(req, handler, options));
+    const control = req.contextValues?.get(bodyControlKey);
+    const timeout: ReadTimeout = {
+      ms: options.readTimeoutMs,
+      wholeBodyDue,
+      onStall: () => control?.stalled(),
+    };
+    const res = await handler(withWholeMessages(req, handler, options, timeout));
     return res.body === undefined ? explain(handler, req, res) : res;
   };
   return Object.assign(wrapped, handler);
@@ -87,6 +222,7 @@ function withWholeMessages(
   req: UniversalServerRequest,
   handler: UniversalHandler,
   options: RpcEntryOptions,
+  timeout: ReadTimeout,
 ): UniversalServerRequest {
   const body = req.body;
   if (req.method !== "POST" || body === null || typeof body !== "object") return req;
@@ -100,12 +236,15 @@ function withWholeMessages(
       ((payload, flags) => {
         if ((flags & 1) === 0) check(payload, flags);
       });
-    return { ...req, body: wholeEnvelopes(body, options.readMaxBytes, checkPlain) };
+    return { ...req, body: wholeEnvelopes(body, options.readMaxBytes, checkPlain, timeout) };
   }
   if (connectUnary.test(type)) {
     const encoding = req.header.get("content-encoding");
     const plain = encoding === null || encoding === "identity";
-    return { ...req, body: wholeBody(body, options.readMaxBytes, plain ? check : undefined) };
+    return {
+      ...req,
+      body: wholeBody(body, options.readMaxBytes, plain ? check : undefined, timeout),
+    };
   }
   return req;
 }
@@ -234,6 +373,7 @@ function answerError(
     case "connect": {
       const body = Buffer.from(JSON.stringify(errorToJson(error, undefined)));
       res.writeHead(codeToHttpStatus(error.code), {
+        ...Object.fromEntries(error.metadata),
         "content-type": "application/json",
         "content-length": String(body.byteLength),
       });
@@ -244,6 +384,7 @@ function answerError(
       const endStream = JSON.stringify({ error: errorToJson(error, undefined) });
       const body = Buffer.from(encodeEnvelope(endStreamFlag, Buffer.from(endStream)));
       res.writeHead(200, {
+        ...Object.fromEntries(error.metadata),
         "content-type": type,
         "content-length": String(body.byteLength),
       });

@@ -12,22 +12,41 @@
 // length: only bytes that arrived are kept, and a message declared larger
 // than the server's bound is left to the decoder, which refuses it at its
 // header (RESOURCE_EXHAUSTED), as before.
+//
+// A body that stalls while a message is due (inside an envelope; for a call
+// that takes one message, anywhere before the body's end) fails with
+// DEADLINE_EXCEEDED after the read timeout: a client that sends part of a
+// message and then nothing must not hold what it sent, nor its stream,
+// forever. Time the server spends not reading (its handler busy, the
+// decoder not asking) does not count.
 
+import { Code, ConnectError } from "@connectrpc/connect";
 import {
   FrameDecoder,
   FrameError,
   type FrameSink,
   frameHeaderBytes,
+  readTimeoutText,
 } from "../protocol/grpc-frame.js";
 
 /** Called with each whole message before it is handed on; may throw a ConnectError to end the call. */
 export type MessageCheck = (payload: Uint8Array, flags: number) => void;
+
+/** How long a body may stall while a message is due, and whom to tell when it did. */
+export interface ReadTimeout {
+  ms: number;
+  /** The call takes one message: the whole body is due, not only the inside of an envelope. */
+  wholeBodyDue: boolean;
+  /** Called when the body stalled, before the read fails. */
+  onStall?: () => void;
+}
 
 /** Enveloped bodies (gRPC, gRPC-Web, Connect streaming): one chunk per envelope. */
 export async function* wholeEnvelopes(
   body: AsyncIterable<Uint8Array>,
   maxMessageBytes: number,
   check?: MessageCheck,
+  timeout?: ReadTimeout,
 ): AsyncGenerator<Uint8Array> {
   // The envelope is the gRPC frame: its codec splits the body.
   const decoder = new FrameDecoder(maxMessageBytes, { wholeFrames: true, allocate });
@@ -39,31 +58,39 @@ export async function* wholeEnvelopes(
     },
   };
   let passThrough = false;
-  for await (const chunk of body) {
-    if (passThrough) {
-      yield chunk;
-      continue;
+  const chunks = new TimedChunks(body, timeout);
+  try {
+    for (;;) {
+      const due = timeout?.wholeBodyDue === true || decoder.incomplete;
+      const chunk = await chunks.next(!passThrough && due);
+      if (chunk === undefined) break;
+      if (passThrough) {
+        yield chunk;
+        continue;
+      }
+      let refused = false;
+      try {
+        decoder.push(chunk, sink);
+      } catch (error) {
+        if (!(error instanceof FrameError && error.kind === "tooLarge")) throw error;
+        refused = true;
+      }
+      for (const envelope of envelopes) {
+        check?.(envelope.subarray(frameHeaderBytes), envelope[0] ?? 0);
+        yield envelope;
+      }
+      envelopes.length = 0;
+      if (refused) {
+        // The decoder refuses it from the header; pass everything on.
+        passThrough = true;
+        yield joined(decoder.unread());
+      }
     }
-    let refused = false;
-    try {
-      decoder.push(chunk, sink);
-    } catch (error) {
-      if (!(error instanceof FrameError && error.kind === "tooLarge")) throw error;
-      refused = true;
-    }
-    for (const envelope of envelopes) {
-      check?.(envelope.subarray(frameHeaderBytes), envelope[0] ?? 0);
-      yield envelope;
-    }
-    envelopes.length = 0;
-    if (refused) {
-      // The decoder refuses it from the header; pass everything on.
-      passThrough = true;
-      yield joined(decoder.unread());
-    }
+    // An unfinished envelope: the decoder says so.
+    if (!passThrough && decoder.incomplete) yield joined(decoder.unread());
+  } finally {
+    chunks.close();
   }
-  // An unfinished envelope: the decoder says so.
-  if (!passThrough && decoder.incomplete) yield joined(decoder.unread());
 }
 
 /** A Connect unary body (not enveloped): one chunk for the whole body. */
@@ -71,28 +98,96 @@ export async function* wholeBody(
   body: AsyncIterable<Uint8Array>,
   maxMessageBytes: number,
   check?: MessageCheck,
+  timeout?: ReadTimeout,
 ): AsyncGenerator<Uint8Array> {
   const pending = new Pending();
   let passThrough = false;
-  for await (const chunk of body) {
-    if (passThrough) {
-      yield chunk;
-      continue;
+  const chunks = new TimedChunks(body, timeout);
+  try {
+    for (;;) {
+      // The body is the message: all of it is due.
+      const chunk = await chunks.next(!passThrough);
+      if (chunk === undefined) break;
+      if (passThrough) {
+        yield chunk;
+        continue;
+      }
+      pending.add(chunk);
+      if (pending.bytes > maxMessageBytes) {
+        // Too large: the reader refuses it (RESOURCE_EXHAUSTED); pass it on.
+        passThrough = true;
+        yield pending.take();
+      }
     }
-    pending.add(chunk);
-    if (pending.bytes > maxMessageBytes) {
-      // Too large: the reader refuses it (RESOURCE_EXHAUSTED); pass it on.
-      passThrough = true;
-      yield pending.take();
-    }
+    if (passThrough) return;
+    const bytes = pending.take();
+    check?.(bytes, 0);
+    yield bytes;
+  } finally {
+    chunks.close();
   }
-  if (passThrough) return;
-  const bytes = pending.take();
-  check?.(bytes, 0);
-  yield bytes;
 }
 
 const allocate = (size: number): Buffer => Buffer.allocUnsafe(size);
+
+/**
+ * The chunks of a body, each read failing after the read timeout when a
+ * message is due. Leaving early (an error, a refused message) ends the
+ * body's iterator, as `for await` would; after a stall it is left pending
+ * (ending it would wait for the read that never comes), and the request is
+ * cut where it entered (request-end.ts).
+ */
+class TimedChunks {
+  private readonly it: AsyncIterator<Uint8Array>;
+  private stalled = false;
+  private done = false;
+
+  constructor(
+    body: AsyncIterable<Uint8Array>,
+    private readonly timeout: ReadTimeout | undefined,
+  ) {
+    this.it = body[Symbol.asyncIterator]();
+  }
+
+  /** The next chunk, or undefined at the body's end. */
+  async next(due: boolean): Promise<Uint8Array | undefined> {
+    const result = await this.read(due);
+    if (result.done) {
+      this.done = true;
+      return undefined;
+    }
+    return result.value;
+  }
+
+  /** Ends the body's iterator when left before its end, unless a read of it is still pending. */
+  close(): void {
+    if (this.done || this.stalled) return;
+    this.done = true;
+    void this.it.return?.()?.catch(() => {});
+  }
+
+  private read(due: boolean): Promise<IteratorResult<Uint8Array>> {
+    const timeout = this.timeout;
+    if (timeout === undefined || !due) return this.it.next();
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.stalled = true;
+        timeout.onStall?.();
+        reject(new ConnectError(readTimeoutText(timeout.ms), Code.DeadlineExceeded));
+      }, timeout.ms);
+      this.it.next().then(
+        (result) => {
+          clearTimeout(timer);
+          resolve(result);
+        },
+        (error: unknown) => {
+          clearTimeout(timer);
+          reject(error);
+        },
+      );
+    });
+  }
+}
 
 /** `parts` as one chunk (no copy when it is one already). */
 function joined(parts: Uint8Array[]): Uint8Array {

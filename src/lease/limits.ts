@@ -12,8 +12,6 @@ export interface Limits {
   maxPageSize: number;
   /** Largest request message, in bytes (Connect's readMaxBytes). */
   maxMessageBytes: number;
-  /** HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: concurrent calls per connection. */
-  maxStreamsPerConnection: number;
   /** Distinct leases one KeepAlive stream may carry at once. */
   maxLeasesPerStream: number;
   /** Open Watch streams per account, across the calls this instance serves. */
@@ -36,7 +34,6 @@ export const defaultLimits: Limits = {
   defaultPageSize: 100,
   maxPageSize: 1_000,
   maxMessageBytes: 64 * 1024,
-  maxStreamsPerConnection: 100,
   maxLeasesPerStream: 1_000,
   maxWatchersPerAccount: 100,
   maxLeasesPerAccount: 10_000,

@@ -37,6 +37,15 @@ export function messageSizeText(
 }
 
 /**
+ * The one text for a request body that stalled while a message was due
+ * (DEADLINE_EXCEEDED), on the Connect adapter and the native gRPC path.
+ */
+export function readTimeoutText(ms: number): string {
+  const shown = ms % 1000 === 0 ? `${ms / 1000}s` : `${ms}ms`;
+  return `request message: nothing arrived for ${shown} while a message was due; the server's read timeout (--read-timeout) ended the call`;
+}
+
+/**
  * A frame that breaks a rule of the reader or the writer: a message over
  * the size limit ("tooLarge"), or one flagged compressed where the reader
  * takes none ("compressed"). The caller chooses the status code.

@@ -17,9 +17,8 @@ import { aclTableAuthorizer, ownAccountAuthorizer } from "../auth/session-author
 import { createAccountSlots } from "../call/account-slots.js";
 import { createCallObserver } from "../call/call-observer.js";
 import { clampTimeoutHeaders, createCallPolicy, type PolicyStep } from "../call/call-policy.js";
-import { certificateContextValues } from "../call/client-certificate-context.js";
 import { unaryParseErrorsAsInvalidArgument } from "../call/parse-errors.js";
-import { policyInterceptor } from "../call/policy-interceptor.js";
+import { policyGate, policyInterceptor } from "../call/policy-interceptor.js";
 import { checkExposure } from "../config/ops-config.js";
 import { Health } from "../gen/grpc/health/v1/health_pb.js";
 import { LeaseService } from "../gen/leasehold/v1/lease_pb.js";
@@ -29,6 +28,7 @@ import {
   type RunningServer,
   startHost,
 } from "../host/host.js";
+import { resetOnMoreData, resetStalled } from "../host/request-end.js";
 import type { TlsCredentials } from "../host/tls-credentials.js";
 import type { LeaseStore } from "../lease/types.js";
 import { createLogger, type Logger } from "../log/logger.js";
@@ -370,7 +370,6 @@ async function buildLeaseServer(
         unaryParseErrorsAsInvalidArgument(router);
       },
       interceptors,
-      contextValues: config.tls?.clients ? certificateContextValues : undefined,
       streamHandler:
         config.grpcPath === "native"
           ? createNativeGrpc({
@@ -383,6 +382,8 @@ async function buildLeaseServer(
               ],
               policy,
               maxMessageBytes: limits.maxMessageBytes,
+              readTimeoutMs: config.readTimeoutMs,
+              unread: { resetOnMoreData, resetStalled },
               shutdownSignal,
             })
           : undefined,
@@ -394,7 +395,7 @@ async function buildLeaseServer(
         next(req, res);
       },
       readMaxBytes: limits.maxMessageBytes,
-      maxStreamsPerConnection: limits.maxStreamsPerConnection,
+      gate: policyGate(policy),
       // Health turns NOT_SERVING first, so balancers stop sending.
       beginShutdown: () => health.shutdown(),
       fallback: createStaticHandler({

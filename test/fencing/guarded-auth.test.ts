@@ -7,6 +7,7 @@
 
 import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import http from "node:http";
 import os from "node:os";
 import path from "node:path";
 import { Code } from "@connectrpc/connect";
@@ -134,6 +135,52 @@ describe("guarded store callers", () => {
     }
     expect(read((await client.get({ key, name: "notes" }, alice)).value)).toBe("alice's");
     expect((await client.list({ key }, alice)).highestToken).toBe(token);
+  });
+
+  it("a Put over HTTP/1.1 is refused from its headers, before its body: no token is 401, a writer whose leasehold-account-id names another account is 403, each while 5 MB of it are still unsent (issue 34)", async () => {
+    const url = new URL(store.url);
+    const mallory = `Bearer ${await keys.token("mallory")}`;
+    const refusal = (headers: Record<string, string>) =>
+      new Promise<{ status: number; body: string }>((resolve, reject) => {
+        const req = http.request({
+          host: url.hostname,
+          port: url.port,
+          path: "/leasehold.guarded.v1.GuardedStoreService/Put",
+          method: "POST",
+          agent: false,
+          headers: {
+            "content-type": "application/json",
+            "content-length": String(5 * 1024 * 1024),
+            ...headers,
+          },
+        });
+        req.on("error", reject);
+        req.on("response", (res) => {
+          let body = "";
+          res.setEncoding("utf8");
+          res.on("data", (chunk: string) => {
+            body += chunk;
+          });
+          res.on("end", () => {
+            req.destroy();
+            resolve({ status: res.statusCode ?? 0, body });
+          });
+        });
+        // The first 64 KiB of a body declared at 5 MiB; the rest never comes.
+        req.write(Buffer.alloc(64 * 1024, " "));
+      });
+    const none = await refusal({});
+    expect(none.status).toBe(401);
+    expect(JSON.parse(none.body)).toMatchObject({
+      code: "unauthenticated",
+      message: expect.stringMatching(/^missing bearer token/),
+    });
+    const other = await refusal({ authorization: mallory, "leasehold-account-id": "alice" });
+    expect(other.status).toBe(403);
+    expect(JSON.parse(other.body)).toMatchObject({
+      code: "permission_denied",
+      message: "leasehold-account-id is not the account of the caller's token",
+    });
   });
 
   it("calls go through the lease server's call policy: the request id comes back on a served call and on a refused one, sent or generated (gRPC and Connect)", async () => {

@@ -58,13 +58,13 @@ export function createAccess(options: AccessOptions): Access {
   return {
     protects: (serviceName) => options.protectedServices.has(serviceName),
 
-    async caller(methodName, authorization, certificate) {
+    async caller(methodName, header, certificate) {
       const action = actions[methodName];
       if (action === undefined) {
         throw new PermissionDeniedError(`${methodName} is not open to callers`);
       }
       const caller = authenticator
-        ? await authenticator.authenticate(authorization, certificate)
+        ? await authenticator.authenticate(header("authorization"), certificate)
         : undefined;
       if (caller && action === "revoke" && !caller.scopes.has(adminScope)) {
         throw new PermissionDeniedError(`${methodName} needs the scope ${adminScope}`);

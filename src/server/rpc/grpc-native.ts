@@ -9,13 +9,19 @@
 // not (async-iterable bodies, web Headers, an AbortController per call, a
 // promise per streamed message): docs/design.md has the measurements.
 //
+// Every call is authenticated from its headers before any of its body is
+// read (the stream is paused until then): a refused call reads nothing, and
+// its stream is reset once the status is out and its client sends on. A
+// body that stalls while a message is due ends its call after the read
+// timeout (DEADLINE_EXCEEDED), as on the Connect adapter (whole-messages.ts).
+//
 // It serves a stream only when it answers it exactly as the Connect adapter
 // would: POST, content type application/grpc or application/grpc+proto, no
 // request compression, a method it has. Anything else (gRPC-Web, the Connect
 // protocol, JSON, compressed requests, other services) goes on to the
 // Connect adapter.
 
-import http2 from "node:http2";
+import type http2 from "node:http2";
 import type { DescMethod, DescService, Message } from "@bufbuild/protobuf";
 import {
   Code,
@@ -33,6 +39,7 @@ import {
 } from "../../call/call-policy.js";
 import { clientCertificateOfStream } from "../../call/client-certificate-context.js";
 import { policyText } from "../../call/error-texts.js";
+import { readTimeoutText } from "../../protocol/grpc-frame.js";
 import { requestIdHeader } from "../../protocol/headers.js";
 import {
   encodeFrame,
@@ -61,6 +68,18 @@ export interface NativeGrpcOptions {
   policy: CallPolicy;
   /** Largest request message, in bytes; larger is RESOURCE_EXHAUSTED, as the Connect adapter answers. */
   maxMessageBytes: number;
+  /** How long a request body may stall while a message is due (DEADLINE_EXCEEDED after it). */
+  readTimeoutMs: number;
+  /**
+   * What becomes of a body left unread once its call is answered: the host's
+   * rules (src/host/request-end.ts), the same as on the Connect adapter.
+   */
+  unread: {
+    /** Reset the stream on the next bytes its client sends. */
+    resetOnMoreData(stream: http2.ServerHttp2Stream): void;
+    /** Reset the stream now: its body stalled. */
+    resetStalled(stream: http2.ServerHttp2Stream): void;
+  };
   /** Aborts the signals of calls still running (a waiting Acquire) and ends streams with UNAVAILABLE. */
   shutdownSignal: AbortSignal;
 }
@@ -100,9 +119,19 @@ export function createNativeGrpc(
     if (encoding !== undefined && encoding !== "identity") return false;
     const call = new NativeCall(route, stream, headers, options);
     if (call.ended) return true; // a bad grpc-timeout, already answered
+    // Nothing is read until the caller is known from the headers.
+    call.pauseReading();
     // What the handler starts runs inside the policy's steps (tracing).
-    if (route.unary) serveUnary(call, route.unary);
-    else call.policy.run(() => route.stream?.(call));
+    call.policy
+      .run(() => call.authenticate())
+      .then(() => {
+        if (call.ended) return;
+        if (route.unary) serveUnary(call, route.unary);
+        else call.policy.run(() => route.stream?.(call));
+        call.resumeReading();
+      })
+      // A refusal, or what a handler threw as it started: the call ends with it.
+      .catch((error: unknown) => call.end(error));
     return true;
   };
 }
@@ -138,7 +167,6 @@ function serveUnary(call: NativeCall, fn: UnaryFn): void {
     const request = message;
     void call.policy
       .run(async () => {
-        await call.authenticate();
         await call.check(request);
         return fn(request, call.context);
       })
@@ -167,6 +195,12 @@ export class NativeCall {
   private deadline: NodeJS.Timeout | undefined;
   private readonly cancelListeners: ((reason: ConnectError) => void)[] = [];
   private onShutdown: (() => void) | undefined;
+  /** The reader of the request's frames, once the handler made it: it knows when a message is begun. */
+  private frames: FrameReader<Message> | undefined;
+  /** The call takes one message: the whole body is due, not only the inside of a frame. */
+  private readonly wholeBodyDue: boolean;
+  private readTimer: NodeJS.Timeout | undefined;
+  private stalled = false;
 
   constructor(
     route: Route,
@@ -176,6 +210,8 @@ export class NativeCall {
   ) {
     this.service = route.service;
     this.method = route.method;
+    this.wholeBodyDue =
+      route.method.methodKind === "unary" || route.method.methodKind === "server_streaming";
     this.policy = options.policy.begin({
       service: this.service,
       method: this.method,
@@ -216,21 +252,48 @@ export class NativeCall {
 
   /** A reader of this method's request frames; `fast`: see FrameReader. */
   reader<T extends Message>(fast?: (bytes: Uint8Array) => T | undefined): FrameReader<T> {
-    return new FrameReader<T>(this.method.input, this.options.maxMessageBytes, fast);
+    const reader = new FrameReader<T>(this.method.input, this.options.maxMessageBytes, fast);
+    this.frames = reader;
+    return reader;
   }
 
   // Listeners of the stream's events run through the policy's `run`: the
   // connection, not the call, emits them.
   onData(listener: (chunk: Buffer) => void): void {
-    this.stream.on("data", this.policy.bind(listener));
+    const bound = this.policy.bind(listener);
+    this.stream.on("data", (chunk: Buffer) => {
+      bound(chunk);
+      this.armReadTimeout();
+    });
   }
 
   /** The client finished sending. */
   onEnd(listener: () => void): void {
     const bound = this.policy.bind(listener);
-    this.stream.once("end", () => {
+    const ended = () => {
+      clearTimeout(this.readTimer);
       if (!this.finished) bound();
-    });
+    };
+    // A paused stream still ends when nothing is left to read: a body that
+    // was empty ended while the caller was being authenticated.
+    if (this.stream.readableEnded) queueMicrotask(ended);
+    else this.stream.once("end", ended);
+  }
+
+  // The read timeout runs while the stream is read and a message is due; a
+  // paused stream (a check awaited) is the server's wait, not the client's.
+  private armReadTimeout(): void {
+    clearTimeout(this.readTimer);
+    this.readTimer = undefined;
+    if (this.finished || this.stream.readableEnded || this.stream.isPaused()) return;
+    if (!this.wholeBodyDue && !this.frames?.incomplete) return;
+    const ms = this.options.readTimeoutMs;
+    this.readTimer = setTimeout(() => {
+      this.stalled = true;
+      const error = new ConnectError(readTimeoutText(ms), Code.DeadlineExceeded);
+      this.cancel(error);
+      this.end(error);
+    }, ms);
   }
 
   /**
@@ -280,10 +343,14 @@ export class NativeCall {
   /** Stops reading the request: a pending check holds back the client by flow control. */
   pauseReading(): void {
     this.stream.pause();
+    clearTimeout(this.readTimer);
+    this.readTimer = undefined;
   }
 
   resumeReading(): void {
-    if (!this.finished) this.stream.resume();
+    if (this.finished) return;
+    this.stream.resume();
+    this.armReadTimeout();
   }
 
   /** Sends the response headers, if not yet sent. */
@@ -299,7 +366,7 @@ export class NativeCall {
     this.stream.respond(out, { waitForTrailers: true });
     this.stream.once("wantTrailers", () => {
       this.stream.sendTrailers(this.trailers);
-      if (this.resetAfterTrailers) this.resetOnMoreData();
+      if (this.resetAfterTrailers) this.cutRest();
     });
   }
 
@@ -360,7 +427,7 @@ export class NativeCall {
         { ":status": 200, "content-type": grpcContentType, ...errorTrailers(ce) },
         { endStream: true },
       );
-      if (stillSending) this.resetOnMoreData();
+      if (stillSending) this.cutRest();
       return;
     }
     this.trailers = errorTrailers(ce);
@@ -372,28 +439,17 @@ export class NativeCall {
 
   // After the status, a client that goes on sending gets RST_STREAM(NO_ERROR),
   // as a gRPC server ends a call whose client has not finished sending: the
-  // stream gets no more flow-control window, and nothing it sent is parsed.
-  // Not at once: connect-node's client reports a reset that arrives before
-  // it has read the trailers as a premature close (UNKNOWN) instead of the
-  // status, so a client that stops sending when it sees the status is left
-  // to end the stream itself.
-  //
-  // Armed on the next turn of the event loop, not now: the status is given
-  // to nghttp2 from inside its send or receive loop ('wantTrailers', a
-  // request's 'data'), and a reset submitted before that loop returns (by
-  // 'readable' on data already waiting, on the next tick) marks the stream
-  // closing before the status is packed: nghttp2 then drops the status and
-  // the client sees its stream end without one.
-  private resetOnMoreData(): void {
-    setImmediate(() => {
-      this.stream.once("readable", () => {
-        if (!this.stream.closed) this.stream.close(http2.constants.NGHTTP2_NO_ERROR);
-      });
-    });
+  // stream gets no more flow-control window, and nothing it sent is parsed
+  // (request-end.ts says when, and why not at once). A stalled one is reset
+  // as soon as its status is out.
+  private cutRest(): void {
+    if (this.stalled) this.options.unread.resetStalled(this.stream);
+    else this.options.unread.resetOnMoreData(this.stream);
   }
 
   private finish(): void {
     this.finished = true;
+    clearTimeout(this.readTimer);
     if (this.deadline) clearTimeout(this.deadline);
     if (this.onShutdown) {
       this.options.shutdownSignal.removeEventListener("abort", this.onShutdown);

@@ -78,11 +78,11 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
   const fail = (error: unknown) => session.fail(error);
 
   // Requests are handled in order. While one waits on an asynchronous check
-  // (the caller's authentication at first, then the session authorizer for a
-  // session not yet decided), the ones behind it wait here, and the stream
-  // is not read: flow control holds the client back (what is queued is at
-  // most one window).
-  let waiting: KeepAliveRequest[] | undefined = [];
+  // (the session authorizer for a session not yet decided; the caller was
+  // authenticated before the stream was read, grpc-native.ts), the ones
+  // behind it wait here, and the stream is not read: flow control holds the
+  // client back (what is queued is at most one window).
+  let waiting: KeepAliveRequest[] | undefined;
   let ending = false;
   const submit = (message: KeepAliveRequest) => {
     try {
@@ -133,18 +133,7 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
     }
   };
 
-  // The caller is known before any message is handled: a stream without a
-  // valid token ends at once, as on the Connect path.
-  call.authenticate().then(
-    () => {
-      session.pipe(callOutlet<KeepAliveAnswer>(call, encodeKeepAliveAnswers));
-      release();
-    },
-    (error: unknown) => {
-      session.close();
-      call.end(error);
-    },
-  );
+  session.pipe(callOutlet<KeepAliveAnswer>(call, encodeKeepAliveAnswers));
   call.onData((chunk) => {
     if (call.ended) return;
     let messages: KeepAliveRequest[];
@@ -156,8 +145,6 @@ function serveKeepAlive(call: NativeCall, options: NativeStreamsOptions): void {
     }
     for (const message of messages) handle(message);
   });
-  // Nothing is read until the caller is known.
-  call.pauseReading();
   call.onEnd(() => {
     ending = true;
     if (waiting === undefined) end();
@@ -191,7 +178,6 @@ function serveWatch(
           Code.InvalidArgument,
         );
       }
-      await call.authenticate();
       // The policy takes the account's Watch slot here, and gives it back when the call ends.
       await call.check(request);
       // Ended while the checks were awaited (a deadline, a reset, a shutdown):
