@@ -25,6 +25,7 @@ import {
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { parseDuration } from "../src/lease/limits.js";
 import { machineBusySeconds } from "./process-stats.js";
+import { createRenewalTally } from "./renewal-tally.js";
 import { describeWaits, type StatementWaits, sampleRenewalWaits } from "./statement-waits.js";
 import {
   type BenchDatabase,
@@ -243,8 +244,7 @@ export async function run(
 
     // Streams: lease i rides stream i % M and renews at its own phase.
     const sentAt = new Float64Array(o.leases);
-    const awaited = new Uint8Array(o.leases);
-    let outstanding = 0;
+    const tally = createRenewalTally(o.leases);
     const indexOf = new Map(runIds.map((r, i) => [r, i]));
     let measuring = false;
     let rtts = new Float64Array(1 << 16);
@@ -261,11 +261,8 @@ export async function run(
     const send = (i: number) => {
       sentAt[i] = performance.now();
       (queues[i % o.streams] as RequestQueue).push(requests[i] as KeepAliveInit);
-      if (measuring) {
-        sent++;
-        if (awaited[i] === 0) outstanding++;
-        awaited[i] = 1;
-      }
+      if (measuring) sent++;
+      tally.sent(i, measuring);
     };
     // Saturation: stream s cycles through its own leases s, s + M, s + 2M, …
     const perStream = Math.ceil(o.leases / o.streams);
@@ -283,12 +280,15 @@ export async function run(
       for await (const answer of client.keepAlive(queue)) {
         const i = indexOf.get(answer.runId);
         if (i === undefined) continue;
-        if (answer.result.case === "lost") lost++;
+        if (answer.result.case === "lost") {
+          // Answered, though not renewed: counted as lost, not unanswered.
+          lost++;
+          tally.answered(i);
+          continue;
+        }
         if (answer.result.case !== "lease") continue;
         // Only renewals sent inside the window count, answered when they may.
-        if (awaited[i] === 1) {
-          awaited[i] = 0;
-          outstanding--;
+        if (tally.answered(i)) {
           if (samples === rtts.length) {
             const bigger = new Float64Array(rtts.length * 2);
             bigger.set(rtts);
@@ -375,7 +375,7 @@ export async function run(
     };
     // Renewals sent in the window may still be on their way back.
     const settleBy = performance.now() + 5_000;
-    while (outstanding > 0 && performance.now() < settleBy) {
+    while (tally.unanswered > 0 && performance.now() < settleBy) {
       await new Promise((r) => setTimeout(r, 20));
     }
     clearInterval(ticker);
@@ -393,7 +393,7 @@ export async function run(
         p99Ms: quantile(sorted, 0.99),
         maxMs: quantile(sorted, 1),
         lost,
-        unanswered: outstanding,
+        unanswered: tally.unanswered,
       },
       database: {
         statementsPerSecond: (after.stmts.all - before.stmts.all) / seconds,

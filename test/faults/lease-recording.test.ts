@@ -7,6 +7,8 @@ import { describe, expect, it } from "vitest";
 import {
   AcquireRequestSchema,
   AcquireResponseSchema,
+  KeepAliveRequestSchema,
+  KeepAliveResponseSchema,
   LeaseSchema,
   LeaseService,
 } from "../../src/gen/leasehold/v1/lease_pb.js";
@@ -68,4 +70,59 @@ describe("lease call recording", () => {
       ["fail", undefined],
     ]);
   });
+});
+
+describe("KeepAlive renewal recording", () => {
+  // The server may have renewed a lease whose answer it then dropped: a
+  // stream it ends with RESOURCE_EXHAUSTED (the client did not read its
+  // answers) or UNAUTHENTICATED (the token expired mid-stream) discards the
+  // answers not yet written, and a renewal decided in the database stays
+  // decided. None of its unanswered renewals certainly did not happen.
+  for (const code of [Code.ResourceExhausted, Code.Unauthenticated, Code.FailedPrecondition]) {
+    it(`a renewal left unanswered by a stream ended with ${Code[code]} completes \`info\`, not \`fail\``, async () => {
+      const events: OpEvent[] = [];
+      const recorder = createRecorder({
+        client: 0,
+        stride: 1,
+        originNs: process.hrtime.bigint(),
+        emit: (e) => events.push(e),
+      });
+      const interceptor = recordingInterceptor(recorder);
+      const key = { accountId: "a", sessionId: "s" };
+      async function* requests() {
+        yield create(KeepAliveRequestSchema, { key, runId: "A" });
+        yield create(KeepAliveRequestSchema, { key, runId: "A" });
+      }
+      const res = await interceptor(async (req) => {
+        // The transport sends every request, then the server answers the
+        // first one and ends the stream.
+        for await (const _ of req.message as AsyncIterable<unknown>);
+        async function* answers() {
+          yield create(KeepAliveResponseSchema, {
+            key,
+            runId: "A",
+            result: { case: "lease", value: create(LeaseSchema, { runId: "A", fencingToken: 7n }) },
+          });
+          throw new ConnectError("the stream ended", code);
+        }
+        return { stream: true, message: answers() } as never;
+      })({
+        stream: true,
+        method: LeaseService.method.keepAlive,
+        message: requests(),
+        contextValues: createContextValues(),
+      } as never);
+      await expect(
+        (async () => {
+          for await (const _ of (res as unknown as { message: AsyncIterable<unknown> }).message);
+        })(),
+      ).rejects.toThrow();
+      expect(events.map((e) => [e.f, e.type, e.token, e.error?.code])).toEqual([
+        ["keepalive", "invoke", undefined, undefined],
+        ["keepalive", "invoke", undefined, undefined],
+        ["keepalive", "ok", 7, undefined],
+        ["keepalive", "info", undefined, Code[code]],
+      ]);
+    });
+  }
 });

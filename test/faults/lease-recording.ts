@@ -81,6 +81,11 @@ export function errorOutcome(error: unknown): Outcome {
   };
 }
 
+/** A stream's error, for the renewals it left unanswered: their outcome is unknown. */
+function unknownOutcome(error: unknown): Outcome {
+  return { type: "info", error: errorOutcome(error).error };
+}
+
 interface UnaryRecording {
   f: string;
   invoke(message: never): OpFields;
@@ -242,7 +247,10 @@ export function recordingInterceptor(recorder: Recorder): Interceptor {
  * `lease` answer completes the oldest unanswered renewal of its run `ok`
  * (the server answers a run's renewals in order), a `lost` answer fails
  * every unanswered renewal of its run (the server never renews it again),
- * and renewals still unanswered when the stream ends complete `info`.
+ * and renewals still unanswered when the stream ends complete `info`,
+ * whatever code ended it: a stream's error refuses no renewal it carried
+ * (one ended with RESOURCE_EXHAUSTED or UNAUTHENTICATED drops answers of
+ * renewals the database already made), so `fail` would claim too much.
  */
 async function recordKeepAlive(
   recorder: Recorder,
@@ -272,7 +280,7 @@ async function recordKeepAlive(
   try {
     res = await next({ ...req, message: sent() });
   } catch (error) {
-    endAll(errorOutcome(error));
+    endAll(unknownOutcome(error));
     throw error;
   }
   if (!res.stream) return res;
@@ -294,7 +302,7 @@ async function recordKeepAlive(
         yield m;
       }
     } catch (error) {
-      ended = errorOutcome(error);
+      ended = unknownOutcome(error);
       throw error;
     } finally {
       endAll(ended);
