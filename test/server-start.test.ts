@@ -14,7 +14,7 @@ import path from "node:path";
 import { afterAll, describe, expect, it } from "vitest";
 import { freePort, lockFileOf, makeDataParent } from "../src/postgres/embedded-postgres.js";
 import { runCli } from "./support/cli.js";
-import { repoRoot, type ServerProcess, spawnLeasehold } from "./support/server-process.js";
+import { cliPath, repoRoot, type ServerProcess, spawnLeasehold } from "./support/server-process.js";
 import { waitFor } from "./support/wait.js";
 
 const dirs: string[] = [];
@@ -131,6 +131,47 @@ describe("starting `leasehold serve` on an embedded database", () => {
     });
     expect(await portFree(port)).toBe(true);
     expect(existsSync(lockFileOf(data))).toBe(false);
+  });
+
+  it("SIGINT twice to the whole process group outside a terminal still stops cleanly", async () => {
+    const data = await dataDir();
+    const port = await freePort();
+    // Its own process group, as a script or supervisor starts it; no terminal.
+    const server = spawn(
+      process.execPath,
+      [cliPath, "serve", "--listen", `127.0.0.1:${port}`, "--data-dir", data],
+      {
+        cwd: repoRoot,
+        detached: true,
+        env: { ...process.env, DATABASE_URL: "", LEASEHOLD_LOG_LEVEL: "info" },
+        stdio: ["ignore", "pipe", "pipe"],
+      },
+    );
+    let output = "";
+    server.stdout?.on("data", (chunk: Buffer) => {
+      output += chunk.toString();
+    });
+    server.stderr?.on("data", (chunk: Buffer) => {
+      output += chunk.toString();
+    });
+    const exited = once(server, "exit");
+    await waitFor(() => output.includes("serving on"), {
+      what: "the server to serve",
+      timeoutMs: 60_000,
+    });
+    const postgresPid = await postmasterPid(data);
+    const group = server.pid as number;
+    process.kill(-group, "SIGINT");
+    await waitFor(() => output.includes("shutting down"), { what: "the shutdown to begin" });
+    process.kill(-group, "SIGINT");
+    const [code, signal] = await exited;
+    expect({ code, signal }).toEqual({ code: 0, signal: null });
+    expect(output).toContain('"msg":"already shutting down: the clean stop goes on"');
+    expect(output).toContain('"msg":"stopped"');
+    expect(alive(postgresPid)).toBe(false);
+    expect(existsSync(path.join(data, "postmaster.pid"))).toBe(false);
+    expect(existsSync(lockFileOf(data))).toBe(false);
+    expect(await portFree(port)).toBe(true);
   });
 
   it("after a SIGKILL of the server, the next start stops the PostgreSQL left behind and serves", async () => {

@@ -78,7 +78,9 @@ export async function guarded(argv: string[]): Promise<number> {
   process.stderr.write(
     `Leasehold guarded store serving on ${server.url} (database ${server.databaseUrl}, fence mode ${config.fenceMode})\n`,
   );
-  const signal = await untilStopSignal();
+  const signal = await untilStopSignal((again) =>
+    logger.info({ signal: again }, "already shutting down: the clean stop goes on"),
+  );
   logger.info({ signal }, "shutting down");
   await server.close();
   return 0;

@@ -49,7 +49,9 @@ export async function serve(argv: string[]): Promise<number> {
     return 1;
   }
   process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
-  const signal = await untilStopSignal();
+  const signal = await untilStopSignal((again) =>
+    logger.info({ signal: again }, "already shutting down: the clean stop goes on"),
+  );
   logger.info({ signal }, "shutting down");
   await server.close();
   return 0;

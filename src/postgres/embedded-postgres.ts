@@ -178,6 +178,11 @@ async function startLocked(
     // PostgreSQL refuses to run as root; the package then runs it as a
     // dedicated system user it creates.
     createPostgresUser: runAs !== undefined,
+    // Its own process group: a SIGINT to this process's group (Ctrl-C, a
+    // supervisor's kill -INT -- -PGID) would otherwise also reach PostgreSQL,
+    // which would stop under the server's feet while requests drain; the
+    // server stops it itself, last.
+    detached: true,
     onLog,
     onError: onLog,
     postgresFlags: [
