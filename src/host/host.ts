@@ -83,6 +83,8 @@ export async function startHost(
   if (databaseUrl === undefined) {
     embedded = await startEmbeddedPostgres({
       dataDir: config.dataDir,
+      movableDataDir: config.dataDirIsDefault === true,
+      onNotice: (line) => logger.info(line),
       onLog: (line) => logger.debug({ postgres: line.trim() }, "embedded postgres"),
     });
     databaseUrl = embedded.url;
