@@ -8,6 +8,7 @@ import { spawn } from "node:child_process";
 import { once } from "node:events";
 import { existsSync } from "node:fs";
 import { cp, mkdtemp, readFile, rm, stat } from "node:fs/promises";
+import http2 from "node:http2";
 import net from "node:net";
 import os from "node:os";
 import path from "node:path";
@@ -83,6 +84,25 @@ describe("starting `leasehold serve` on an embedded database", () => {
     expect(second.stderr).toMatch(/kill \d+.*--data-dir/);
     // The first one still serves.
     expect((await fetch(`${first.url}/metrics`)).status).toBe(200);
+  });
+
+  it("--embedded-port fixes the embedded PostgreSQL's port", async () => {
+    const data = await dataDir();
+    const port = await freePort();
+    const server = await spawnLeasehold({
+      argv: ["serve", "--listen", "127.0.0.1:0", "--data-dir", data],
+      env: { DATABASE_URL: "", LEASEHOLD_EMBEDDED_PORT: String(port) },
+    });
+    servers.push(server);
+    // postmaster.pid's fourth line is the port PostgreSQL listens on.
+    const lines = (await readFile(path.join(data, "postmaster.pid"), "utf8")).split("\n");
+    expect(lines[3]).toBe(String(port));
+    await server.stop();
+    const refused = await runCli(["serve", "--embedded-port", "70000"], { DATABASE_URL: "" });
+    expect(refused.code).toBe(2);
+    expect(refused.stderr).toBe(
+      'leasehold serve: --embedded-port (LEASEHOLD_EMBEDDED_PORT) must be a port from 1 to 65535 (0: a free one), got "70000"\n',
+    );
   });
 
   it("a port already in use is found before a database is started and migrated", async () => {
@@ -328,6 +348,41 @@ describe("DATABASE_URL errors name the URL (password hidden) and what is wrong",
       "leasehold serve: --database-url (DATABASE_URL) must start with postgres:// or postgresql://, got mysql:// in mysql://app:***@127.0.0.1/x\n",
     );
   });
+
+  // A socket that accepts and never answers, one that answers garbage, and
+  // an HTTP/2 server (Leasehold's own port, mistyped): each a real listener.
+  const listeners: Record<string, () => net.Server> = {
+    "accepts and never answers": () => net.createServer(() => {}),
+    "answers garbage": () =>
+      net.createServer((socket) => {
+        socket.on("data", () => socket.write("HTTP/1.1 400 Bad Request\r\n\r\n"));
+      }),
+    "is an HTTP/2 server": () => http2.createServer(),
+  };
+  for (const [what, make] of Object.entries(listeners)) {
+    it(`something that ${what} is reported within the start-up bound, not waited on`, async () => {
+      const server = make();
+      await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+      const { port } = server.address() as net.AddressInfo;
+      try {
+        const started = performance.now();
+        const result = await runCli(["serve", "--listen", "127.0.0.1:0"], {
+          DATABASE_URL: `postgres://app:secret@127.0.0.1:${port}/x`,
+          LEASEHOLD_DATABASE_CONNECT_TIMEOUT: "1s",
+        });
+        const tookMs = performance.now() - started;
+        expect(result.code).toBe(1);
+        expect(result.stderr).toBe(
+          `leasehold serve: cannot use the database at postgres://app:***@127.0.0.1:${port}/x (--database-url, DATABASE_URL): no PostgreSQL answer within 1s (--database-connect-timeout, LEASEHOLD_DATABASE_CONNECT_TIMEOUT): is PostgreSQL at that host and port? (a port that accepts and stays silent, or another protocol's server, looks like this)\n`,
+        );
+        // 1 s of bound plus a node start on a loaded machine; the driver's own
+        // timeout alone was 30 s, and an HTTP/2 server held it for minutes.
+        expect(tookMs).toBeLessThan(15_000);
+      } finally {
+        server.close();
+      }
+    });
+  }
 
   it("nothing listening there", async () => {
     const port = await freePort();

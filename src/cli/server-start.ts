@@ -4,6 +4,7 @@
 
 import net from "node:net";
 import { hidePassword } from "../config/host-config.js";
+import { DatabaseConnectTimeoutError } from "../postgres/connect-probe.js";
 import {
   DataDirInUseError,
   dataDirHolder,
@@ -83,12 +84,22 @@ export function describeStartError(error: unknown, config: StartConfig): string 
     return error.message;
   }
   if (config.databaseUrl === undefined) return undefined;
+  const where = `cannot use the database at ${hidePassword(config.databaseUrl)} (--database-url, DATABASE_URL)`;
+  if (error instanceof DatabaseConnectTimeoutError) {
+    return (
+      `${where}: no PostgreSQL answer within ${formatMs(error.timeoutMs)} (--database-connect-timeout, ` +
+      "LEASEHOLD_DATABASE_CONNECT_TIMEOUT): is PostgreSQL at that host and port? " +
+      "(a port that accepts and stays silent, or another protocol's server, looks like this)"
+    );
+  }
   const code = (error as { code?: unknown }).code;
   const problem = typeof code === "string" ? databaseProblems[code] : undefined;
   if (problem === undefined && !(typeof code === "string" && /^(08|28|3D)/.test(code))) {
     return undefined;
   }
-  return `cannot use the database at ${hidePassword(config.databaseUrl)} (--database-url, DATABASE_URL): ${
-    problem ?? (error as Error).message
-  }`;
+  return `${where}: ${problem ?? (error as Error).message}`;
+}
+
+function formatMs(ms: number): string {
+  return ms % 1000 === 0 ? `${ms / 1000}s` : `${ms}ms`;
 }
