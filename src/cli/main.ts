@@ -1,5 +1,7 @@
 // Entry point of the `leasehold` command: dispatches to one module per command.
 
+import { stopWithNpxParent } from "./parent-watch.js";
+
 const usage = `Usage: leasehold <command> [flags]
 
 Commands:
@@ -49,6 +51,7 @@ async function main(argv: string[]): Promise<number> {
     return 2;
   }
   const command = await load();
+  stopWithNpxParent();
   return command(rest);
 }
 
