@@ -27,7 +27,8 @@ export default defineConfig({
             "test/hostile-volume.test.ts",
             "node_modules/**",
           ],
-          globalSetup: ["test/support/global-setup.ts"],
+          // temp-folder.ts first: its teardown, the check, runs last.
+          globalSetup: ["test/support/temp-folder.ts", "test/support/global-setup.ts"],
           pool: "forks",
           testTimeout: 60_000,
           hookTimeout: 60_000,
@@ -38,7 +39,7 @@ export default defineConfig({
         test: {
           name: "faults",
           include: ["test/faults/**/*.test.ts"],
-          globalSetup: ["test/support/ensure-build.ts"],
+          globalSetup: ["test/support/temp-folder.ts", "test/support/ensure-build.ts"],
           pool: "forks",
           // One file at a time, so faults of one file never land on another.
           fileParallelism: false,
