@@ -211,6 +211,9 @@ describe("starting `leasehold serve` on an embedded database", () => {
 
     const next = await serve(data);
     expect(alive(leftBehind)).toBe(false);
+    expect(next.output()).toContain(
+      `a PostgreSQL (pid ${leftBehind}) was left running on ${data} by a Leasehold that did not stop cleanly (kill -9, a crash): stopping it, then starting afresh`,
+    );
     const running = await postmasterPid(data);
     expect(running).not.toBe(leftBehind);
     expect(Number((await readFile(lockFileOf(data), "utf8")).trim())).toBe(next.child.pid);
@@ -339,6 +342,14 @@ describe("DATABASE_URL errors name the URL (password hidden) and what is wrong",
     expect(result.code).toBe(2);
     expect(result.stderr).toBe(
       'leasehold serve: --database-url (DATABASE_URL) must be a URL such as postgres://user:password@host:5432/database, got "notaurl"\n',
+    );
+  });
+
+  it("host:port without a scheme", async () => {
+    const result = await serveWith("localhost:5432");
+    expect(result.code).toBe(2);
+    expect(result.stderr).toBe(
+      'leasehold serve: --database-url (DATABASE_URL) must be a URL such as postgres://user:password@host:5432/database, got "localhost:5432" (no postgres:// in front)\n',
     );
   });
 

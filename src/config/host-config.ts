@@ -213,6 +213,12 @@ export function parseDatabaseUrl(text: string | undefined): string | undefined {
   const name = "--database-url (DATABASE_URL)";
   const shown = hidePassword(text);
   let url: URL;
+  // "localhost:5432" parses as a URL of scheme "localhost:".
+  if (!text.includes("://")) {
+    throw new ConfigError(
+      `${name} must be a URL such as postgres://user:password@host:5432/database, got ${JSON.stringify(shown)} (no postgres:// in front)`,
+    );
+  }
   try {
     url = new URL(text);
   } catch {

@@ -86,7 +86,7 @@ export async function startHost(
       dataDir: config.dataDir,
       port: config.embeddedPort,
       movableDataDir: config.dataDirIsDefault === true,
-      onNotice: (line) => logger.info(line),
+      onNotice: (line) => logger.warn(line),
       onLog: (line) => logger.debug({ postgres: line.trim() }, "embedded postgres"),
     });
     databaseUrl = embedded.url;

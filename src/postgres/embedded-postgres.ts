@@ -54,7 +54,10 @@ export interface EmbeddedOptions {
   /** The platform package's `native` folder (tests give a copy elsewhere). */
   nativeDir?: string;
   onLog?: (line: string) => void;
-  /** One line for the user when a copy of the binaries or a moved data folder is used (default stderr). */
+  /**
+   * One line for the user (default stderr) when a copy of the binaries or a
+   * moved data folder is used, or a PostgreSQL left behind is stopped.
+   */
   onNotice?: (line: string) => void;
 }
 
@@ -222,7 +225,7 @@ async function startLocked(
   const fresh = !existsSync(path.join(dataDir, "PG_VERSION"));
   // The lock is ours, so no live Leasehold serves this folder: a PostgreSQL
   // still running on it was left behind by one killed without a clean stop.
-  await stopLeftBehind(dataDir);
+  await stopLeftBehind(dataDir, notice);
   const log: string[] = [];
   const onLog = (m: unknown) => {
     const line = String(m);
@@ -324,7 +327,7 @@ async function lockDataDir(dataDir: string): Promise<DataDirLock> {
 // PostgreSQL is stopped (fast shutdown: it ends its sessions, which belonged
 // to the dead server) and waited for; a pid file whose process is gone
 // only blocks the next start and is removed.
-async function stopLeftBehind(dataDir: string): Promise<void> {
+async function stopLeftBehind(dataDir: string, notice: (line: string) => void): Promise<void> {
   const pidFile = path.join(dataDir, "postmaster.pid");
   const pid = await readPid(pidFile);
   if (pid === undefined) return;
@@ -333,6 +336,10 @@ async function stopLeftBehind(dataDir: string): Promise<void> {
     await rm(pidFile, { force: true });
     return;
   }
+  notice(
+    `a PostgreSQL (pid ${pid}) was left running on ${dataDir} by a Leasehold that did not stop ` +
+      "cleanly (kill -9, a crash): stopping it, then starting afresh",
+  );
   process.kill(pid, "SIGINT");
   // Its exit is not an event this process can wait on: it is not our child.
   const deadline = Date.now() + 60_000;
