@@ -12,6 +12,7 @@ import {
   UnavailableError,
 } from "../client/index.js";
 import { parseDuration } from "../lease/limits.js";
+import { unknownOption, unknownOptionHint } from "./suggest.js";
 
 /** Exit codes of the client commands (sysexits.h where one fits). */
 export const ExitCode = {
@@ -54,8 +55,9 @@ export const holderOption = { holder: { type: "string" } } as const;
 export const flagHelp = {
   account: "  --account ID        account of the session (required)",
   session: "  --session ID        session id (required)",
-  ttl: `  --ttl DURATION      lease TTL such as 10s, 1500ms or 1m (default 10s); the
-                      server takes 1s to 1h unless its --min-ttl/--max-ttl differ`,
+  ttl: `  --ttl DURATION      lease TTL such as 10s, 1500ms or 1m (default 10s; a unit
+                      is required); the server takes 1s to 1h unless its
+                      --min-ttl/--max-ttl differ`,
   holder: `  --holder LABEL      label shown to others, such as "desktop" (default this
                       machine's host name)`,
 } as const;
@@ -99,7 +101,14 @@ export function parseCommandArgs<T extends OptionSpec>(
     return { values: values as FlagValues<T> };
   } catch (error) {
     if ((error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")) {
-      throw new UsageError((error as Error).message);
+      const flag = unknownOption(error);
+      const hint =
+        flag === undefined
+          ? undefined
+          : unknownOptionHint(flag, Object.keys({ ...commonOptions, ...extra }));
+      throw new UsageError(
+        hint === undefined ? (error as Error).message : `Unknown option '${flag}': ${hint}`,
+      );
     }
     throw error;
   }
@@ -159,6 +168,14 @@ export function commonFlags(
 /** Milliseconds of a duration flag, or `fallback` when it is absent. */
 export function durationFlag(name: string, text: string | undefined, fallback: number): number {
   if (text === undefined) return fallback;
+  // A number without a unit is refused, not read as seconds: many tools
+  // read it as milliseconds, and for a lease a factor of 1000 either way is
+  // a TTL that expires under its holder or outlives its crash.
+  if (/^\s*\d+(\.\d+)?\s*$/.test(text)) {
+    throw new UsageError(
+      `--${name} needs a unit: ${text.trim()}s for seconds, ${text.trim()}ms for milliseconds (also m, h), got ${JSON.stringify(text)}`,
+    );
+  }
   const ms = parseDuration(text);
   if (ms === undefined) {
     throw new UsageError(
@@ -241,7 +258,10 @@ export async function runCommand(
     const unreachable = connectionProblem(error);
     if (unreachable !== undefined) {
       const servers = argvServers(argv);
-      process.stderr.write(`${prefix} cannot reach the server at ${servers} (${unreachable})\n`);
+      process.stderr.write(
+        `${prefix} cannot reach the server at ${servers} (${unreachable}): is it running there? ` +
+          "A server started on another address (--listen, LEASEHOLD_LISTEN) is reached with --server URL (LEASEHOLD_SERVER)\n",
+      );
       return ExitCode.unavailable;
     }
     if (error instanceof UnavailableError) {
