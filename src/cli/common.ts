@@ -2,6 +2,7 @@
 // them, and one way to report failures — a single readable line and an exit
 // code, never a stack trace.
 
+import { readFileSync } from "node:fs";
 import os from "node:os";
 import { parseArgs } from "node:util";
 import {
@@ -39,6 +40,7 @@ export const commonOptions = {
   server: { type: "string", multiple: true },
   protocol: { type: "string" },
   token: { type: "string" },
+  ca: { type: "string" },
   json: { type: "boolean" },
   help: { type: "boolean", short: "h" },
 } as const;
@@ -67,6 +69,9 @@ export const commonHelp = `Connection flags:
                       several instances (default ${defaultServer}, or LEASEHOLD_SERVER)
   --protocol P        connect (default) or grpc
   --token JWT         bearer token (default LEASEHOLD_TOKEN)
+  --ca FILE           PEM certificate of a private CA to trust for https://
+                      servers (default LEASEHOLD_CA; NODE_EXTRA_CA_CERTS=FILE
+                      does the same for every Node program)
   --json              print protobuf JSON instead of text
   -h, --help          show this help`;
 
@@ -123,6 +128,8 @@ export interface CommonFlags {
   ttlMs: number;
   holder: string;
   token: string | undefined;
+  /** PEM of the CA given with --ca (LEASEHOLD_CA). */
+  ca: Buffer | undefined;
   json: boolean;
 }
 
@@ -161,8 +168,28 @@ export function commonFlags(
     ttlMs: durationFlag("ttl", values.ttl as string | undefined, 10_000),
     holder: (values.holder as string | undefined) ?? os.hostname(),
     token: (values.token as string | undefined) ?? (env.LEASEHOLD_TOKEN || undefined),
+    ca: caFlag((values.ca as string | undefined) ?? (env.LEASEHOLD_CA || undefined)),
     json: values.json === true,
   };
+}
+
+/** The PEM file of --ca (LEASEHOLD_CA), read now so that a wrong path is a usage error. */
+function caFlag(file: string | undefined): Buffer | undefined {
+  if (file === undefined) return undefined;
+  let pem: Buffer;
+  try {
+    pem = readFileSync(file);
+  } catch (error) {
+    throw new UsageError(
+      `--ca (LEASEHOLD_CA) must be a readable PEM file, got ${JSON.stringify(file)}: ${(error as Error).message}`,
+    );
+  }
+  if (!pem.includes("-----BEGIN CERTIFICATE-----")) {
+    throw new UsageError(
+      `--ca (LEASEHOLD_CA) must hold a PEM certificate (-----BEGIN CERTIFICATE-----), got ${JSON.stringify(file)}`,
+    );
+  }
+  return pem;
 }
 
 /** Milliseconds of a duration flag, or `fallback` when it is absent. */
@@ -205,6 +232,7 @@ export function clientFor(flags: CommonFlags, onEvent?: (event: ClientEvent) => 
     baseUrls: flags.servers,
     protocol: flags.protocol,
     token: flags.token,
+    ca: flags.ca,
     onEvent,
   });
 }
@@ -218,6 +246,27 @@ const connectionCodes: Record<string, string> = {
   ENETUNREACH: "network unreachable",
   ETIMEDOUT: "connection timed out",
 };
+
+// Node's codes for a server certificate the client does not trust.
+const certificateCodes = new Set([
+  "DEPTH_ZERO_SELF_SIGNED_CERT",
+  "SELF_SIGNED_CERT_IN_CHAIN",
+  "UNABLE_TO_VERIFY_LEAF_SIGNATURE",
+  "UNABLE_TO_GET_ISSUER_CERT_LOCALLY",
+  "UNABLE_TO_GET_ISSUER_CERT",
+]);
+
+/** The reason a server's TLS certificate was not trusted, when that is what `error` says. */
+function untrustedCertificate(error: unknown): string | undefined {
+  for (let e: unknown = error; e instanceof Error; e = e.cause) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === "string" && certificateCodes.has(code)) return e.message;
+  }
+  const message = error instanceof Error ? error.message : "";
+  return /self[- ]signed certificate|unable to verify the first certificate|unable to get (local )?issuer certificate/.exec(
+    message,
+  )?.[0];
+}
 
 /** Why a server could not be reached, when that is what `error` says. */
 function connectionProblem(error: unknown): string | undefined {
@@ -254,6 +303,15 @@ export async function runCommand(
         `${prefix} ${error.message}\nRun "leasehold ${name} --help" for usage.\n`,
       );
       return ExitCode.usage;
+    }
+    const untrusted = untrustedCertificate(error);
+    if (untrusted !== undefined) {
+      process.stderr.write(
+        `${prefix} the TLS certificate of ${argvServers(argv)} is not trusted (${untrusted}): ` +
+          "give the certificate of the CA that signed it with --ca FILE (LEASEHOLD_CA), " +
+          "or set NODE_EXTRA_CA_CERTS=FILE\n",
+      );
+      return ExitCode.unavailable;
     }
     const unreachable = connectionProblem(error);
     if (unreachable !== undefined) {

@@ -5,6 +5,7 @@
 // (`attemptPlan`), all within the call's one deadline, as the Python client
 // does (docs/clients.md).
 
+import tls from "node:tls";
 import type { DescMethodUnary } from "@bufbuild/protobuf";
 import { Code, ConnectError, type Interceptor, type Transport } from "@connectrpc/connect";
 import { createConnectTransport, Http2SessionManager } from "@connectrpc/connect-node";
@@ -38,6 +39,12 @@ export interface TransportOptions {
   traceparent?: () => string | undefined;
   /** Timeout of a unary call without its own, in ms; default 10 000. */
   defaultTimeoutMs?: number;
+  /**
+   * PEM certificates of CAs to trust for https:// servers, besides Node's
+   * built-in ones (a private CA). NODE_EXTRA_CA_CERTS does the same for a
+   * whole process.
+   */
+  ca?: string | Buffer;
 }
 
 /** A transport to one server instance, and a way to drop its connection. */
@@ -77,6 +84,9 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
   ];
   const defaultTimeoutMs = options.defaultTimeoutMs ?? 10_000;
   const protocol = options.protocol ?? "connect";
+  // Node's `ca` replaces its built-in roots: they are kept beside the given CA.
+  const nodeOptions =
+    options.ca === undefined ? undefined : { ca: [...tls.rootCertificates, options.ca] };
   if (protocol === "connect" && options.httpVersion === "1.1") {
     return {
       baseUrl,
@@ -85,6 +95,7 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
         httpVersion: "1.1",
         interceptors,
         defaultTimeoutMs,
+        nodeOptions,
       }),
       close: () => {},
     };
@@ -92,14 +103,14 @@ export function createEndpoint(baseUrl: string, options: TransportOptions = {}):
   if (protocol === "grpc") {
     // The client's own gRPC transport (grpc-transport.ts): the same codes
     // as connect-node's, at a fraction of its CPU per call.
-    const transport = createGrpcTransport({ baseUrl, interceptors, defaultTimeoutMs });
+    const transport = createGrpcTransport({ baseUrl, interceptors, defaultTimeoutMs, nodeOptions });
     return {
       baseUrl,
       transport,
       close: () => transport.close(new ConnectError("client closed", Code.Canceled)),
     };
   }
-  const sessionManager = new Http2SessionManager(baseUrl);
+  const sessionManager = new Http2SessionManager(baseUrl, undefined, nodeOptions);
   return {
     baseUrl,
     transport: createConnectTransport({
