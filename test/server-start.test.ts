@@ -56,6 +56,18 @@ function alive(pid: number): boolean {
   }
 }
 
+/**
+ * A free port below the kernel's ephemeral range (32768 and up): no other
+ * process's listen(0) takes it between this check and the test's use, as
+ * one from freePort() can be.
+ */
+async function fixedPort(): Promise<number> {
+  for (;;) {
+    const port = 20_000 + Math.floor(Math.random() * 12_000);
+    if (await portFree(port)) return port;
+  }
+}
+
 async function postmasterPid(data: string): Promise<number> {
   return Number((await readFile(path.join(data, "postmaster.pid"), "utf8")).split("\n")[0]);
 }
@@ -88,7 +100,7 @@ describe("starting `leasehold serve` on an embedded database", () => {
 
   it("--embedded-port fixes the embedded PostgreSQL's port", async () => {
     const data = await dataDir();
-    const port = await freePort();
+    const port = await fixedPort();
     const server = await spawnLeasehold({
       argv: ["serve", "--listen", "127.0.0.1:0", "--data-dir", data],
       env: { DATABASE_URL: "", LEASEHOLD_EMBEDDED_PORT: String(port) },
@@ -103,7 +115,28 @@ describe("starting `leasehold serve` on an embedded database", () => {
     expect(refused.stderr).toBe(
       'leasehold serve: --embedded-port (LEASEHOLD_EMBEDDED_PORT) must be a port from 1 to 65535 (0: a free one), got "70000"\n',
     );
-  });
+    // A fresh data folder: initdb, then a start, on a machine that may be busy.
+  }, 120_000);
+
+  it("an --embedded-port already in use is reported, not waited on", async () => {
+    const busy = net.createServer();
+    const port = await fixedPort();
+    await new Promise<void>((resolve) => busy.listen(port, "127.0.0.1", resolve));
+    try {
+      const result = await runCli(
+        ["serve", "--listen", "127.0.0.1:0", "--data-dir", await dataDir()],
+        {
+          DATABASE_URL: "",
+          LEASEHOLD_EMBEDDED_PORT: String(port),
+        },
+      );
+      expect(result.code).toBe(1);
+      expect(result.stderr).toContain(`(port ${port}) did not start`);
+      expect(result.stderr).toContain("Address already in use");
+    } finally {
+      busy.close();
+    }
+  }, 120_000);
 
   it("a port already in use is found before a database is started and migrated", async () => {
     const busy = net.createServer();
@@ -189,7 +222,10 @@ describe("starting `leasehold serve` on an embedded database", () => {
     const postgresPid = await postmasterPid(data);
     const group = server.pid as number;
     process.kill(-group, "SIGINT");
-    await waitFor(() => output.includes("shutting down"), { what: "the shutdown to begin" });
+    await waitFor(() => output.includes("shutting down"), {
+      what: "the shutdown to begin",
+      timeoutMs: 60_000,
+    });
     process.kill(-group, "SIGINT");
     const [code, signal] = await exited;
     expect({ code, signal }).toEqual({ code: 0, signal: null });
@@ -199,7 +235,7 @@ describe("starting `leasehold serve` on an embedded database", () => {
     expect(existsSync(path.join(data, "postmaster.pid"))).toBe(false);
     expect(existsSync(lockFileOf(data))).toBe(false);
     expect(await portFree(port)).toBe(true);
-  });
+  }, 120_000);
 
   it("after a SIGKILL of the server, the next start stops the PostgreSQL left behind and serves", async () => {
     const data = await dataDir();
@@ -341,7 +377,7 @@ describe("DATABASE_URL errors name the URL (password hidden) and what is wrong",
     const result = await serveWith("notaurl");
     expect(result.code).toBe(2);
     expect(result.stderr).toBe(
-      'leasehold serve: --database-url (DATABASE_URL) must be a URL such as postgres://user:password@host:5432/database, got "notaurl"\n',
+      'leasehold serve: --database-url (DATABASE_URL) must be a URL such as postgres://user:password@host:5432/database, got "notaurl" (no postgres:// in front)\n',
     );
   });
 

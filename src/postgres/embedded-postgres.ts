@@ -200,7 +200,8 @@ async function startLocked(
 ): Promise<EmbeddedDatabase> {
   const port = options.port || (await freePort());
   const runAs = process.getuid?.() === 0 ? postgresUser() : undefined;
-  let binariesDir = options.nativeDir ?? packagedNativeDir();
+  const packagedDir = packagedNativeDir();
+  let binariesDir = options.nativeDir ?? packagedDir;
   if (runAs) {
     // As root, PostgreSQL runs as the `postgres` user, which must reach its
     // binaries and the data folder. Leasehold changes the permissions of no
@@ -242,10 +243,14 @@ async function startLocked(
     // PostgreSQL refuses to run as root; the package then runs it as a
     // dedicated system user it creates.
     createPostgresUser: runAs !== undefined,
-    binaries: {
-      postgres: path.join(binariesDir, "bin", "postgres"),
-      initdb: path.join(binariesDir, "bin", "initdb"),
-    },
+    // The package's own binaries unless a copy (or a test's folder) is used.
+    binaries:
+      binariesDir === packagedDir
+        ? undefined
+        : {
+            postgres: path.join(binariesDir, "bin", "postgres"),
+            initdb: path.join(binariesDir, "bin", "initdb"),
+          },
     // Its own process group: a SIGINT to this process's group (Ctrl-C, a
     // supervisor's kill -INT -- -PGID) would otherwise also reach PostgreSQL,
     // which would stop under the server's feet while requests drain; the
