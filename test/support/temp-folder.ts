@@ -13,10 +13,18 @@ import os from "node:os";
 import path from "node:path";
 
 const variable = "LEASEHOLD_TEST_RUN_TMPDIR";
-let users = 0;
+// How many projects' setups hold the folder. Each project loads this module
+// on its own, so the count lives in the main process's environment.
+const usersVariable = "LEASEHOLD_TEST_RUN_TMPDIR_USERS";
+
+function users(change: number): number {
+  const count = Number(process.env[usersVariable] ?? "0") + change;
+  process.env[usersVariable] = String(count);
+  return count;
+}
 
 export async function setup(): Promise<void> {
-  users++;
+  users(1);
   if (process.env[variable] !== undefined) return;
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-run-"));
   // As root, the embedded PostgreSQL runs as `postgres`, who must pass
@@ -27,12 +35,14 @@ export async function setup(): Promise<void> {
 }
 
 export async function teardown(): Promise<void> {
-  users--;
   const dir = process.env[variable];
-  if (users > 0 || dir === undefined) return;
+  if (users(-1) > 0 || dir === undefined) return;
   const left = (await readdir(dir)).filter((name) => name.startsWith("leasehold-"));
   await rm(dir, { recursive: true, force: true });
   if (left.length > 0) {
+    // Vitest reports an error thrown here but keeps its exit status: the
+    // status is set too, so that the run fails.
+    process.exitCode = 1;
     throw new Error(
       `the test run left these in the temporary folder (each test removes what it makes): ${left.join(", ")}`,
     );
