@@ -31,7 +31,8 @@ export default defineConfig({
             "test/hostile-bodies.test.ts",
             "node_modules/**",
           ],
-          globalSetup: ["test/support/global-setup.ts"],
+          // temp-folder.ts first: its teardown, the check, runs last.
+          globalSetup: ["test/support/temp-folder.ts", "test/support/global-setup.ts"],
           pool: "forks",
           testTimeout: 60_000,
           hookTimeout: 60_000,
@@ -42,7 +43,7 @@ export default defineConfig({
         test: {
           name: "faults",
           include: ["test/faults/**/*.test.ts"],
-          globalSetup: ["test/support/ensure-build.ts"],
+          globalSetup: ["test/support/temp-folder.ts", "test/support/ensure-build.ts"],
           pool: "forks",
           // One file at a time, so faults of one file never land on another.
           fileParallelism: false,

@@ -87,7 +87,8 @@ describe("leasehold client commands", () => {
     ]);
     expect(result.code).toBe(69);
     expect(result.stderr).toBe(
-      "leasehold get: cannot reach the server at http://127.0.0.1:9 (connection refused)\n",
+      "leasehold get: cannot reach the server at http://127.0.0.1:9 (connection refused): is it running there? " +
+        "A server started on another address (--listen, LEASEHOLD_LISTEN) is reached with --server URL (LEASEHOLD_SERVER)\n",
     );
     expect(result.stdout).toBe("");
   });
@@ -99,6 +100,41 @@ describe("leasehold client commands", () => {
     const missing = await runCli(["get", "--account", "a"]);
     expect(missing.code).toBe(2);
     expect(missing.stderr).toMatch(/--session is required/);
+  });
+
+  it("a duration without a unit is refused, not read as seconds", async () => {
+    const result = await runCli(["acquire", "--account", "a", "--session", "s", "--ttl", "5"]);
+    expect(result.code).toBe(2);
+    expect(result.stderr).toBe(
+      'leasehold acquire: --ttl needs a unit: 5s for seconds, 5ms for milliseconds (also m, h), got "5"\n' +
+        'Run "leasehold acquire --help" for usage.\n',
+    );
+  });
+
+  it("a mistyped command or flag gets a 'did you mean', --port points to --listen or --server", async () => {
+    const command = await runCli(["aquire"]);
+    expect(command.code).toBe(2);
+    expect(command.stderr).toMatch(
+      /^leasehold: unknown command "aquire" \(did you mean "leasehold acquire"\?\)\n/,
+    );
+    const flag = await runCli(["get", "--acount", "a", "--session", "s"]);
+    expect(flag.code).toBe(2);
+    expect(flag.stderr).toMatch(
+      /^leasehold get: Unknown option '--acount': did you mean --account\?\n/,
+    );
+    const clientPort = await runCli(["get", "--port", "7071"]);
+    expect(clientPort.stderr).toMatch(
+      /^leasehold get: Unknown option '--port': the server to talk to is set with --server URL \(LEASEHOLD_SERVER\)/,
+    );
+    const serverPort = await runCli(["serve", "--port", "7071"]);
+    expect(serverPort.code).toBe(2);
+    expect(serverPort.stderr).toBe(
+      "leasehold serve: Unknown option '--port': a server's address and port are set with --listen HOST:PORT (LEASEHOLD_LISTEN), such as --listen 127.0.0.1:7071\n",
+    );
+    const guardedFlag = await runCli(["guarded", "serve", "--shutdown-grase", "1s"]);
+    expect(guardedFlag.stderr).toBe(
+      "leasehold guarded serve: Unknown option '--shutdown-grase': did you mean --shutdown-grace?\n",
+    );
   });
 
   it("every command has --help", async () => {

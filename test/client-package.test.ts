@@ -6,12 +6,12 @@
 // the client needs, and that its work stops when the lease is lost (L2).
 
 import { type ChildProcess, execFile, spawn } from "node:child_process";
-import { mkdtemp, readdir, readFile, writeFile } from "node:fs/promises";
+import { mkdtemp, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import { createInterface } from "node:readline";
 import { promisify } from "node:util";
-import { beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { EventType } from "../src/gen/leasehold/v1/lease_pb.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
@@ -46,9 +46,10 @@ try {
 
 const { server, client } = useTestServer();
 let project: string;
+let dir: string | undefined;
 
 beforeAll(async () => {
-  const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-client-package-"));
+  dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-client-package-"));
   const { stdout } = await run("npm", ["pack", "./packages/client", "--pack-destination", dir], {
     cwd: repoRoot,
   });
@@ -64,6 +65,9 @@ beforeAll(async () => {
   });
   await writeFile(path.join(project, "worker.mjs"), script);
 }, 120_000);
+afterAll(async () => {
+  if (dir !== undefined) await rm(dir, { recursive: true, force: true });
+});
 
 /** Starts the packaged worker; yields its JSON lines as they come. */
 function startWorker(key: { accountId: string; sessionId: string }, mode: "finish" | "hold") {

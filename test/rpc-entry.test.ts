@@ -489,6 +489,24 @@ describe("JSON fields the API does not have are refused (issue 30, item 5)", () 
     },
   );
 
+  it.each(["lease server, --grpc-path native", "lease server, --grpc-path connect"] as const)(
+    '%s: a "ttl" that is not a duration string is INVALID_ARGUMENT starting with the field',
+    async (name) => {
+      const server = serverNamed(name);
+      const key = freshKey();
+      const answer = await h1(server.url, "/leasehold.v1.LeaseService/Acquire", {
+        headers: { "content-type": "application/json" },
+        body: json({ key, ttl: 30 }),
+      });
+      expect(answer.status).toBe(400);
+      expect(errorOf(answer)).toEqual({
+        code: "invalid_argument",
+        message: 'ttl must be a duration string such as "30s" or "1.5s", got 30',
+      });
+      expect(await held(server, key)).toBe(false);
+    },
+  );
+
   it("the guarded store refuses them too: a Put with a misspelt field stores nothing", async () => {
     const key = freshKey();
     const put = await h1(guarded.url, "/leasehold.guarded.v1.GuardedStoreService/Put", {

@@ -4,14 +4,14 @@
 // issuer, audience and a custom account claim; TLS from certificate files
 // for gRPC (h2 by ALPN) and Connect over HTTP/1.1 on one port.
 
-import { mkdtemp, readFile, writeFile } from "node:fs/promises";
+import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { Code, createClient } from "@connectrpc/connect";
 import { createConnectTransport, createGrpcTransport } from "@connectrpc/connect-node";
 import { exportJWK, generateKeyPair, SignJWT } from "jose";
-import { beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { isLoopback } from "../src/config/ops-config.js";
 import { ConfigError } from "../src/config/settings.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
@@ -31,6 +31,9 @@ let dir: string;
 
 beforeAll(async () => {
   dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-security-"));
+});
+afterAll(async () => {
+  await rm(dir, { recursive: true, force: true });
 });
 
 function configError(argv: string[], env: NodeJS.ProcessEnv = {}): string {

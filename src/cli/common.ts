@@ -2,7 +2,7 @@
 // them, and one way to report failures — a single readable line and an exit
 // code, never a stack trace.
 
-import { accessSync, constants } from "node:fs";
+import { readFileSync } from "node:fs";
 import os from "node:os";
 import { parseArgs } from "node:util";
 import {
@@ -14,6 +14,7 @@ import {
   UnavailableError,
 } from "../client/index.js";
 import { parseDuration } from "../lease/limits.js";
+import { unknownOption, unknownOptionHint } from "./suggest.js";
 
 /** Exit codes of the client commands (sysexits.h where one fits). */
 export const ExitCode = {
@@ -59,8 +60,9 @@ export const holderOption = { holder: { type: "string" } } as const;
 export const flagHelp = {
   account: "  --account ID        account of the session (required)",
   session: "  --session ID        session id (required)",
-  ttl: `  --ttl DURATION      lease TTL such as 10s, 1500ms or 1m (default 10s); the
-                      server takes 1s to 1h unless its --min-ttl/--max-ttl differ`,
+  ttl: `  --ttl DURATION      lease TTL such as 10s, 1500ms or 1m (default 10s; a unit
+                      is required); the server takes 1s to 1h unless its
+                      --min-ttl/--max-ttl differ`,
   holder: `  --holder LABEL      label shown to others, such as "desktop" (default this
                       machine's host name)`,
 } as const;
@@ -71,7 +73,8 @@ export const commonHelp = `Connection flags:
   --protocol P        connect (default) or grpc
   --token JWT         bearer token (default LEASEHOLD_TOKEN)
   --ca FILE           PEM CA bundle that an https:// server's certificate is
-                      checked against instead of Node's defaults (LEASEHOLD_CA)
+                      checked against instead of Node's defaults (LEASEHOLD_CA;
+                      NODE_EXTRA_CA_CERTS=FILE adds one to the defaults instead)
   --cert FILE         PEM client certificate for a server that authenticates
                       clients by certificate (mutual TLS; LEASEHOLD_CLIENT_CERT)
   --key FILE          its PEM private key (LEASEHOLD_CLIENT_KEY)
@@ -109,7 +112,14 @@ export function parseCommandArgs<T extends OptionSpec>(
     return { values: values as FlagValues<T> };
   } catch (error) {
     if ((error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")) {
-      throw new UsageError((error as Error).message);
+      const flag = unknownOption(error);
+      const hint =
+        flag === undefined
+          ? undefined
+          : unknownOptionHint(flag, Object.keys({ ...commonOptions, ...extra }));
+      throw new UsageError(
+        hint === undefined ? (error as Error).message : `Unknown option '${flag}': ${hint}`,
+      );
     }
     throw error;
   }
@@ -169,27 +179,33 @@ export function commonFlags(
   };
 }
 
-/** --ca, --cert and --key (or their environment variables), each file checked readable. */
+/** --ca, --cert and --key (or their environment variables), each file read now so that a wrong path is a usage error. */
 function tlsFlags(
   values: Record<string, string | boolean | (string | boolean)[] | undefined>,
   env: NodeJS.ProcessEnv,
 ): ClientTls | undefined {
-  const pick = (flag: string, variable: string): string | undefined => {
+  const pick = (flag: string, variable: string, marker: string): string | undefined => {
     const file = (values[flag] as string | undefined) ?? (env[variable] || undefined);
     if (file === undefined) return undefined;
+    let pem: Buffer;
     try {
-      accessSync(file, constants.R_OK);
+      pem = readFileSync(file);
     } catch (error) {
       throw new UsageError(
-        `--${flag} (${variable}): cannot read ${file}: ${(error as NodeJS.ErrnoException).code ?? (error as Error).message}`,
+        `--${flag} (${variable}) must be a readable PEM file, got ${JSON.stringify(file)}: ${(error as Error).message}`,
+      );
+    }
+    if (!pem.includes(marker)) {
+      throw new UsageError(
+        `--${flag} (${variable}) must hold PEM (${marker}), got ${JSON.stringify(file)}`,
       );
     }
     return file;
   };
   const tls: ClientTls = {
-    caFile: pick("ca", "LEASEHOLD_CA"),
-    certFile: pick("cert", "LEASEHOLD_CLIENT_CERT"),
-    keyFile: pick("key", "LEASEHOLD_CLIENT_KEY"),
+    caFile: pick("ca", "LEASEHOLD_CA", "-----BEGIN CERTIFICATE-----"),
+    certFile: pick("cert", "LEASEHOLD_CLIENT_CERT", "-----BEGIN CERTIFICATE-----"),
+    keyFile: pick("key", "LEASEHOLD_CLIENT_KEY", "PRIVATE KEY-----"),
   };
   if ((tls.certFile === undefined) !== (tls.keyFile === undefined)) {
     throw new UsageError("--cert and --key go together: a client certificate needs its key");
@@ -200,6 +216,14 @@ function tlsFlags(
 /** Milliseconds of a duration flag, or `fallback` when it is absent. */
 export function durationFlag(name: string, text: string | undefined, fallback: number): number {
   if (text === undefined) return fallback;
+  // A number without a unit is refused, not read as seconds: many tools
+  // read it as milliseconds, and for a lease a factor of 1000 either way is
+  // a TTL that expires under its holder or outlives its crash.
+  if (/^\s*\d+(\.\d+)?\s*$/.test(text)) {
+    throw new UsageError(
+      `--${name} needs a unit: ${text.trim()}s for seconds, ${text.trim()}ms for milliseconds (also m, h), got ${JSON.stringify(text)}`,
+    );
+  }
   const ms = parseDuration(text);
   if (ms === undefined) {
     throw new UsageError(
@@ -244,6 +268,27 @@ const connectionCodes: Record<string, string> = {
   ETIMEDOUT: "connection timed out",
 };
 
+// Node's codes for a server certificate the client does not trust.
+const certificateCodes = new Set([
+  "DEPTH_ZERO_SELF_SIGNED_CERT",
+  "SELF_SIGNED_CERT_IN_CHAIN",
+  "UNABLE_TO_VERIFY_LEAF_SIGNATURE",
+  "UNABLE_TO_GET_ISSUER_CERT_LOCALLY",
+  "UNABLE_TO_GET_ISSUER_CERT",
+]);
+
+/** The reason a server's TLS certificate was not trusted, when that is what `error` says. */
+function untrustedCertificate(error: unknown): string | undefined {
+  for (let e: unknown = error; e instanceof Error; e = e.cause) {
+    const code = (e as { code?: unknown }).code;
+    if (typeof code === "string" && certificateCodes.has(code)) return e.message;
+  }
+  const message = error instanceof Error ? error.message : "";
+  return /self[- ]signed certificate|unable to verify the first certificate|unable to get (local )?issuer certificate/.exec(
+    message,
+  )?.[0];
+}
+
 /** Why a server could not be reached, when that is what `error` says. */
 function connectionProblem(error: unknown): string | undefined {
   for (let e: unknown = error; e instanceof Error; e = e.cause) {
@@ -280,10 +325,22 @@ export async function runCommand(
       );
       return ExitCode.usage;
     }
+    const untrusted = untrustedCertificate(error);
+    if (untrusted !== undefined) {
+      process.stderr.write(
+        `${prefix} the TLS certificate of ${argvServers(argv)} is not trusted (${untrusted}): ` +
+          "give the certificate of the CA that signed it with --ca FILE (LEASEHOLD_CA), " +
+          "or set NODE_EXTRA_CA_CERTS=FILE\n",
+      );
+      return ExitCode.unavailable;
+    }
     const unreachable = connectionProblem(error);
     if (unreachable !== undefined) {
       const servers = argvServers(argv);
-      process.stderr.write(`${prefix} cannot reach the server at ${servers} (${unreachable})\n`);
+      process.stderr.write(
+        `${prefix} cannot reach the server at ${servers} (${unreachable}): is it running there? ` +
+          "A server started on another address (--listen, LEASEHOLD_LISTEN) is reached with --server URL (LEASEHOLD_SERVER)\n",
+      );
       return ExitCode.unavailable;
     }
     if (error instanceof UnavailableError) {

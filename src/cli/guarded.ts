@@ -6,6 +6,7 @@ import { startGuardedServer } from "../guarded/server.js";
 import { createLogger } from "../log/logger.js";
 import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";
+import { unknownOption, unknownOptionHint } from "./suggest.js";
 
 export const guardedHelp = `Usage: leasehold guarded serve [flags]
 
@@ -59,7 +60,12 @@ export async function guarded(argv: string[]): Promise<number> {
       error instanceof ConfigError ||
       (error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")
     ) {
-      process.stderr.write(`leasehold guarded serve: ${(error as Error).message}\n`);
+      const flag = unknownOption(error);
+      const hint =
+        flag === undefined ? undefined : unknownOptionHint(flag, Object.keys(guardedSettings));
+      const message =
+        hint === undefined ? (error as Error).message : `Unknown option '${flag}': ${hint}`;
+      process.stderr.write(`leasehold guarded serve: ${message}\n`);
       return 2;
     }
     throw error;
@@ -78,7 +84,9 @@ export async function guarded(argv: string[]): Promise<number> {
   process.stderr.write(
     `Leasehold guarded store serving on ${server.url} (database ${server.databaseUrl}, fence mode ${config.fenceMode})\n`,
   );
-  const signal = await untilStopSignal();
+  const signal = await untilStopSignal((again) =>
+    logger.info({ signal: again }, "already shutting down: the clean stop goes on"),
+  );
   logger.info({ signal }, "shutting down");
   await server.close();
   return 0;

@@ -1,5 +1,8 @@
 // Entry point of the `leasehold` command: dispatches to one module per command.
 
+import { stopWithNpxParent } from "./parent-watch.js";
+import { closest } from "./suggest.js";
+
 const usage = `Usage: leasehold <command> [flags]
 
 Commands:
@@ -45,10 +48,13 @@ async function main(argv: string[]): Promise<number> {
   }
   const load = Object.hasOwn(commands, name) ? commands[name] : undefined;
   if (!load) {
-    process.stderr.write(`leasehold: unknown command ${JSON.stringify(name)}\n\n${usage}`);
+    const near = closest(name, [...Object.keys(commands), "guarded serve"]);
+    const hint = near === undefined ? "" : ` (did you mean "leasehold ${near}"?)`;
+    process.stderr.write(`leasehold: unknown command ${JSON.stringify(name)}${hint}\n\n${usage}`);
     return 2;
   }
   const command = await load();
+  stopWithNpxParent();
   return command(rest);
 }
 

@@ -6,6 +6,7 @@ import { parseServerConfig, serverSettings } from "../server/config/server-confi
 import { startServer } from "../server/server.js";
 import { describeStartError, preflight } from "./server-start.js";
 import { untilStopSignal } from "./signals.js";
+import { unknownOption, unknownOptionHint } from "./suggest.js";
 
 export const serveHelp = `Usage: leasehold serve [flags]
 
@@ -32,7 +33,12 @@ export async function serve(argv: string[]): Promise<number> {
       error instanceof ConfigError ||
       (error as { code?: string }).code?.startsWith("ERR_PARSE_ARGS")
     ) {
-      process.stderr.write(`leasehold serve: ${(error as Error).message}\n`);
+      const flag = unknownOption(error);
+      const hint =
+        flag === undefined ? undefined : unknownOptionHint(flag, Object.keys(serverSettings));
+      const message =
+        hint === undefined ? (error as Error).message : `Unknown option '${flag}': ${hint}`;
+      process.stderr.write(`leasehold serve: ${message}\n`);
       return 2;
     }
     throw error;
@@ -49,7 +55,9 @@ export async function serve(argv: string[]): Promise<number> {
     return 1;
   }
   process.stderr.write(`Leasehold serving on ${server.url} (database ${server.databaseUrl})\n`);
-  const signal = await untilStopSignal();
+  const signal = await untilStopSignal((again) =>
+    logger.info({ signal: again }, "already shutting down: the clean stop goes on"),
+  );
   logger.info({ signal }, "shutting down");
   await server.close();
   return 0;

@@ -4,10 +4,12 @@
 
 import net from "node:net";
 import { hidePassword } from "../config/host-config.js";
+import { DatabaseConnectTimeoutError } from "../postgres/connect-probe.js";
 import {
   DataDirInUseError,
   dataDirHolder,
   EmbeddedStartError,
+  resolveDataDir,
 } from "../postgres/embedded-postgres.js";
 
 /** A start that cannot go on, with a message for the user (no stack). */
@@ -18,6 +20,7 @@ export class StartError extends Error {
 interface StartConfig {
   databaseUrl: string | undefined;
   dataDir: string;
+  dataDirIsDefault?: boolean;
   listenHost: string;
   listenPort: number;
 }
@@ -30,9 +33,9 @@ interface StartConfig {
  */
 export async function preflight(config: StartConfig): Promise<void> {
   if (config.databaseUrl === undefined) {
-    const holder = await dataDirHolder(config.dataDir);
-    if (holder !== undefined)
-      throw new StartError(new DataDirInUseError(config.dataDir, holder).message);
+    const dataDir = await resolveDataDir(config.dataDir, config.dataDirIsDefault === true);
+    const holder = await dataDirHolder(dataDir);
+    if (holder !== undefined) throw new StartError(new DataDirInUseError(dataDir, holder).message);
   }
   if (config.listenPort !== 0) await requirePortFree(config.listenHost, config.listenPort);
 }
@@ -81,12 +84,22 @@ export function describeStartError(error: unknown, config: StartConfig): string 
     return error.message;
   }
   if (config.databaseUrl === undefined) return undefined;
+  const where = `cannot use the database at ${hidePassword(config.databaseUrl)} (--database-url, DATABASE_URL)`;
+  if (error instanceof DatabaseConnectTimeoutError) {
+    return (
+      `${where}: no PostgreSQL answer within ${formatMs(error.timeoutMs)} (--database-connect-timeout, ` +
+      "LEASEHOLD_DATABASE_CONNECT_TIMEOUT): is PostgreSQL at that host and port? " +
+      "(a port that accepts and stays silent, or another protocol's server, looks like this)"
+    );
+  }
   const code = (error as { code?: unknown }).code;
   const problem = typeof code === "string" ? databaseProblems[code] : undefined;
   if (problem === undefined && !(typeof code === "string" && /^(08|28|3D)/.test(code))) {
     return undefined;
   }
-  return `cannot use the database at ${hidePassword(config.databaseUrl)} (--database-url, DATABASE_URL): ${
-    problem ?? (error as Error).message
-  }`;
+  return `${where}: ${problem ?? (error as Error).message}`;
+}
+
+function formatMs(ms: number): string {
+  return ms % 1000 === 0 ? `${ms / 1000}s` : `${ms}ms`;
 }

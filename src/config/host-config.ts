@@ -31,11 +31,24 @@ export const defaultRequestBounds = {
   readTimeoutMs: 10_000,
 } as const;
 
+/**
+ * A DATABASE_URL that points at something that is not PostgreSQL (a port
+ * that accepts and stays silent, another protocol's server) gets no answer
+ * PostgreSQL's driver understands; a few seconds tells it from a slow network.
+ */
+export const defaultDatabaseConnectTimeoutMs = 5_000;
+
 /** What every Leasehold server process needs: a database and a port. */
 export interface HostConfig {
   /** Unset: start embedded PostgreSQL under dataDir. */
   databaseUrl: string | undefined;
   dataDir: string;
+  /** dataDir is the default, not named by --data-dir: as root it may move (embedded-postgres.ts). */
+  dataDirIsDefault?: boolean;
+  /** The embedded PostgreSQL's port; 0 picks a free one. */
+  embeddedPort?: number;
+  /** Bound on the first connection to DATABASE_URL, whatever answers there. */
+  databaseConnectTimeoutMs?: number;
   listenHost: string;
   listenPort: number;
   poolSize: number;
@@ -124,6 +137,14 @@ export function hostSettings(defaults: HostDefaults) {
       env: "LEASEHOLD_DATA_DIR",
       help: `embedded PostgreSQL data folder (default ${defaults.dataDir})`,
     },
+    "embedded-port": {
+      env: "LEASEHOLD_EMBEDDED_PORT",
+      help: "embedded PostgreSQL's port on 127.0.0.1 (default: a free port, picked at each start)",
+    },
+    "database-connect-timeout": {
+      env: "LEASEHOLD_DATABASE_CONNECT_TIMEOUT",
+      help: "the first connection to --database-url must get PostgreSQL's answer within this, whatever listens there (default 5s)",
+    },
     listen: { env: "LEASEHOLD_LISTEN", help: `host:port to serve on (default ${defaults.listen})` },
     "pool-size": { env: "LEASEHOLD_POOL_SIZE", help: "database connections (default 20)" },
     "statement-timeout": { env: "LEASEHOLD_STATEMENT_TIMEOUT", help: "per statement (default 5s)" },
@@ -172,6 +193,22 @@ export function parseHostConfig(
   if (!Number.isInteger(poolSize) || poolSize < 1 || poolSize > 1000) {
     throw new ConfigError(`--pool-size must be an integer from 1 to 1000, got ${poolText}`);
   }
+  const embeddedPortText = read.get("embedded-port") ?? "0";
+  const embeddedPort = Number(embeddedPortText);
+  if (!/^\d+$/.test(embeddedPortText) || embeddedPort > 65535) {
+    throw new ConfigError(
+      `--embedded-port (LEASEHOLD_EMBEDDED_PORT) must be a port from 1 to 65535 (0: a free one), got ${JSON.stringify(embeddedPortText)}`,
+    );
+  }
+  const databaseConnectTimeoutMs = read.duration(
+    "database-connect-timeout",
+    defaultDatabaseConnectTimeoutMs,
+  );
+  if (databaseConnectTimeoutMs < 100) {
+    throw new ConfigError(
+      "--database-connect-timeout (LEASEHOLD_DATABASE_CONNECT_TIMEOUT) must be at least 100ms",
+    );
+  }
   const handshakeTimeoutMs = read.duration(
     "handshake-timeout",
     defaultConnectionTimeouts.handshakeMs,
@@ -205,6 +242,9 @@ export function parseHostConfig(
   return {
     databaseUrl: parseDatabaseUrl(read.get("database-url")),
     dataDir: read.get("data-dir") ?? defaults.dataDir,
+    dataDirIsDefault: read.get("data-dir") === undefined,
+    embeddedPort,
+    databaseConnectTimeoutMs,
     listenHost,
     listenPort,
     poolSize,
@@ -242,6 +282,12 @@ export function parseDatabaseUrl(text: string | undefined): string | undefined {
   const name = "--database-url (DATABASE_URL)";
   const shown = hidePassword(text);
   let url: URL;
+  // "localhost:5432" parses as a URL of scheme "localhost:".
+  if (!text.includes("://")) {
+    throw new ConfigError(
+      `${name} must be a URL such as postgres://user:password@host:5432/database, got ${JSON.stringify(shown)} (no postgres:// in front)`,
+    );
+  }
   try {
     url = new URL(text);
   } catch {

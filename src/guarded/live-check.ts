@@ -59,7 +59,8 @@ export function createLiveCheck(
     // holder expired (or released, or was revoked) and nobody took over.
     // CheckFence cannot tell these apart; expiry is the case a late writer
     // is in. A token above every grant was never granted.
-    throw new LeaseNotHeldError(answer.highestToken === token ? "expired" : "not_found");
+    if (answer.highestToken === token) throw new LeaseNotHeldError("expired");
+    throw neverGranted(key, token, answer.highestToken);
   };
 }
 
@@ -77,8 +78,26 @@ export function createGrantCheck(
     const answer = await checkFence(leases, options, key, token);
     if (answer.highestToken === token) return;
     if (answer.highestToken > token) throw new StaleFencingTokenError(token, answer.highestToken);
-    throw new LeaseNotHeldError("not_found");
+    throw neverGranted(key, token, answer.highestToken);
   };
+}
+
+/**
+ * A token above every grant of the session: LEASE_NOT_HELD with cause
+ * not_found on the wire, in words that say what happened (a bare "not
+ * found" read as a missing document).
+ */
+function neverGranted(
+  key: { accountId: string; sessionId: string },
+  token: bigint,
+  highest: bigint,
+): LeaseNotHeldError {
+  return new LeaseNotHeldError(
+    "not_found",
+    `lease not held: fencing token ${token} was never granted for ${key.accountId}/${key.sessionId} ` +
+      `(${highest === 0n ? "no token was ever granted for it" : `the newest grant is ${highest}`}); ` +
+      "write with the token your Acquire returned",
+  );
 }
 
 /** The checks a resource runs before its fenced write transaction. */

@@ -9,8 +9,9 @@ import type http2 from "node:http2";
 import { Code, ConnectError, type ConnectRouter, type Interceptor } from "@connectrpc/connect";
 import { type ConnectNodeAdapterOptions, connectNodeAdapter } from "@connectrpc/connect-node";
 import type { Counter } from "prom-client";
-import type { HostConfig } from "../config/host-config.js";
+import { defaultDatabaseConnectTimeoutMs, type HostConfig } from "../config/host-config.js";
 import type { Logger } from "../log/logger.js";
+import { probeDatabase } from "../postgres/connect-probe.js";
 import { type EmbeddedDatabase, startEmbeddedPostgres } from "../postgres/embedded-postgres.js";
 import { type MigrationSet, migrate } from "../postgres/migrate.js";
 import { createSyncReplicationCancelledCounter, openDatabase, type Sql } from "../postgres/pool.js";
@@ -92,10 +93,18 @@ export async function startHost(
   if (databaseUrl === undefined) {
     embedded = await startEmbeddedPostgres({
       dataDir: config.dataDir,
+      port: config.embeddedPort,
+      movableDataDir: config.dataDirIsDefault === true,
+      onNotice: (line) => logger.warn(line),
       onLog: (line) => logger.debug({ postgres: line.trim() }, "embedded postgres"),
     });
     databaseUrl = embedded.url;
     logger.info({ dataDir: embedded.dataDir, port: embedded.port }, "started embedded PostgreSQL");
+  } else {
+    await probeDatabase(
+      databaseUrl,
+      config.databaseConnectTimeoutMs ?? defaultDatabaseConnectTimeoutMs,
+    );
   }
   let sql: Sql | undefined;
   let services: HostedServices | undefined;

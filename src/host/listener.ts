@@ -144,8 +144,11 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
         });
       });
   // A client that fails the handshake, or resets its socket, must not leave
-  // an error unhandled.
-  front.on("tlsClientError", () => {});
+  // an error unhandled. One that sent plain HTTP (or other bytes that are no
+  // TLS record) is told the port speaks TLS, where it got an empty reply.
+  front.on("tlsClientError", (error: NodeJS.ErrnoException, socket: tls.TLSSocket) => {
+    if (error.code !== undefined && notTls.has(error.code)) explainTls(socket);
+  });
   if (front instanceof tls.Server && options.tls) {
     const server = front;
     options.tls.credentials.use((files) => {
@@ -159,6 +162,38 @@ export async function listen(options: ListenerOptions): Promise<Listener> {
     });
   }
   return serveOn(front, options, connections, () => h1.closeIdleConnections());
+}
+
+// OpenSSL's errors for a first record that is not TLS: an HTTP request, a
+// proxy's CONNECT, anything else (an h2c preface, junk).
+const notTls = new Set([
+  "ERR_SSL_HTTP_REQUEST",
+  "ERR_SSL_HTTPS_PROXY_REQUEST",
+  "ERR_SSL_WRONG_VERSION_NUMBER",
+]);
+
+const speaksTls = Buffer.from(
+  "This port speaks TLS: use https:// (curl https://..., leasehold --server https://...).\n",
+);
+
+/**
+ * Answers a connection that is not TLS with an HTTP/1.1 400 saying so, in
+ * clear text. The TLS socket would encrypt it; the plain socket beneath it
+ * is Node's `_parent` (not public API, hence the check that it is there).
+ */
+function explainTls(socket: tls.TLSSocket): void {
+  const raw = (socket as tls.TLSSocket & { _parent?: unknown })._parent;
+  if (!(raw instanceof net.Socket) || raw.destroyed) return;
+  raw.on("error", () => {});
+  raw.end(
+    Buffer.concat([
+      Buffer.from(
+        "HTTP/1.1 400 Bad Request\r\ncontent-type: text/plain; charset=utf-8\r\n" +
+          `content-length: ${speaksTls.length}\r\nconnection: close\r\n\r\n`,
+      ),
+      speaksTls,
+    ]),
+  );
 }
 
 /**

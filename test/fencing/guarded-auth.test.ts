@@ -282,6 +282,9 @@ describe("the fence rises only to granted tokens", () => {
       reason: "LEASE_NOT_HELD",
       metadata: { cause: "not_found" },
     });
+    expect(error.rawMessage).toBe(
+      `lease not held: fencing token ${maxToken} was never granted for ${key.accountId}/${key.sessionId} (the newest grant is ${token}); write with the token your Acquire returned`,
+    );
     expect(await fenceRow(key)).toBe(token);
     // The real holder is not locked out.
     const put = await client.put(

@@ -328,6 +328,9 @@ describe("guarded store, live mode", () => {
     const error = await refusal(live.put({ key, name: "n", value: text("x"), fencingToken: 3n }));
     expect(error.code).toBe(Code.FailedPrecondition);
     expect(error.findDetails(ErrorInfoSchema)[0]?.metadata.cause).toBe("not_found");
+    expect(error.rawMessage).toBe(
+      `lease not held: fencing token 3 was never granted for acct/${key.sessionId} (no token was ever granted for it); write with the token your Acquire returned`,
+    );
   });
 
   it("live mode with the lease server unreachable is UNAVAILABLE, and nothing is written", async () => {

@@ -3,6 +3,7 @@
 // Compiles src/ first when dist/ is stale: tests spawn the compiled CLI.
 
 import { randomBytes } from "node:crypto";
+import { rm } from "node:fs/promises";
 import path from "node:path";
 import postgres from "postgres";
 import type { TestProject } from "vitest/node";
@@ -22,12 +23,14 @@ declare module "vitest" {
 }
 
 let embedded: EmbeddedDatabase | undefined;
+let embeddedParent: string | undefined;
 
 export async function setup(project: TestProject): Promise<void> {
   ensureBuild();
   let adminUrl = process.env.DATABASE_URL;
   if (!adminUrl) {
     const dir = await makeDataParent("leasehold-test-");
+    embeddedParent = dir;
     embedded = await startEmbeddedPostgres({ dataDir: path.join(dir, "pgdata"), ephemeral: true });
     adminUrl = embedded.url;
   }
@@ -44,4 +47,5 @@ export async function setup(project: TestProject): Promise<void> {
 
 export async function teardown(): Promise<void> {
   await embedded?.stop();
+  if (embeddedParent !== undefined) await rm(embeddedParent, { recursive: true, force: true });
 }

@@ -13,6 +13,8 @@ export const cliPath = fileURLToPath(new URL("../../bin/leasehold.js", import.me
 export interface ServerProcess {
   url: string;
   child: ChildProcess;
+  /** Everything it wrote to stdout and stderr so far. */
+  output(): string;
   /** SIGTERM and wait for exit. */
   stop(): Promise<void>;
   /** SIGKILL and wait for exit. */
@@ -37,10 +39,19 @@ export async function spawnLeasehold(options: SpawnOptions): Promise<ServerProce
     env: { ...process.env, LEASEHOLD_LOG_LEVEL: "warn", ...options.env },
     stdio: ["ignore", "pipe", "pipe"],
   });
+  // Both streams, kept whole: pino logs to stdout, the "serving on" line and
+  // start errors go to stderr.
+  let output = "";
+  child.stdout?.on("data", (chunk: Buffer) => {
+    output += chunk.toString();
+  });
   let stderr = "";
+  child.stderr?.on("data", (chunk: Buffer) => {
+    stderr += chunk.toString();
+    output += chunk.toString();
+  });
   const url = await new Promise<string>((resolve, reject) => {
-    const onData = (chunk: Buffer) => {
-      stderr += chunk.toString();
+    const onData = () => {
       const m = /serving on (http:\/\/\S+)/.exec(stderr);
       if (m?.[1]) {
         child.stderr?.off("data", onData);
@@ -53,12 +64,11 @@ export async function spawnLeasehold(options: SpawnOptions): Promise<ServerProce
     child.stderr?.on("data", onData);
     child.once("exit", onExit);
   });
-  child.stdout?.resume();
-  child.stderr?.resume();
   const exited = child.exitCode === null ? once(child, "exit") : Promise.resolve();
   return {
     url,
     child,
+    output: () => output,
     stop: async () => {
       if (child.exitCode === null) child.kill("SIGTERM");
       await exited;

@@ -2,10 +2,11 @@
 // file (as operators configure it), and a token minter for any claims.
 
 import { randomBytes } from "node:crypto";
-import { mkdtemp, writeFile } from "node:fs/promises";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import os from "node:os";
 import path from "node:path";
 import { SignJWT } from "jose";
+import { afterAll } from "vitest";
 
 export interface TestKeys {
   /** Flags that make a test server require these keys. */
@@ -26,8 +27,16 @@ export interface TokenOptions {
 
 export const adminScope = "leasehold:admin";
 
+// The secrets' folders, removed when the test file ends (its servers are
+// stopped by then: their own afterAll hooks ran first, registered later).
+const keyDirs: string[] = [];
+afterAll(async () => {
+  for (const dir of keyDirs.splice(0)) await rm(dir, { recursive: true, force: true });
+});
+
 export async function createTestKeys(): Promise<TestKeys> {
   const dir = await mkdtemp(path.join(os.tmpdir(), "leasehold-keys-"));
+  keyDirs.push(dir);
   const text = randomBytes(32).toString("base64url");
   const file = path.join(dir, "jwt-secret");
   await writeFile(file, `${text}\n`, { mode: 0o600 });
