@@ -310,13 +310,14 @@ class Events:
         self.seen.append(event)
 
     def reopened_after_expiry(self) -> bool:
-        """A stream ended at its certificate's expiry, and one opened since."""
+        """A stream ended at its certificate's expiry (UNAUTHENTICATED
+        certificate_expired), and one opened since."""
         ended = [
             i
             for i, e in enumerate(self.seen)
             if e.type == "failed"
             and isinstance(e.error, UnauthenticatedError)
-            and e.error.failure == "expired"
+            and e.error.failure == "certificate_expired"
         ]
         return bool(ended) and any(e.type == "open" for e in self.seen[ended[0] :])
 
