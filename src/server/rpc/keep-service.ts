@@ -33,9 +33,7 @@ import { requestCheckKey } from "../../call/policy-interceptor.js";
 import { type Status, StatusSchema } from "../../gen/google/rpc/status_pb.js";
 import {
   type AcquireRequest,
-  AcquireResponseSchema,
   type GetRequest,
-  GetResponseSchema,
   HandoffRequestedSchema,
   type Keeper,
   KeeperHandoffRequestedSchema,
@@ -85,9 +83,10 @@ import type { ChangeFeed } from "../streams/change-feed.js";
 import type { Outlet } from "../streams/outlet.js";
 import type { Waiters } from "../streams/waiters.js";
 import {
+  acquireResponse,
   durationFromMicros,
   durationFromMillis,
-  leaseToProto,
+  getResponse,
   timestampFromMicros,
 } from "./convert.js";
 import { piped } from "./stream-service.js";
@@ -593,15 +592,7 @@ export class KeepSession {
       id,
       result: {
         case: "acquire",
-        value: create(AcquireResponseSchema, {
-          acquired: result.acquired,
-          lease: result.acquired ? leaseToProto(result.lease) : undefined,
-          current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-          lockDelayUntil:
-            !result.acquired && result.lockDelayUntilUs !== undefined
-              ? timestampFromMicros(result.lockDelayUntilUs)
-              : undefined,
-        }),
+        value: acquireResponse(result),
       },
     });
   }
@@ -633,11 +624,7 @@ export class KeepSession {
       id,
       result: {
         case: "get",
-        value: create(GetResponseSchema, {
-          held: lease !== undefined,
-          lease: lease ? leaseToProto(lease) : undefined,
-          lockDelayUntil: delayUntil === undefined ? undefined : timestampFromMicros(delayUntil),
-        }),
+        value: getResponse(lease, delayUntil),
       },
     });
   }
