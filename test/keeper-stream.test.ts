@@ -339,6 +339,20 @@ for (const mode of ["native", "connect"] as const) {
       watch.abort();
     });
 
+    it("RevokeKeeper of a keeper with no leases: its stream on this instance is told lost at once", async () => {
+      const accountId = account("revoke-empty");
+      const { keep, keeper } = await opened(accountId, 60_000);
+      await client.revokeKeeper({ accountId, keeperId: keeper.keeperId, reason: "idle" });
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.id).toBe(0n);
+      expect(lost.result.case === "lost" && lost.result.value).toMatchObject({
+        reason: LossReason.REVOKED,
+        detail: "idle",
+      });
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+    });
+
     it("a close is published: Watch sees RELEASED for each lease at once", async () => {
       const accountId = account("close");
       const { keep } = await opened(accountId, 30_000);

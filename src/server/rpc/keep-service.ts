@@ -112,14 +112,40 @@ export interface KeepServiceDeps {
 export interface KeeperFollow {
   add(key: string, session: KeepSession): void;
   remove(key: string, session: KeepSession): void;
+  /** The streams of keeper `id` on this instance (one, or a few while one re-attaches). */
+  attach(id: string, session: KeepSession): void;
+  detach(id: string, session: KeepSession): void;
+  /**
+   * Keeper `id` was ended here (a RevokeKeeper): its streams on this
+   * instance read it now. Those on other instances learn at their next
+   * heartbeat, their deadline check, or a change of one of its leases.
+   */
+  ended(id: string): void;
   start(): void;
   close(): void;
 }
 
 export function createKeeperFollow(feed: ChangeFeed): KeeperFollow {
   const byKey = new Map<string, Set<KeepSession>>();
+  const byKeeper = new Map<string, Set<KeepSession>>();
   let unsubscribe: (() => void) | undefined;
   return {
+    attach(id, session) {
+      let set = byKeeper.get(id);
+      if (!set) {
+        set = new Set();
+        byKeeper.set(id, set);
+      }
+      set.add(session);
+    },
+    detach(id, session) {
+      const set = byKeeper.get(id);
+      set?.delete(session);
+      if (set?.size === 0) byKeeper.delete(id);
+    },
+    ended(id) {
+      for (const session of [...(byKeeper.get(id) ?? [])]) session.keeperEnded();
+    },
     add(key, session) {
       let set = byKey.get(key);
       if (!set) {
@@ -143,6 +169,7 @@ export function createKeeperFollow(feed: ChangeFeed): KeeperFollow {
     close() {
       unsubscribe?.();
       byKey.clear();
+      byKeeper.clear();
     },
   };
 }
@@ -293,6 +320,7 @@ export class KeepSession {
         this.keeper = keeper;
         this.opening = false;
         for (const lease of leases) this.follow(lease);
+        this.deps.follow?.attach(keeper.id, this);
         this.armDeadline(keeper.expiresAtUs);
         this.push(
           create(KeepResponseSchema, {
@@ -447,6 +475,13 @@ export class KeepSession {
     this.armedUs = expiresAtUs;
     const waitMs = Math.max(atLeastMs, Number(expiresAtUs - now()) / 1_000 + 1);
     this.deadlineTimer = setTimeout(() => this.checkKeeper(), Math.min(waitMs, 2 ** 31 - 1));
+  }
+
+  /** The keeper was ended on this instance: read it now rather than at its deadline. */
+  keeperEnded(): void {
+    if (this.closing) return;
+    clearTimeout(this.deadlineTimer);
+    this.checkKeeper();
   }
 
   /** Reads the keeper: still valid (re-arms at its deadline), or lost (`lost`, then the end). */
@@ -788,6 +823,7 @@ export class KeepSession {
     this.held = [];
     clearTimeout(this.deadlineTimer);
     for (const run of [...this.runs.values()]) this.unfollow(run, run.runId);
+    if (this.keeper) this.deps.follow?.detach(this.keeper.id, this);
     this.ops.abort(new ConnectError("the Keep stream ended", Code.Canceled));
   }
 }
@@ -812,6 +848,7 @@ export function createKeepService(deps: KeepServiceDeps): Pick<Impl, "keep" | "r
         );
       }
       const result = await deps.keepers.end(accountId, keeperId, { ended: "revoked", reason });
+      if (result.ended) deps.follow?.ended(keeperId);
       return create(RevokeKeeperResponseSchema, {
         revoked: result.ended,
         leasesRevoked: result.leases.length,
