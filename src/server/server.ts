@@ -37,6 +37,7 @@ import { openDatabase, type Sql } from "../postgres/pool.js";
 import { LimitName } from "../protocol/errors.js";
 import type { ServerConfig } from "./config/server-config.js";
 import { createEventStore } from "./db/event-store.js";
+import { createKeeperStore } from "./db/keeper-store.js";
 import { createLeaseCounts } from "./db/lease-counts.js";
 import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
 import { createRetention, startMaintenance } from "./db/retention.js";
@@ -52,6 +53,7 @@ import {
 import { createAccess } from "./rpc/access.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
+import { createKeeperFollow } from "./rpc/keep-service.js";
 import { nativeStreams } from "./rpc/native-streams.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
@@ -60,7 +62,7 @@ import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
 import { createExpiryTracker, type ExpiryTracker } from "./streams/expiry-tracker.js";
 import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
 import { createNotifier, type Notifier } from "./streams/notifier.js";
-import { withPublishing } from "./streams/publishing-store.js";
+import { withKeeperPublishing, withPublishing } from "./streams/publishing-store.js";
 import { createRenewalBatcher, type RenewalBatcher } from "./streams/renewal-batcher.js";
 import { createWaiters, type Waiters } from "./streams/waiters.js";
 import { createWatchHub, type WatchHub } from "./streams/watch-hub.js";
@@ -214,12 +216,18 @@ async function buildLeaseServer(
   // for /metrics. Waiting acquires and batched renewals go through all of it.
   const sqlStore = createLeaseStore(sql, {
     maxLeasesPerAccount: limits.maxLeasesPerAccount,
+    maxLeasesPerKeeper: limits.maxLeasesPerKeeper,
     // Twice the statement timeout: a statement the database runs (lock
     // waits included) has answered by then, one on a dead connection has not.
     unansweredAfterMs: 2 * config.statementTimeoutMs,
     tracer: tracing?.statements,
   });
   const store = withMetrics(withPublishing(sqlStore, feed), metrics);
+  // Keepers (docs/keepers.md): a close or revoke published like a release or revoke.
+  const keepers = withKeeperPublishing(
+    createKeeperStore(sql, { maxKeepersPerAccount: limits.maxKeepersPerAccount }),
+    feed,
+  );
 
   const tracker = createExpiryTracker({ store, feed, logger });
   const batcher = createRenewalBatcher({
@@ -248,6 +256,16 @@ async function buildLeaseServer(
     logger,
     recheckIntervalMs: tuning.recheckIntervalMs,
   });
+  // The Keep streams' leases, followed through the change feed (keep-service.ts).
+  const keeperFollow = createKeeperFollow(feed);
+  const keep = {
+    store,
+    keepers,
+    limits,
+    waiters,
+    follow: keeperFollow,
+    databaseNowUs: () => tracker.databaseNowUs(),
+  };
   const stopStreaming = async () => {
     // A stream still open now (the listener's grace ran out, or it was
     // opened as the server stopped) ends as a shutdown ends every stream:
@@ -261,6 +279,7 @@ async function buildLeaseServer(
           );
     keepAlive.close(reason);
     watch.close(reason);
+    keeperFollow.close();
     waiters.close();
     batcher.close();
     tracker.close();
@@ -274,6 +293,7 @@ async function buildLeaseServer(
     await tracker.start();
     keepAlive.start();
     watch.start();
+    keeperFollow.start();
     waiters.start();
     await feed.start();
   } catch (error) {
@@ -320,6 +340,8 @@ async function buildLeaseServer(
     observer,
     access,
     watchSlots,
+    // A Keep stream answers a refused request in that request's answer.
+    checkedByHandler: new Set([`${LeaseService.typeName}/Keep`]),
     steps: [
       ...(tracing ? [tracingStep(tracing, { sessionKeys: config.tracing.sessionKeys })] : []),
       ...(extensions.policySteps ?? []),
@@ -332,10 +354,8 @@ async function buildLeaseServer(
   // methods as they are; KeepAlive and Watch over the same hubs:
   // grpc-native.ts, native-streams.ts).
   const impl = leaseServiceImpl({
-    store,
+    ...keep,
     events: createEventStore(sql),
-    limits,
-    waiters,
     keepAlive,
     watch,
   });
@@ -377,7 +397,12 @@ async function buildLeaseServer(
                 {
                   desc: LeaseService,
                   impl,
-                  streams: nativeStreams({ keepAlive, watch, limits }),
+                  streams: nativeStreams({
+                    keepAlive,
+                    watch,
+                    limits,
+                    keep,
+                  }),
                 },
               ],
               policy,
