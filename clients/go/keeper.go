@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -181,7 +183,8 @@ func (k *Keeper) ID() string { return k.cfg.id }
 // Context is cancelled the moment the keeper is lost (the server says it
 // expired or was revoked, the re-attach is refused, or the local deadline
 // passes without a confirmed heartbeat) or closed: context.Cause gives the
-// *KeeperLostError, or ErrKeeperClosed after Close.
+// *KeeperLostError, or ErrKeeperClosed after Close. Every lease on the
+// keeper has ended by the time it is.
 func (k *Keeper) Context() context.Context { return k.ctx }
 
 // Done is closed when the keeper is lost or closed: Context().Done().
@@ -436,10 +439,12 @@ func (k *Keeper) lose(reason LossReason, message string, cause error) {
 	k.lost = lost
 	leases, calls := k.endLocked()
 	k.mu.Unlock()
-	k.cancel(lost)
+	// Every lease first, then the keeper: whoever sees Done() closed finds
+	// every lease's Context ended too.
 	for _, l := range leases {
 		l.lose(reason, "the keeper was lost: "+message, lost)
 	}
+	k.cancel(lost)
 	for _, call := range calls {
 		call.finish(nil, lost)
 	}
@@ -654,7 +659,9 @@ func (k *Keeper) dispatch(s *keeperStream, resp *leasev1.KeepResponse) {
 		return
 	}
 	switch id := resp.GetId(); {
-	case id == 0:
+	case id == 0 || resp.GetLost() != nil:
+		// Unasked, or the keeper's loss answering the heartbeat (or any
+		// request) that found it: the server ends the stream after it.
 		k.mu.Unlock()
 		k.unasked(resp)
 	case id == s.openID:
@@ -673,13 +680,16 @@ func (k *Keeper) dispatch(s *keeperStream, resp *leasev1.KeepResponse) {
 		call := s.calls[id]
 		delete(s.calls, id)
 		var release *leasev1.AcquireRequest
-		if call != nil && call.abandoned && resp.GetAcquire().GetAcquired() {
-			release = call.req.GetAcquire()
-		}
-		k.mu.Unlock()
 		if call != nil {
+			if call.abandoned && resp.GetAcquire().GetAcquired() {
+				release = call.req.GetAcquire()
+			}
+			// Under k.mu, where await decides between an answer and
+			// abandoning the call: a grant is either seen by its caller
+			// or released here, never neither.
 			call.finish(resp, nil)
 		}
+		k.mu.Unlock()
 		if release != nil {
 			k.releaseRun(release)
 		}
@@ -780,18 +790,9 @@ func (k *Keeper) unasked(resp *leasev1.KeepResponse) {
 	}
 }
 
-// refused is a refusal of the keeper itself (its open or heartbeat): an
-// ended keeper is lost; anything else fails the stream.
+// refused is a refusal of the keeper itself (its open or heartbeat),
+// decided as the stream's failure with that error: an ended keeper is lost.
 func (k *Keeper) refused(s *keeperStream, err error) {
-	var gone *KeeperNotHeldError
-	if errors.As(fromStatus(err), &gone) {
-		reason := gone.Cause
-		if reason == "" {
-			reason = LossNotFound
-		}
-		k.lose(reason, "the server says the keeper has ended ("+string(reason)+")", gone)
-		return
-	}
 	s.cancel()
 	k.failed(s, err)
 }
@@ -811,17 +812,34 @@ func (k *Keeper) failed(s *keeperStream, err error) {
 	k.beatID = 0
 	s.cancel()
 	// What had no answer goes out again on the next stream, in order.
-	var resend []*keeperCall
-	for id := range s.calls {
+	ids := slices.Sorted(maps.Keys(s.calls))
+	resend := make([]*keeperCall, 0, len(ids))
+	for _, id := range ids {
 		resend = append(resend, s.calls[id])
 	}
 	k.queue = append(resend, k.queue...)
+	if k.closing && len(s.calls) == 0 && len(k.queue) == 0 {
+		// The close was answered: the server ends the stream after it.
+		k.mu.Unlock()
+		return
+	}
 	msg := status.Convert(err).Message()
 	k.tried = append(k.tried, streamFailure{s.addr, msg})
 	lerr := fromStatus(err)
 	code := status.Code(err)
 	first := k.deadline.IsZero()
 	k.addrIndex++
+	var gone *KeeperNotHeldError
+	if errors.As(lerr, &gone) {
+		// A refused open (re-attach): the keeper has ended.
+		k.mu.Unlock()
+		reason := gone.Cause
+		if reason == "" {
+			reason = LossNotFound
+		}
+		k.failOpen(first, lerr, reason, "the server says the keeper has ended ("+string(reason)+")")
+		return
+	}
 	if code == codes.Unauthenticated && (c.cfg.token == nil || c.cfg.staticToken) && !c.cfg.reopensOnExpiry() {
 		k.mu.Unlock()
 		k.failOpen(first, lerr, LossTokenExpired, "the server refused the bearer token ("+authCause(err)+"); a static token cannot be refreshed: use WithTokenFunc")
