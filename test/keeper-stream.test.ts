@@ -125,6 +125,27 @@ for (const mode of ["native", "connect"] as const) {
       expect(keep.reader.pending().filter((m) => m.result.case === "keeper")).toEqual([]);
     });
 
+    it("a heartbeat with a ttl gives the keeper that TTL from then on; a re-attach takes the TTL it names; a ttl out of bounds is refused in that heartbeat's error", async () => {
+      const accountId = account("ttl");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId);
+      const beat = await ask(keep, { case: "heartbeat", value: { ttl: ms(45_000) } });
+      if (beat.result.case !== "keeper") throw new Error(`heartbeat answered ${beat.result.case}`);
+      expect(beat.result.value.ttl?.seconds).toBe(45n);
+      expect(beat.result.value.remaining?.seconds).toBeGreaterThan(40n);
+      const plain = await ask(keep, { case: "heartbeat", value: {} });
+      expect(plain.result.case === "keeper" && plain.result.value.ttl?.seconds).toBe(45n);
+      const tooLong = errorOf(
+        await ask(keep, { case: "heartbeat", value: { ttl: ms(7_200_000) } }),
+      );
+      expect(errorInfo(tooLong).metadata.field).toBe("heartbeat.ttl");
+      keep.abort();
+      await keep.reader.finished;
+      const again = await opened(accountId, 20_000, 0, keeperId);
+      expect(again.keeper.ttl?.seconds).toBe(20n);
+      again.keep.abort();
+    });
+
     it("S1, S3, S5, S6 on a keeper's leases: another run is refused while the keeper lives, Release is owner-checked, a re-acquire gets a higher token", async () => {
       const accountId = account("s1");
       const { keep, keeper } = await opened(accountId, 30_000);

@@ -72,6 +72,7 @@ import type {
 import {
   checkId,
   checkKey,
+  checkOptionalTtl,
   checkRunId,
   checkText,
   checkTtl,
@@ -233,6 +234,8 @@ export class KeepSession {
   private closing = false;
   /** Fires at the keeper's deadline: a keeper not renewed by then is lost. */
   private deadlineTimer: NodeJS.Timeout | undefined;
+  /** The deadline the timer was armed for. */
+  private armedUs = 0n;
 
   constructor(
     private readonly deps: KeepServiceDeps,
@@ -414,13 +417,9 @@ export class KeepSession {
     keeper: KeeperRecord,
     ttl: OpenKeeper["ttl"],
   ): Promise<KeepResponse | undefined> {
-    if (ttl !== undefined) {
-      throw new InvalidArgumentError(
-        "heartbeat.ttl",
-        "must be unset: this server keeps the TTL the keeper was opened with",
-      );
-    }
-    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id);
+    // A new TTL, within the server's bounds, kept by the keeper from now on.
+    const ttlMs = checkOptionalTtl("heartbeat.ttl", ttl, this.deps.limits);
+    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id, ttlMs);
     if (!beat.held) {
       this.lose(id, lossOfKeeper[beat.cause]);
       return undefined;
@@ -442,11 +441,12 @@ export class KeepSession {
    * stream or, after a re-attach, another) is lost, and its stream is told
    * at once rather than at its next heartbeat.
    */
-  private armDeadline(expiresAtUs: bigint): void {
+  private armDeadline(expiresAtUs: bigint, atLeastMs = 1): void {
     const now = this.deps.databaseNowUs;
     if (now === undefined || this.closed) return;
     clearTimeout(this.deadlineTimer);
-    const waitMs = Math.max(1, Number(expiresAtUs - now()) / 1_000 + 1);
+    this.armedUs = expiresAtUs;
+    const waitMs = Math.max(atLeastMs, Number(expiresAtUs - now()) / 1_000 + 1);
     this.deadlineTimer = setTimeout(() => this.checkKeeper(), Math.min(waitMs, 2 ** 31 - 1));
   }
 
@@ -454,10 +454,15 @@ export class KeepSession {
   private checkKeeper(): void {
     const keeper = this.keeper;
     if (!keeper || this.closed || this.finishing) return;
+    const armedUs = this.armedUs;
     this.deps.keepers.status(keeper.accountId, keeper.id).then(
       (status) => {
-        if (status.valid) this.armDeadline(status.expiresAtUs);
-        else this.lose(0n, lossOfKeeper[status.cause], status.reason);
+        // The same deadline, not yet past on the database's own clock (this
+        // instance's estimate of it ran early): read again a little later,
+        // not in a loop.
+        if (status.valid) {
+          this.armDeadline(status.expiresAtUs, status.expiresAtUs === armedUs ? 25 : 1);
+        } else this.lose(0n, lossOfKeeper[status.cause], status.reason);
       },
       // The database could not say: asked again after a while (a heartbeat
       // may answer first).
