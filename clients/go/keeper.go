@@ -266,6 +266,9 @@ func (k *Keeper) Hold(ctx context.Context, key SessionKey, opts ...KeeperHoldOpt
 	if o.wait < 0 {
 		return nil, fmt.Errorf("leasehold: Wait must not be negative, got %s", o.wait)
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	if o.runID == "" {
 		o.runID = NewRunID()
 	}

@@ -304,3 +304,69 @@ func TestKeeperRevokedEndsEveryLeaseAndALeaseRevokeOnlyThatOne(t *testing.T) {
 		}
 	}
 }
+
+// S5 on a keeper: a Hold whose ctx ends while the server still waits for
+// the session leaves the acquire in flight; the grant it gets once the
+// session is free is released by the keeper (by its run id), not left held
+// on the keeper. Bad input in one request is that request's error, and the
+// keeper goes on.
+func TestKeeperHoldLeftWhileWaitingReleasesItsLateGrant(t *testing.T) {
+	k := newKeeper(t, dial(t, []string{shared.Addr}))
+	other := newKeeper(t, dial(t, []string{shared.Addr}))
+	direct := dial(t, []string{shared.Addr})
+	keys, leases := holdOn(t, other, 1)
+	key := keys[0]
+
+	_, err := k.Hold(context.Background(), leasehold.SessionKey{AccountID: account, SessionID: ""})
+	var bad *leasehold.InvalidArgumentError
+	if !errors.As(err, &bad) || bad.Field == "" {
+		t.Fatalf("Hold with an empty session id = %v, want an *InvalidArgumentError naming the field", err)
+	}
+
+	// The acquire is sent at once; whether the server has it when ctx
+	// ends or only after, the keeper owes the grant a release.
+	runID := leasehold.NewRunID()
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, err := k.Hold(ctx, key, leasehold.WithWait(time.Minute), leasehold.WithRunID(runID)); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Hold past its ctx's deadline = %v, want context.DeadlineExceeded", err)
+	}
+	if err := leases[0].Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 2*keeperTTL, "the late grant to the abandoned run, then its release", func() bool {
+		events := history(t, direct, key)
+		return countEvents(events, leasev1.EventType_EVENT_TYPE_ACQUIRED, runID) == 1 &&
+			countEvents(events, leasev1.EventType_EVENT_TYPE_RELEASED, runID) == 1
+	})
+	if err := k.Err(); err != nil {
+		t.Fatalf("keeper lost: %v", err)
+	}
+	if _, err := k.Hold(context.Background(), key); err != nil {
+		t.Fatalf("Hold of the released session = %v, want a lease", err)
+	}
+}
+
+// A handoff request for a lease on the keeper reaches that lease.
+func TestKeeperLeaseReceivesHandoffRequests(t *testing.T) {
+	k := newKeeper(t, dial(t, []string{shared.Addr}))
+	keys, leases := holdOn(t, k, 2)
+	direct := dial(t, []string{shared.Addr})
+	delivered, _, err := direct.RequestHandoff(context.Background(), keys[1], "browser", "continue here")
+	if err != nil || !delivered {
+		t.Fatalf("RequestHandoff = %v, %v; want delivered", delivered, err)
+	}
+	select {
+	case h := <-leases[1].HandoffRequests():
+		if h.RequesterHolder != "browser" || h.Reason != "continue here" {
+			t.Fatalf("handoff = %+v, want the browser's request", h)
+		}
+	case <-time.After(2 * keeperTTL):
+		t.Fatal("no handoff request within two TTLs")
+	}
+	select {
+	case h := <-leases[0].HandoffRequests():
+		t.Fatalf("the other lease got %+v, want nothing", h)
+	default:
+	}
+}
