@@ -19,6 +19,7 @@ import { defaultLimits } from "../src/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
 import { grpcClient } from "./support/server.js";
 import { ms, openKeep, openWatch } from "./support/streams.js";
+import { waitFor } from "./support/wait.js";
 
 /** The error a request was answered with, or a failure naming what came instead. */
 function errorOf(m: KeepResponse): Status {
@@ -338,6 +339,20 @@ for (const mode of ["native", "connect"] as const) {
       watch.abort();
     });
 
+    it("RevokeKeeper of a keeper with no leases: its stream on this instance is told lost at once", async () => {
+      const accountId = account("revoke-empty");
+      const { keep, keeper } = await opened(accountId, 60_000);
+      await client.revokeKeeper({ accountId, keeperId: keeper.keeperId, reason: "idle" });
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.id).toBe(0n);
+      expect(lost.result.case === "lost" && lost.result.value).toMatchObject({
+        reason: LossReason.REVOKED,
+        detail: "idle",
+      });
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+    });
+
     it("a close is published: Watch sees RELEASED for each lease at once", async () => {
       const accountId = account("close");
       const { keep } = await opened(accountId, 30_000);
@@ -393,6 +408,30 @@ for (const mode of ["native", "connect"] as const) {
       await client.revoke({ key: leases[0]?.key, reason: "one" });
       const lost = await there.keep.reader.take((m) => m.result.case === "leaseLost");
       expect(lost.result.case === "leaseLost" && lost.result.value.runId).toBe(leases[0]?.runId);
+      there.keep.abort();
+    });
+
+    it("a graceful shutdown ends the Keep stream UNAVAILABLE (its waiting acquire too); the keeper and its leases stay, and the client re-attaches elsewhere", async () => {
+      const other = await startServer(["--grpc-path", mode], {
+        limits: { ...defaultLimits, minTtlMs: 50 },
+      });
+      const accountId = account("shutdown");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId, grpcClient(other.url));
+      const [lease] = await acquireAll(keep, accountId, ["a"]);
+      const key = { accountId, sessionId: "busy" };
+      const blocker = await client.acquire({ key, ttl: ms(30_000) });
+      keep.send({ id: 50n, op: { case: "acquire", value: { key, wait: ms(30_000) } } });
+      await waitFor(() => other.streaming.waiters.stats.waiting > 0, {
+        what: "the stream's acquire to wait on the closing server",
+      });
+      await other.close();
+      await keep.reader.finished;
+      expect(keep.reader.error?.code).toBe(Code.Unavailable);
+      const there = await opened(accountId, 30_000, 0, keeperId);
+      expect(there.keeper.leases).toBe(1);
+      expect((await client.get({ key: lease?.key })).lease?.runId).toBe(lease?.runId);
+      await client.release({ key, runId: blocker.lease?.runId ?? "" });
       there.keep.abort();
     });
 

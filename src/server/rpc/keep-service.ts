@@ -33,9 +33,7 @@ import { requestCheckKey } from "../../call/policy-interceptor.js";
 import { type Status, StatusSchema } from "../../gen/google/rpc/status_pb.js";
 import {
   type AcquireRequest,
-  AcquireResponseSchema,
   type GetRequest,
-  GetResponseSchema,
   HandoffRequestedSchema,
   type Keeper,
   KeeperHandoffRequestedSchema,
@@ -85,9 +83,10 @@ import type { ChangeFeed } from "../streams/change-feed.js";
 import type { Outlet } from "../streams/outlet.js";
 import type { Waiters } from "../streams/waiters.js";
 import {
+  acquireResponse,
   durationFromMicros,
   durationFromMillis,
-  leaseToProto,
+  getResponse,
   timestampFromMicros,
 } from "./convert.js";
 import { piped } from "./stream-service.js";
@@ -113,14 +112,40 @@ export interface KeepServiceDeps {
 export interface KeeperFollow {
   add(key: string, session: KeepSession): void;
   remove(key: string, session: KeepSession): void;
+  /** The streams of keeper `id` on this instance (one, or a few while one re-attaches). */
+  attach(id: string, session: KeepSession): void;
+  detach(id: string, session: KeepSession): void;
+  /**
+   * Keeper `id` was ended here (a RevokeKeeper): its streams on this
+   * instance read it now. Those on other instances learn at their next
+   * heartbeat, their deadline check, or a change of one of its leases.
+   */
+  ended(id: string): void;
   start(): void;
   close(): void;
 }
 
 export function createKeeperFollow(feed: ChangeFeed): KeeperFollow {
   const byKey = new Map<string, Set<KeepSession>>();
+  const byKeeper = new Map<string, Set<KeepSession>>();
   let unsubscribe: (() => void) | undefined;
   return {
+    attach(id, session) {
+      let set = byKeeper.get(id);
+      if (!set) {
+        set = new Set();
+        byKeeper.set(id, set);
+      }
+      set.add(session);
+    },
+    detach(id, session) {
+      const set = byKeeper.get(id);
+      set?.delete(session);
+      if (set?.size === 0) byKeeper.delete(id);
+    },
+    ended(id) {
+      for (const session of [...(byKeeper.get(id) ?? [])]) session.keeperEnded();
+    },
     add(key, session) {
       let set = byKey.get(key);
       if (!set) {
@@ -144,6 +169,7 @@ export function createKeeperFollow(feed: ChangeFeed): KeeperFollow {
     close() {
       unsubscribe?.();
       byKey.clear();
+      byKeeper.clear();
     },
   };
 }
@@ -294,6 +320,7 @@ export class KeepSession {
         this.keeper = keeper;
         this.opening = false;
         for (const lease of leases) this.follow(lease);
+        this.deps.follow?.attach(keeper.id, this);
         this.armDeadline(keeper.expiresAtUs);
         this.push(
           create(KeepResponseSchema, {
@@ -450,6 +477,13 @@ export class KeepSession {
     this.deadlineTimer = setTimeout(() => this.checkKeeper(), Math.min(waitMs, 2 ** 31 - 1));
   }
 
+  /** The keeper was ended on this instance: read it now rather than at its deadline. */
+  keeperEnded(): void {
+    if (this.closing) return;
+    clearTimeout(this.deadlineTimer);
+    this.checkKeeper();
+  }
+
   /** Reads the keeper: still valid (re-arms at its deadline), or lost (`lost`, then the end). */
   private checkKeeper(): void {
     const keeper = this.keeper;
@@ -593,15 +627,7 @@ export class KeepSession {
       id,
       result: {
         case: "acquire",
-        value: create(AcquireResponseSchema, {
-          acquired: result.acquired,
-          lease: result.acquired ? leaseToProto(result.lease) : undefined,
-          current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-          lockDelayUntil:
-            !result.acquired && result.lockDelayUntilUs !== undefined
-              ? timestampFromMicros(result.lockDelayUntilUs)
-              : undefined,
-        }),
+        value: acquireResponse(result),
       },
     });
   }
@@ -633,11 +659,7 @@ export class KeepSession {
       id,
       result: {
         case: "get",
-        value: create(GetResponseSchema, {
-          held: lease !== undefined,
-          lease: lease ? leaseToProto(lease) : undefined,
-          lockDelayUntil: delayUntil === undefined ? undefined : timestampFromMicros(delayUntil),
-        }),
+        value: getResponse(lease, delayUntil),
       },
     });
   }
@@ -801,6 +823,7 @@ export class KeepSession {
     this.held = [];
     clearTimeout(this.deadlineTimer);
     for (const run of [...this.runs.values()]) this.unfollow(run, run.runId);
+    if (this.keeper) this.deps.follow?.detach(this.keeper.id, this);
     this.ops.abort(new ConnectError("the Keep stream ended", Code.Canceled));
   }
 }
@@ -825,6 +848,7 @@ export function createKeepService(deps: KeepServiceDeps): Pick<Impl, "keep" | "r
         );
       }
       const result = await deps.keepers.end(accountId, keeperId, { ended: "revoked", reason });
+      if (result.ended) deps.follow?.ended(keeperId);
       return create(RevokeKeeperResponseSchema, {
         revoked: result.ended,
         leasesRevoked: result.leases.length,
