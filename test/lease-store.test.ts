@@ -155,6 +155,15 @@ describe("S4 no resurrection, S5 owner-checked release", () => {
     expect(renewed.lease.remainingUs).toBeGreaterThan(59_000_000n);
   });
 
+  it("a renewal alone of a lease of its own answers it without a keeper id (the KeepAlive encoder writes a present one)", async () => {
+    const key = freshKey();
+    const a = await acquire(store, key, 5_000);
+    if (!a.acquired) throw new Error("a must be granted");
+    const renewed = await store.renew(key, a.lease.runId, undefined);
+    if (!renewed.held) throw new Error("renewal of a valid lease must succeed");
+    expect(renewed.lease).not.toHaveProperty("keeperId");
+  });
+
   it("S5: a release by another run_id leaves the lease; releasing nothing is released=false", async () => {
     const key = freshKey();
     const a = await acquire(store, key);

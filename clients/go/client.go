@@ -40,9 +40,10 @@ type Client struct {
 	preferred atomic.Int32
 	keepAlive *keepAliveChannel
 
-	mu     sync.Mutex
-	leases map[*Lease]struct{}
-	closed bool
+	mu      sync.Mutex
+	leases  map[*Lease]struct{}
+	keepers map[*Keeper]struct{}
+	closed  bool
 }
 
 type endpoint struct {
@@ -69,7 +70,7 @@ func Dial(ctx context.Context, addrs []string, opts ...Option) (*Client, error) 
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{cfg: cfg, clock: realClock{}, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}}
+	c := &Client{cfg: cfg, clock: realClock{}, addrs: append([]string(nil), addrs...), leases: map[*Lease]struct{}{}, keepers: map[*Keeper]struct{}{}}
 	for _, addr := range addrs {
 		ep, err := c.newEndpoint(addr)
 		if err != nil {
@@ -248,6 +249,26 @@ func (c *Client) Get(ctx context.Context, key SessionKey) (*leasev1.Lease, error
 	})
 }
 
+// Inspect returns Get's whole answer: held and the lease, or, when no
+// lease holds the session but an expired keeper's lock-delay keeps it free
+// of every run (K2), LockDelayUntil: the instant it ends.
+func (c *Client) Inspect(ctx context.Context, key SessionKey) (*leasev1.GetResponse, error) {
+	return unaryAttempts(ctx, c, "Get", true, func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.GetResponse, error) {
+		return s.Get(ctx, &leasev1.GetRequest{Key: key.proto()})
+	})
+}
+
+// RevokeKeeper ends a keeper of the account and every lease on it (admin
+// scope), audited with reason: the keeper's holder learns it on its Keep
+// stream (its leases' Contexts end at once). Revoked is false when it had
+// ended already; leasesRevoked counts the leases it ended.
+func (c *Client) RevokeKeeper(ctx context.Context, accountID, keeperID, reason string) (revoked bool, leasesRevoked int, err error) {
+	resp, err := unaryAttempts(ctx, c, "RevokeKeeper", false, func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.RevokeKeeperResponse, error) {
+		return s.RevokeKeeper(ctx, &leasev1.RevokeKeeperRequest{AccountId: accountID, KeeperId: keeperID, Reason: reason})
+	})
+	return resp.GetRevoked(), int(resp.GetLeasesRevoked()), err
+}
+
 // List returns one page of an account's valid leases and the next page's token ("" at the end).
 func (c *Client) List(ctx context.Context, accountID string, pageSize int, pageToken string) ([]*leasev1.Lease, string, error) {
 	resp, err := unary(ctx, c, "List", func(ctx context.Context, s leasev1.LeaseServiceClient) (*leasev1.ListResponse, error) {
@@ -335,8 +356,9 @@ func (c *Client) KeepAlive(ctx context.Context) (grpc.BidiStreamingClient[leasev
 	return s, fromStatus(err)
 }
 
-// Close releases every lease the client still holds (their Contexts end
-// with ErrReleased), ends its KeepAlive streams and closes its connections.
+// Close closes every keeper the client still has open (Keeper.Close),
+// releases every lease the client still holds (their Contexts end with
+// ErrReleased), ends its KeepAlive streams and closes its connections.
 // It returns the releases that failed, joined; those leases end at their
 // deadlines on the server.
 func (c *Client) Close() error {
@@ -350,10 +372,25 @@ func (c *Client) Close() error {
 	for l := range c.leases {
 		held = append(held, l)
 	}
+	keepers := make([]*Keeper, 0, len(c.keepers))
+	for k := range c.keepers {
+		keepers = append(keepers, k)
+	}
 	c.mu.Unlock()
 	var errs []error
 	var wg sync.WaitGroup
 	var errMu sync.Mutex
+	for _, k := range keepers {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), min(c.cfg.callTimeout, k.cfg.ttl))
+			defer cancel()
+			if err := k.Close(ctx); err != nil && !errors.Is(err, ErrKeeperLost) {
+				errMu.Lock()
+				errs = append(errs, err)
+				errMu.Unlock()
+			}
+		})
+	}
 	for _, l := range held {
 		wg.Go(func() {
 			ctx, cancel := context.WithTimeout(context.Background(), min(c.cfg.callTimeout, l.timing.ttl))
@@ -393,6 +430,25 @@ func (c *Client) track(l *Lease) bool {
 	}
 	c.leases[l] = struct{}{}
 	return true
+}
+
+// trackKeeper counts k among the keepers Close closes; false once Close
+// has begun.
+func (c *Client) trackKeeper(k *Keeper) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.keepers[k] = struct{}{}
+	return true
+}
+
+// forgetKeeper stops counting k among the keepers Close closes.
+func (c *Client) forgetKeeper(k *Keeper) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.keepers, k)
 }
 
 // forget stops counting l among the leases Close releases.

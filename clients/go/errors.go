@@ -25,6 +25,9 @@ const (
 	ReasonInvalidArgument   = "INVALID_ARGUMENT"
 	ReasonLimitExceeded     = "LIMIT_EXCEEDED"
 	ReasonUnauthenticated   = "UNAUTHENTICATED"
+	// ReasonKeeperNotHeld: FAILED_PRECONDITION, the keeper named has ended
+	// (metadata cause: expired, closed, revoked, not_found).
+	ReasonKeeperNotHeld = "KEEPER_NOT_HELD"
 	// ReasonDatabaseUnavailable: UNAVAILABLE, the database could not answer
 	// (metadata sql_state when it said why); retrying may succeed.
 	ReasonDatabaseUnavailable = "DATABASE_UNAVAILABLE"
@@ -62,6 +65,15 @@ var (
 	ErrUnavailable = errors.New("leasehold: unavailable")
 	// ErrClosed: the client was closed.
 	ErrClosed = errors.New("leasehold: client closed")
+	// ErrKeeperLost: the keeper was lost; see *KeeperLostError. Every
+	// lease on it was lost with it: its *LeaseLostError wraps the keeper's.
+	ErrKeeperLost = errors.New("leasehold: keeper lost")
+	// ErrKeeperClosed is the context.Cause of a keeper's Context after its
+	// own Close: the process ended it, nothing was lost.
+	ErrKeeperClosed = errors.New("leasehold: keeper closed by its process")
+	// ErrKeeperNotHeld: the server says the keeper named has ended
+	// (FAILED_PRECONDITION, reason KEEPER_NOT_HELD); see *KeeperNotHeldError.
+	ErrKeeperNotHeld = errors.New("leasehold: keeper not held")
 )
 
 // LossReason says why a lease was lost: a cause the server reported
@@ -82,6 +94,9 @@ const (
 	// static token (WithToken) expired, and a static token cannot be
 	// refreshed. The TypeScript and Python clients name it the same.
 	LossTokenExpired LossReason = "token_expired"
+	// LossClosed: a keeper closed (by another stream of it, or an admin's
+	// close); its leases were released with it.
+	LossClosed LossReason = "closed"
 )
 
 // serverError is the part every error from a server answer shares: its
@@ -92,12 +107,28 @@ func (e serverError) GRPCStatus() *status.Status { return e.st }
 
 // NotAcquiredError: the session is held by another run. Current is the
 // lease that blocked the grant, so a UI can say who holds it and for how long.
+// LockDelayUntil is set instead when no lease holds the session but its last
+// one was on a keeper that expired (K2): no run gets it before that instant
+// (on the database clock).
 type NotAcquiredError struct {
-	Current *leasev1.Lease
+	Current        *leasev1.Lease
+	LockDelayUntil time.Time
+}
+
+// notAcquired is the *NotAcquiredError of an Acquire's refusal.
+func notAcquired(resp *leasev1.AcquireResponse) *NotAcquiredError {
+	e := &NotAcquiredError{Current: resp.GetCurrent()}
+	if resp.GetLockDelayUntil() != nil {
+		e.LockDelayUntil = resp.GetLockDelayUntil().AsTime()
+	}
+	return e
 }
 
 func (e *NotAcquiredError) Error() string {
 	c := e.Current
+	if c == nil && !e.LockDelayUntil.IsZero() {
+		return "leasehold: session held back by the lock-delay of an expired keeper until " + e.LockDelayUntil.UTC().Format(time.RFC3339Nano)
+	}
 	if c == nil {
 		return "leasehold: session held by another run"
 	}
@@ -162,6 +193,44 @@ func (e *LeaseLostError) Unwrap() error { return e.Err }
 
 // Is makes errors.Is(err, ErrLeaseLost) true.
 func (e *LeaseLostError) Is(target error) bool { return target == ErrLeaseLost }
+
+// KeeperNotHeldError: FAILED_PRECONDITION, reason KEEPER_NOT_HELD: the
+// keeper has ended. Cause is what the server said: expired, closed,
+// revoked, not_found.
+type KeeperNotHeldError struct {
+	serverError
+	Cause LossReason
+}
+
+func (e *KeeperNotHeldError) Error() string {
+	return "leasehold: keeper not held: " + e.st.Message()
+}
+
+// Is makes errors.Is(err, ErrKeeperNotHeld) true.
+func (e *KeeperNotHeldError) Is(target error) bool { return target == ErrKeeperNotHeld }
+
+// KeeperLostError is the context.Cause of a lost keeper's Context, what
+// Keeper.Err returns after the loss, and the Err of the *LeaseLostError of
+// every lease that was on it (so errors.Is(leaseErr, ErrKeeperLost) tells a
+// lease lost with its keeper from one lost alone). Reason is the same set
+// as a lease's: expired, revoked, closed, not_found (the server's), or
+// deadline, renewal_failed, token_expired (the client's).
+type KeeperLostError struct {
+	KeeperID string
+	Reason   LossReason
+	Message  string
+	Err      error
+}
+
+func (e *KeeperLostError) Error() string {
+	return "leasehold: keeper " + e.KeeperID + " lost: " + e.Message
+}
+
+// Unwrap returns the error that caused the loss, if any.
+func (e *KeeperLostError) Unwrap() error { return e.Err }
+
+// Is makes errors.Is(err, ErrKeeperLost) true.
+func (e *KeeperLostError) Is(target error) bool { return target == ErrKeeperLost }
 
 // StaleFencingTokenError: ABORTED, reason STALE_FENCING_TOKEN. A newer run
 // holds, or held, the session; the write did not happen. Presented and
@@ -285,6 +354,8 @@ func fromStatus(err error) error {
 	switch {
 	case info.GetReason() == ReasonLeaseNotHeld || (st.Code() == codes.FailedPrecondition && info == nil):
 		return &LeaseNotHeldError{se, LossReason(md["cause"])}
+	case info.GetReason() == ReasonKeeperNotHeld:
+		return &KeeperNotHeldError{se, LossReason(md["cause"])}
 	case info.GetReason() == ReasonStaleFencingToken || (st.Code() == codes.Aborted && info != nil):
 		presented, _ := strconv.ParseInt(md["presented_token"], 10, 64)
 		highest, _ := strconv.ParseInt(md["highest_token"], 10, 64)

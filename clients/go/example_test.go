@@ -95,3 +95,51 @@ func ExampleClient_RunExclusive() {
 	// lost: revoked
 	// leasehold: lease lost: the server reports the lease lost (revoked)
 }
+
+// NewKeeper opens one keeper: every lease held on it is kept by its one
+// heartbeat, ends with it if it is lost, and is released by its Close.
+func ExampleClient_NewKeeper() {
+	ctx := context.Background()
+	client, err := leasehold.Dial(ctx, []string{shared.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	keeper, err := client.NewKeeper(ctx, account, leasehold.WithKeeperTTL(10*time.Second), leasehold.WithKeeperHolder("worker-7"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	var leases []*leasehold.Lease
+	for _, name := range []string{"a", "b", "c"} {
+		key := leasehold.SessionKey{AccountID: account, SessionID: "example-keeper-" + name + "-" + leasehold.NewRunID()}
+		lease, err := keeper.Hold(ctx, key)
+		if err != nil {
+			log.Fatal(err)
+		}
+		leases = append(leases, lease)
+	}
+	for _, lease := range leases {
+		fmt.Println("held by", lease.Lease().GetHolder(), "on the keeper:", lease.Lease().GetKeeperId() == keeper.ID())
+	}
+
+	// Work under lease.Context(): it ends the moment the lease or its
+	// keeper is lost (select on keeper.Done() for the keeper alone).
+	if err := keeper.Close(ctx); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("keeper:", context.Cause(keeper.Context()))
+	fmt.Println("a lease:", context.Cause(leases[0].Context()))
+	current, err := client.Get(ctx, leases[0].Key())
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("held after Close:", current != nil)
+	// Output:
+	// held by worker-7 on the keeper: true
+	// held by worker-7 on the keeper: true
+	// held by worker-7 on the keeper: true
+	// keeper: leasehold: keeper closed by its process
+	// a lease: leasehold: lease released by its run
+	// held after Close: false
+}

@@ -166,7 +166,7 @@ func (a *acquisition) acquire(ctx context.Context, wait time.Duration) (grant, e
 	}
 	arrived := a.c.clock.Now()
 	if !resp.GetAcquired() || resp.GetLease() == nil {
-		return grant{}, &NotAcquiredError{Current: resp.GetCurrent()}
+		return grant{}, notAcquired(resp)
 	}
 	deadline := sentAt.Add(resp.GetLease().GetRemaining().AsDuration() - a.timing.margin)
 	return grant{lease: resp.GetLease(), deadline: deadline, late: !arrived.Before(deadline), elapsed: arrived.Sub(sentAt)}, nil
@@ -205,6 +205,13 @@ func (c *Client) RunExclusive(ctx context.Context, key SessionKey, o HoldOptions
 	if err != nil {
 		return err
 	}
+	return runHeld(ctx, c, lease, fn)
+}
+
+// runHeld runs fn under the held lease's context (ended by the lease's loss
+// or ctx), then releases the lease unless it was lost: RunExclusive's part
+// after the acquire, shared by Client.RunExclusive and Keeper.RunExclusive.
+func runHeld(ctx context.Context, c *Client, lease *Lease, fn func(ctx context.Context, lease *Lease) error) error {
 	// fn's context ends with the lease's or the caller's, whichever first.
 	work, cancel := context.WithCancelCause(lease.Context())
 	stop := context.AfterFunc(ctx, func() { cancel(context.Cause(ctx)) })
@@ -221,7 +228,7 @@ func (c *Client) RunExclusive(ctx context.Context, key SessionKey, o HoldOptions
 			return withLoss(ferr, err)
 		}
 		// The lease then ends at its deadline; S5 makes that harmless.
-		c.log(slog.LevelWarn, "leasehold: release after RunExclusive failed", "key", key.String(), "run_id", lease.runID, "err", err)
+		c.log(slog.LevelWarn, "leasehold: release after RunExclusive failed", "key", lease.key.String(), "run_id", lease.runID, "err", err)
 	}
 	return ferr
 }

@@ -46,6 +46,11 @@ type Lease struct {
 	stop     chan struct{}
 	reg      *registration
 	handoffs chan HandoffRequest
+
+	// keeper is the keeper the lease was acquired on (Keeper.Hold), nil
+	// for a lease of its own. A keeper's lease has no renewals, timer or
+	// registration: its local deadline is the keeper's.
+	keeper *Keeper
 }
 
 // Context is cancelled the moment the lease is lost (the server says so, a
@@ -89,7 +94,17 @@ func (l *Lease) Remaining() time.Duration {
 	if l.lost != nil || l.released {
 		return 0
 	}
-	return max(0, l.deadline.Sub(l.client.clock.Now()))
+	return max(0, l.deadlineLocked().Sub(l.client.clock.Now()))
+}
+
+// deadlineLocked is the local deadline: the keeper's for a lease on a
+// keeper (l.mu, then the keeper's lock: the keeper never takes a lease's
+// lock while holding its own). l.mu is held.
+func (l *Lease) deadlineLocked() time.Time {
+	if l.keeper != nil {
+		return l.keeper.localDeadline()
+	}
+	return l.deadline
 }
 
 // check is nil while the lease may still be presented as held: else the
@@ -106,11 +121,16 @@ func (l *Lease) check() error {
 	case l.released:
 		l.mu.Unlock()
 		return ErrReleased
-	case !l.client.clock.Now().Before(l.deadline):
-		reg := l.reg
+	case !l.client.clock.Now().Before(l.deadlineLocked()):
+		reg, k := l.reg, l.keeper
 		l.mu.Unlock()
-		msg, cause := reg.deadlineLoss()
-		l.lose(LossDeadline, msg, cause)
+		if k != nil {
+			// The keeper's deadline: every lease on it is lost with it.
+			k.checkDeadline()
+		} else {
+			msg, cause := reg.deadlineLoss()
+			l.lose(LossDeadline, msg, cause)
+		}
 		if err := l.Err(); err != nil {
 			return err
 		}
@@ -133,6 +153,9 @@ func (l *Lease) HandoffRequests() <-chan HandoffRequest { return l.handoffs }
 // holds the lease, and a late release must not be mistaken for a current
 // one) and returns the *LeaseLostError. Releasing twice is a no-op.
 func (l *Lease) Release(ctx context.Context) error {
+	if l.keeper != nil {
+		return l.keeper.release(ctx, l)
+	}
 	reg, ended, err := l.stopRenewing()
 	if ended {
 		return err

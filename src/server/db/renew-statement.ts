@@ -15,7 +15,7 @@
 
 import type { LeaseRecord, RenewItem, RenewManyResult } from "../../lease/types.js";
 import type { Sql } from "../../postgres/pool.js";
-import { keeperValid, leaseColumns } from "./lease-columns.js";
+import { keeperValid, leaseColumns, leaseOf } from "./lease-columns.js";
 
 // A renewed row's key and run are the request's (the guard matched them
 // exactly; run ids reach the store lower-cased, as PostgreSQL prints a
@@ -211,8 +211,9 @@ export async function renewOne(
   }
   const answer = rows[0];
   if (answer?.renewed) {
-    const { renewed: _, lockedRows: __, ...lease } = answer;
-    return { outcome: "renewed", lease, handoff: undefined };
+    // leaseOf, not the row as it is: a lease of its own has no keeperId at
+    // all (the row's is null, which the KeepAlive encoder took for a string).
+    return { outcome: "renewed", lease: leaseOf(answer), handoff: undefined };
   }
   // Locked, yet not renewed: should not happen (the UPDATE re-checks the
   // guard `locked` passed, on the version it holds). Kept so that a plan
