@@ -29,6 +29,7 @@ from google.protobuf import duration_pb2
 from ._core import LeaseTiming, Timer, not_acquired, released_error
 from ._gen.leasehold.v1 import lease_pb2
 from .errors import (
+    KEEPER_NOT_HELD,
     LeaseholdError,
     LeaseLostError,
     UnauthenticatedError,
@@ -520,6 +521,13 @@ class KeeperCore:
 
     def _dispatch(self, stream: _Open, message: lease_pb2.KeepResponse) -> None:
         kind = message.WhichOneof("result")
+        if kind == "lost":
+            # Unasked, or the answer of the heartbeat that found the keeper ended.
+            cause = loss_cause(message.lost.reason) or "expired"
+            detail = f": {message.lost.detail}" if message.lost.detail else ""
+            words = cause.replace("_", " ")
+            self.lose(cause, f"the server reports the keeper lost ({words}{detail})")
+            return
         if message.id == stream.open_id:
             self._on_open(stream, message, kind)
             return
@@ -542,13 +550,7 @@ class KeeperCore:
                 self._teardown(cut=False)
             pending.done(from_status_message(message.error) if kind == "error" else message)
             return
-        if kind == "lost":
-            cause = loss_cause(message.lost.reason) or "expired"
-            detail = f": {message.lost.detail}" if message.lost.detail else ""
-            self.lose(
-                cause, f"the server reports the keeper lost ({cause.replace('_', ' ')}{detail})"
-            )
-        elif kind == "lease_lost":
+        if kind == "lease_lost":
             lost = message.lease_lost
             lease = self.leases.get((lost.key.account_id, lost.key.session_id, lost.run_id))
             if lease is not None:
@@ -564,9 +566,6 @@ class KeeperCore:
         sent_at = stream.heartbeats.pop(stream.open_id, None)
         if kind == "error":
             self._refused(stream, from_status_message(message.error))
-            return
-        if kind == "lost":
-            self._dispatch(stream, lease_pb2.KeepResponse(lost=message.lost))
             return
         if kind != "keeper" or sent_at is None:
             self._fail(stream, UnavailableError(f"the server answered the open with {kind}"))
@@ -598,8 +597,8 @@ class KeeperCore:
             self._fail_pending(error)
             opened(error)
             return
-        cause = error.metadata.get("cause") or "renewal_failed"
-        self.lose(cause, f"the server refused the keeper: {error.message}")
+        cause = error.metadata.get("cause") if error.reason == KEEPER_NOT_HELD else None
+        self.lose(cause or "renewal_failed", f"the server refused the keeper: {error.message}")
 
     def _fail(self, stream: _Open, error: LeaseholdError) -> None:
         if self._stream is not stream:
@@ -621,7 +620,11 @@ class KeeperCore:
                 self._fail_pending(error)
                 opened(error)
                 return
+            # A re-attach to a keeper that ended is refused with its cause
+            # (KEEPER_NOT_HELD: expired, revoked, closed, not_found).
             reason = "token_expired" if failure == "expired" else "renewal_failed"
+            if error.reason == KEEPER_NOT_HELD:
+                reason = error.metadata.get("cause") or reason
             self.lose(reason, f"the Keep stream was refused: {error.message}")
             return
         # Full jitter: keepers cut off together do not all come back at once.

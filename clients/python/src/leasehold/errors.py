@@ -27,6 +27,8 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
 UNAUTHENTICATED = "UNAUTHENTICATED"
 LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+#: A keeper named is not valid (``cause``: expired, revoked, closed, not_found).
+KEEPER_NOT_HELD = "KEEPER_NOT_HELD"
 
 #: The ``limit`` a KeepAlive stream refused for carrying too many leases names.
 LIMIT_LEASES_PER_STREAM = "max-leases-per-stream"
