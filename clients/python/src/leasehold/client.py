@@ -296,7 +296,10 @@ class KeeperHold(BaseKeeperHold, Hold):
 
     def _finish(self) -> None:
         answer = _Answer()
-        if self._ending(answer.set):
+        if self._ending(answer.set) and not _on_thread_of(self._client):
+            # Ended from a client callback (a handoff listener), this thread
+            # is the one that would read the answer: the Release is sent,
+            # not waited for.
             self._released(answer.wait(self._release_timeout()))
 
 
@@ -377,6 +380,10 @@ class Keeper(BaseKeeper[KeeperHold]):
         answer = _Answer()
         with self._client._lock:
             core.close(answer.set)
+        if _on_thread_of(self._client):
+            # Closed from a client callback: this thread would read the
+            # answer; the close is sent, not waited for.
+            return
         result = answer.wait(self._client._timeout)
         with self._client._lock:
             if result is None:
