@@ -14,10 +14,11 @@ import { Code } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import type { Status } from "../src/gen/google/rpc/status_pb.js";
-import { type KeepResponse, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
+import { EventType, type KeepResponse, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
-import { ms, openKeep } from "./support/streams.js";
+import { grpcClient } from "./support/server.js";
+import { ms, openKeep, openWatch } from "./support/streams.js";
 
 /** The error a request was answered with, or a failure naming what came instead. */
 function errorOf(m: KeepResponse): Status {
@@ -36,19 +37,31 @@ const account = (name: string) => `acct-${name}-${randomUUID().slice(0, 8)}`;
 
 for (const mode of ["native", "connect"] as const) {
   describe(`Keep on --grpc-path ${mode}`, () => {
-    const { db, client } = useTestServer({
+    const { db, client, server, startServer } = useTestServer({
       args: ["--grpc-path", mode],
       overrides: { limits: { ...defaultLimits, minTtlMs: 50 } },
     });
 
     /** Opens a keeper on a new stream; its answer is checked. */
-    async function opened(accountId: string, ttlMs: number, lockDelayMs = 0) {
-      const keep = openKeep(client);
+    async function opened(
+      accountId: string,
+      ttlMs: number,
+      lockDelayMs = 0,
+      keeperId = "",
+      on = client,
+    ) {
+      const keep = openKeep(on);
       keep.send({
         id: 1n,
         op: {
           case: "open",
-          value: { accountId, holder: "worker", ttl: ms(ttlMs), lockDelay: ms(lockDelayMs) },
+          value: {
+            accountId,
+            keeperId,
+            holder: "worker",
+            ttl: ms(ttlMs),
+            lockDelay: ms(lockDelayMs),
+          },
         },
       });
       const answer = await keep.answer(1n);
@@ -99,12 +112,17 @@ for (const mode of ["native", "connect"] as const) {
       for (const sessionId of sessions) {
         expect((await client.get({ key: { accountId, sessionId } })).held).toBe(false);
       }
-      // S4: the late heartbeat fails; the stream ends after `lost`.
-      const late = await ask(keep, { case: "heartbeat", value: {} });
-      expect(late.result.case).toBe("lost");
-      expect(late.result.case === "lost" && late.result.value.reason).toBe(LossReason.EXPIRED);
+      // S4: the late heartbeat fails. The stream is told `lost` once: as
+      // that heartbeat's answer, or unasked (id 0) when the server's check
+      // at the keeper's deadline found it first; then it ends OK.
+      const lateId = nextId++;
+      keep.send({ id: lateId, op: { case: "heartbeat", value: {} } });
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect([0n, lateId]).toContain(lost.id);
+      expect(lost.result.case === "lost" && lost.result.value.reason).toBe(LossReason.EXPIRED);
       await keep.reader.finished;
       expect(keep.reader.error).toBeUndefined();
+      expect(keep.reader.pending().filter((m) => m.result.case === "keeper")).toEqual([]);
     });
 
     it("S1, S3, S5, S6 on a keeper's leases: another run is refused while the keeper lives, Release is owner-checked, a re-acquire gets a higher token", async () => {
@@ -222,6 +240,163 @@ for (const mode of ["native", "connect"] as const) {
       await bad.reader.finished;
       expect(bad.reader.error?.code).toBe(Code.InvalidArgument);
       expect(bad.reader.error?.rawMessage).toContain("open.ttl");
+    });
+
+    /** Acquires `sessions` on the stream's keeper; their leases. */
+    async function acquireAll(
+      keep: ReturnType<typeof openKeep>,
+      accountId: string,
+      sessions: string[],
+    ) {
+      const leases = [];
+      for (const sessionId of sessions) {
+        const a = await ask(keep, { case: "acquire", value: { key: { accountId, sessionId } } });
+        if (a.result.case !== "acquire" || !a.result.value.lease) throw new Error("not acquired");
+        leases.push(a.result.value.lease);
+      }
+      return leases;
+    }
+
+    it("a revoke of one lease is pushed as lease_lost and the keeper goes on; a handoff request of a keeper's lease is pushed as handoff_requested", async () => {
+      const accountId = account("one");
+      const { keep } = await opened(accountId, 30_000);
+      const [a, b] = await acquireAll(keep, accountId, ["a", "b"]);
+      if (!a || !b) throw new Error("no leases");
+      await client.requestHandoff({ key: b.key, requesterHolder: "laptop", reason: "move" });
+      const handoff = await keep.reader.take((m) => m.result.case === "handoffRequested");
+      expect(handoff.id).toBe(0n);
+      if (handoff.result.case !== "handoffRequested") throw new Error("no handoff");
+      expect(handoff.result.value.runId).toBe(b.runId);
+      expect(handoff.result.value.request?.requesterHolder).toBe("laptop");
+
+      const revoked = await client.revoke({ key: a.key, reason: "stuck" });
+      expect(revoked.revoked).toBe(true);
+      const lost = await keep.reader.take((m) => m.result.case === "leaseLost");
+      expect(lost.id).toBe(0n);
+      if (lost.result.case !== "leaseLost") throw new Error("no lease_lost");
+      expect(lost.result.value.runId).toBe(a.runId);
+      expect(lost.result.value.reason).toBe(LossReason.REVOKED);
+      // The keeper and its other lease go on.
+      expect((await ask(keep, { case: "heartbeat", value: {} })).result.case).toBe("keeper");
+      expect((await client.get({ key: b.key })).lease?.runId).toBe(b.runId);
+      keep.abort();
+    });
+
+    it("RevokeKeeper: every lease ends REVOKED at once (Watch sees each), the stream is told lost with the reason and ends", async () => {
+      const accountId = account("revoke");
+      const { keep, keeper } = await opened(accountId, 30_000);
+      const sessions = ["a", "b", "c"];
+      await acquireAll(keep, accountId, sessions);
+      const watch = openWatch(client, { accountId, sessionId: "" });
+      await watch.reader.next((m) => m.kind.case === "snapshot");
+
+      const revoked = await client.revokeKeeper({
+        accountId,
+        keeperId: keeper.keeperId,
+        reason: "runaway",
+      });
+      expect(revoked).toMatchObject({ revoked: true, leasesRevoked: 3 });
+      const events = [];
+      for (const _ of sessions) {
+        const m = await watch.reader.next((e) => e.kind.case === "event");
+        if (m.kind.case === "event") events.push(m.kind.value);
+      }
+      expect(events.map((e) => e.type)).toEqual(sessions.map(() => EventType.REVOKED));
+      expect(events.map((e) => e.key?.sessionId).sort()).toEqual(sessions);
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.result.case === "lost" && lost.result.value).toMatchObject({
+        reason: LossReason.REVOKED,
+        detail: "runaway",
+      });
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+      // Again: nothing left to revoke.
+      expect(
+        await client.revokeKeeper({ accountId, keeperId: keeper.keeperId, reason: "again" }),
+      ).toMatchObject({ revoked: false, leasesRevoked: 0 });
+      watch.abort();
+    });
+
+    it("a close is published: Watch sees RELEASED for each lease at once", async () => {
+      const accountId = account("close");
+      const { keep } = await opened(accountId, 30_000);
+      await acquireAll(keep, accountId, ["a", "b"]);
+      const watch = openWatch(client, { accountId, sessionId: "" });
+      await watch.reader.next((m) => m.kind.case === "snapshot");
+      expect((await ask(keep, { case: "close", value: {} })).result.case).toBe("keeper");
+      for (const _ of [1, 2]) {
+        const m = await watch.reader.next((e) => e.kind.case === "event");
+        expect(m.kind.case === "event" && m.kind.value.type).toBe(EventType.RELEASED);
+      }
+      watch.abort();
+    });
+
+    it("K1: a keeper not renewed is found lost at its deadline and the stream told unasked (id 0), then it ends", async () => {
+      const accountId = account("deadline");
+      const { keep } = await opened(accountId, 1_000);
+      await acquireAll(keep, accountId, ["a"]);
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.id).toBe(0n);
+      expect(lost.result.case === "lost" && lost.result.value.reason).toBe(LossReason.EXPIRED);
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+      expect((await client.get({ key: { accountId, sessionId: "a" } })).held).toBe(false);
+    });
+
+    it("re-attach after a cut stream, on this instance and on another one on the same database: every lease kept and followed", async () => {
+      const accountId = account("reattach");
+      const keeperId = randomUUID();
+      const first = await opened(accountId, 30_000, 0, keeperId);
+      const leases = await acquireAll(first.keep, accountId, ["a", "b"]);
+      first.keep.abort();
+      await first.keep.reader.finished;
+
+      const again = await opened(accountId, 30_000, 0, keeperId);
+      expect(again.keeper.keeperId).toBe(keeperId);
+      expect(again.keeper.leases).toBe(2);
+      again.keep.abort();
+      await again.keep.reader.finished;
+
+      const other = await startServer(["--grpc-path", mode], {
+        limits: { ...defaultLimits, minTtlMs: 50 },
+      });
+      expect(other.url).not.toBe(server.url);
+      const there = await opened(accountId, 30_000, 0, keeperId, grpcClient(other.url));
+      expect(there.keeper.leases).toBe(2);
+      expect((await ask(there.keep, { case: "heartbeat", value: {} })).result.case).toBe("keeper");
+      for (const lease of leases) {
+        expect((await client.get({ key: lease.key })).lease?.runId).toBe(lease.runId);
+      }
+      // The re-attached stream follows the leases acquired before: a revoke
+      // on the first instance reaches it.
+      await client.revoke({ key: leases[0]?.key, reason: "one" });
+      const lost = await there.keep.reader.take((m) => m.result.case === "leaseLost");
+      expect(lost.result.case === "leaseLost" && lost.result.value.runId).toBe(leases[0]?.runId);
+      there.keep.abort();
+    });
+
+    it("unary Acquire on a keeper (keeper_id), ttl refused with it; K2: a refused Acquire and Get say until when the lock-delay runs", async () => {
+      const accountId = account("unary");
+      const { keep, keeper } = await opened(accountId, 1_000, 30_000);
+      const key = { accountId, sessionId: "u" };
+      const withTtl = await client.acquire({ key, keeperId: keeper.keeperId, ttl: ms(5_000) }).then(
+        () => undefined,
+        (e: unknown) => e as { code: Code; rawMessage: string },
+      );
+      expect(withTtl?.code).toBe(Code.InvalidArgument);
+      expect(withTtl?.rawMessage).toContain("ttl");
+      const granted = await client.acquire({ key, keeperId: keeper.keeperId });
+      expect(granted.acquired).toBe(true);
+      expect(granted.lease?.keeperId).toBe(keeper.keeperId);
+      // The keeper expires (no heartbeat): the key is in its lock-delay.
+      await keep.reader.take((m) => m.result.case === "lost");
+      const refused = await client.acquire({ key, ttl: ms(5_000) });
+      expect(refused.acquired).toBe(false);
+      expect(refused.current).toBeUndefined();
+      expect(refused.lockDelayUntil).toBeDefined();
+      const got = await client.get({ key });
+      expect(got.held).toBe(false);
+      expect(got.lockDelayUntil).toEqual(refused.lockDelayUntil);
     });
   });
 }

@@ -180,6 +180,24 @@ export interface KeeperStore {
     id: string,
     how: { ended: "closed" } | { ended: "revoked"; reason: string },
   ): Promise<{ ended: boolean; cause?: KeeperEnd; leases: EndedLease[] }>;
+  /**
+   * The keeper as it stands now, read at the statement's snapshot: whether it
+   * is valid and until when, or how it ended. Decides nothing (a stream
+   * reads it at its keeper's deadline to learn whether it was lost).
+   */
+  status(accountId: string, id: string): Promise<KeeperStatus>;
+  /** The open leases on a valid keeper (a re-attached stream follows them). */
+  leasesOf(accountId: string, id: string): Promise<KeeperLease[]>;
+}
+
+export type KeeperStatus =
+  | { valid: true; expiresAtUs: bigint }
+  | { valid: false; cause: KeeperEnd; reason: string };
+
+/** One open lease of a keeper: what a stream needs to follow it. */
+export interface KeeperLease extends SessionKey {
+  runId: string;
+  fencingToken: bigint;
 }
 
 export interface ListPage {

@@ -16,6 +16,7 @@ import { ResourceExhaustedError } from "../../lease/errors.js";
 import type {
   EndedLease,
   KeeperEnd,
+  KeeperLease,
   KeeperRecord,
   KeeperResult,
   KeeperStore,
@@ -205,6 +206,35 @@ export function createKeeperStore(
           );
         }
         return { held: false, cause };
+      }),
+
+    status: (accountId, id) =>
+      run(async () => {
+        const [row] = await sql<
+          {
+            valid: boolean;
+            ended: KeeperEnd | null;
+            endReason: string | null;
+            expiresAtUs: bigint;
+          }[]
+        >`
+          SELECT k.ended IS NULL AND k.expires_at > clock_timestamp() AS valid, k.ended,
+                 k.end_reason, (extract(epoch FROM k.expires_at) * 1000000)::bigint AS expires_at_us
+          FROM keepers k WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}`;
+        if (!row) return { valid: false, cause: "not_found", reason: "" };
+        if (row.valid) return { valid: true, expiresAtUs: row.expiresAtUs };
+        return { valid: false, cause: row.ended ?? "expired", reason: row.endReason ?? "" };
+      }),
+
+    leasesOf: (accountId, id) =>
+      run(async () => {
+        // Through leases_open_by_keeper; a valid keeper's open leases are its leases.
+        const rows = await sql<KeeperLease[]>`
+          SELECT l.account_id, l.session_id, l.run_id::text AS run_id, l.fencing_token
+          FROM leases l
+          WHERE l.keeper_id = ${id}::uuid AND l.ended IS NULL AND l.account_id = ${accountId}
+          ORDER BY l.session_id`;
+        return [...rows];
       }),
 
     // Group-committed: concurrent heartbeats share one statement.
