@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
-from test_async import AsyncClients, aclients
+from test_async import AsyncClients, aclients, until
 from test_blocking import ACCOUNT, Clients, Proxies, events_of, key
 
 from leasehold import (
@@ -258,8 +258,47 @@ def test_k2_lock_delay_visible_to_a_keepers_refused_acquire(
     proxy.pass_()
 
 
+def test_k2_lock_delay_visible_to_a_refused_acquire_and_to_get(
+    server: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+) -> None:
+    """K2: a keeper with a 30 s lock-delay expires (its every route
+    stalls). Once the database deadline has passed, Get says the session is
+    not held and until when the delay runs; another run's Acquire (unary,
+    and a hold) is refused with the same instant, and no lease blocks it."""
+    proxy = proxies(server.address)
+    client = clients(proxy.address, token=token())
+    other = clients(server.address, token=token())
+    k_lease = key("delay")
+    with client.keeper(ACCOUNT, ttl=1.0, lock_delay=LOCK_DELAY, holder="delayed") as k:
+        k.hold(k_lease).__enter__()
+        proxy.stall()
+        assert k.lost.wait(10)
+    state = admin.get(k_lease)
+    deadline = time.monotonic() + 20
+    while state.held:  # the database's deadline, a TTL after the last heartbeat
+        assert time.monotonic() < deadline, "the keeper's lease did not expire"
+        assert k.lost.is_set()
+        state = admin.get(k_lease)
+    until_get = state.lock_delay_until
+    assert until_get is not None and until_get > datetime.now(UTC)
+    result = other.acquire(k_lease, ttl=5)
+    assert not result.acquired and result.current is None
+    assert result.lock_delay_until == until_get
+    with pytest.raises(NotAcquiredError) as refused, other.hold(k_lease, ttl=5):
+        pass
+    assert refused.value.lock_delay_until == until_get
+    assert refused.value.current is None
+    assert "lock-delay" in refused.value.message
+    proxy.pass_()
+
+
 async def test_k2_async_lock_delay_visible_to_a_keepers_refused_acquire(
     server: Server,
+    admin: LeaseClient,
     token: Callable[..., str],
     aclients: AsyncClients,
     proxies: Proxies,
@@ -288,4 +327,65 @@ async def test_k2_async_lock_delay_visible_to_a_keepers_refused_acquire(
     until_refused = refused.value.lock_delay_until
     assert until_refused is not None and until_refused > datetime.now(UTC)
     assert "lock-delay" in refused.value.message
+    assert admin.get(k_lease).lock_delay_until == until_refused
+    result = await other.acquire(k_lease, ttl=5)
+    assert not result.acquired and result.lock_delay_until == until_refused
     proxy.pass_()
+
+
+# Keeper: the keeper lost (expiry, revoke) ends every lease on it at once;
+# a revoke of one lease ends only that one
+
+
+def test_k1_revoking_one_lease_ends_only_it_revoking_the_keeper_ends_every_hold_at_once(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """An admin revoke of one lease reaches its hold over the stream
+    (lease_lost): only that hold is lost, the keeper and its other holds go
+    on. RevokeKeeper then ends the keeper: by the time its ``lost`` is set,
+    every remaining hold's is set too (loss reason ``revoked``)."""
+    client = clients(server.address, token=token())
+    with client.keeper(ACCOUNT, ttl=3, holder="revoked") as k:
+        holds = [k.hold(key("revoke")).__enter__() for _ in range(3)]
+        revoked = admin.revoke(holds[0].key, reason="one lease")
+        assert revoked.revoked
+        assert holds[0].lost.wait(10)
+        assert holds[0].loss_reason == "revoked"
+        assert not k.lost.is_set()
+        assert not holds[1].lost.is_set() and not holds[2].lost.is_set()
+        assert_held_by(admin, holds[1], k.keeper_id)
+        result = admin.revoke_keeper(ACCOUNT, k.keeper_id, reason="the whole keeper")
+        assert result.revoked and result.leases_revoked == 2
+        assert k.lost.wait(10)
+        assert holds[1].lost.is_set() and holds[2].lost.is_set()
+        assert k.loss_reason == "revoked"
+        assert [h.loss_reason for h in holds] == ["revoked"] * 3
+    for h in holds:
+        assert not admin.get(h.key).held
+        assert events_of(admin, h.key, h.run_id)[-1] == "REVOKED"
+
+
+async def test_k1_async_revoking_the_keeper_cancels_the_work_of_every_hold(
+    server: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """The asyncio client: a revoke of one lease cancels only its work;
+    RevokeKeeper cancels the work of every other hold on the keeper."""
+    client = aclients(server.address, token=token())
+    async with client.keeper(ACCOUNT, ttl=3, holder="arevoked") as k:
+        started: list[AsyncKeeperHold] = []
+
+        async def work(h: AsyncKeeperHold) -> None:
+            started.append(h)
+            await asyncio.Event().wait()  # until cancelled
+
+        tasks = [asyncio.ensure_future(k.run_exclusive(key("arevoke"), work)) for _ in range(3)]
+        await until("three holds at work", lambda: len(started) == 3)
+        admin.revoke(started[0].key, reason="one lease")
+        with pytest.raises(LeaseLostError):
+            await tasks[0]
+        assert not any(t.done() for t in tasks[1:])
+        admin.revoke_keeper(ACCOUNT, k.keeper_id, reason="the whole keeper")
+        outcomes = await asyncio.gather(*tasks[1:], return_exceptions=True)
+        assert all(isinstance(o, LeaseLostError) for o in outcomes)
+        assert all(o.loss_reason == "revoked" for o in outcomes if isinstance(o, LeaseLostError))
+        assert k.lost.is_set()
