@@ -5,10 +5,10 @@ servers are in test_keepers.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from test_core import _Runtime as _CoreRuntime
 
 from leasehold import LeaseLostError, NotAcquiredError, SessionKey
 from leasehold._core import lease_timing
@@ -21,16 +21,6 @@ TTL = 3.0
 MARGIN = 0.3  # TTL/10, as a keeper's
 INTERVAL = 1.0  # TTL/3
 KEEPER_ID = "bbbbbbbb-0000-4000-8000-000000000000"
-
-
-class _Timer:
-    def __init__(self, at: float, fn: Callable[[], None]) -> None:
-        self.at = at
-        self.fn = fn
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class _Stream:
@@ -55,38 +45,17 @@ class _Stream:
         return [r for r in self.sent if r.WhichOneof("op") == op][-1]
 
 
-class _Runtime:
-    """A monotonic clock that moves only when the test says, its timers, and the streams opened."""
+class _Runtime(_CoreRuntime):
+    """test_core's clock and timers, and the Keep streams opened."""
 
     def __init__(self) -> None:
-        self.t = 0.0
-        self.timers: list[_Timer] = []
+        super().__init__()
         self.streams: list[_Stream] = []
-
-    def now(self) -> float:
-        return self.t
-
-    def call_later(self, delay: float, fn: Callable[[], None]) -> _Timer:
-        timer = _Timer(self.t + delay, fn)
-        self.timers.append(timer)
-        return timer
 
     def open_keep(self, address: str, on_message: OnKeepMessage, on_end: OnKeepEnd) -> _Stream:
         stream = _Stream(address, on_message, on_end)
         self.streams.append(stream)
         return stream
-
-    def advance(self, to: float) -> None:
-        """Runs every timer due by ``to``, in time order, moving the clock to each."""
-        while True:
-            due = [x for x in self.timers if not x.cancelled and x.at <= to]
-            if not due:
-                break
-            timer = min(due, key=lambda x: x.at)
-            timer.cancelled = True
-            self.t = max(self.t, timer.at)
-            timer.fn()
-        self.t = to
 
 
 def _keeper_answer(request_id: int, remaining: float) -> lease_pb2.KeepResponse:

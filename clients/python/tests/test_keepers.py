@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -19,12 +20,13 @@ from test_blocking import ACCOUNT, Clients, Proxies, events_of, key
 
 from leasehold import (
     AsyncKeeperHold,
+    HandoffRequest,
     KeeperHold,
     LeaseClient,
     LeaseLostError,
     NotAcquiredError,
 )
-from support import Server, lease_server
+from support import Server, lease_server, wait_for
 
 __all__ = ["aclients"]  # the fixture, imported for this file's async tests
 
@@ -389,3 +391,35 @@ async def test_k1_async_revoking_the_keeper_cancels_the_work_of_every_hold(
         assert all(isinstance(o, LeaseLostError) for o in outcomes)
         assert all(o.loss_reason == "revoked" for o in outcomes if isinstance(o, LeaseLostError))
         assert k.lost.is_set()
+
+
+def test_a_handoff_request_reaches_only_its_keepers_hold_whose_listener_may_release_it(
+    server: Server, admin: LeaseClient, token: Callable[..., str], clients: Clients
+) -> None:
+    """RequestHandoff reaches the hold it names over the keeper's stream,
+    not the keeper's other hold; its listener, called on the stream's
+    reader thread, ends the hold there, and the Release goes out at once
+    (not waited for on the thread that reads its answer)."""
+    client = clients(server.address, token=token())
+    asker = clients(server.address, token=token())
+    with client.keeper(ACCOUNT, ttl=3, holder="desktop") as k:
+        asked = k.hold(key("handoff")).__enter__()
+        other = k.hold(key("handoff")).__enter__()
+        returned = threading.Event()
+
+        def hand_off(request: HandoffRequest) -> None:
+            asked.__exit__(None, None, None)
+            returned.set()
+
+        asked.on_handoff(hand_off)
+        result = asker.request_handoff(asked.key, requester_holder="browser", reason="here")
+        assert result.delivered
+        assert asked.handoff_requested.wait(10)
+        assert asked.handoff_requests[0].requester_holder == "browser"
+        wait_for("the handed-off lease's release", lambda: not admin.get(asked.key).held)
+        assert events_of(admin, asked.key, asked.run_id)[-1] == "RELEASED"
+        assert returned.wait(10)
+        assert asked.release_error is None  # not a wait timed out on the reader thread
+        assert not other.handoff_requested.is_set() and not other.lost.is_set()
+        assert not k.lost.is_set()
+        assert_held_by(admin, other, k.keeper_id)
