@@ -125,6 +125,27 @@ for (const mode of ["native", "connect"] as const) {
       expect(keep.reader.pending().filter((m) => m.result.case === "keeper")).toEqual([]);
     });
 
+    it("a heartbeat with a ttl gives the keeper that TTL from then on; a re-attach takes the TTL it names; a ttl out of bounds is refused in that heartbeat's error", async () => {
+      const accountId = account("ttl");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId);
+      const beat = await ask(keep, { case: "heartbeat", value: { ttl: ms(45_000) } });
+      if (beat.result.case !== "keeper") throw new Error(`heartbeat answered ${beat.result.case}`);
+      expect(beat.result.value.ttl?.seconds).toBe(45n);
+      expect(beat.result.value.remaining?.seconds).toBeGreaterThan(40n);
+      const plain = await ask(keep, { case: "heartbeat", value: {} });
+      expect(plain.result.case === "keeper" && plain.result.value.ttl?.seconds).toBe(45n);
+      const tooLong = errorOf(
+        await ask(keep, { case: "heartbeat", value: { ttl: ms(7_200_000) } }),
+      );
+      expect(errorInfo(tooLong).metadata.field).toBe("heartbeat.ttl");
+      keep.abort();
+      await keep.reader.finished;
+      const again = await opened(accountId, 20_000, 0, keeperId);
+      expect(again.keeper.ttl?.seconds).toBe(20n);
+      again.keep.abort();
+    });
+
     it("S1, S3, S5, S6 on a keeper's leases: another run is refused while the keeper lives, Release is owner-checked, a re-acquire gets a higher token", async () => {
       const accountId = account("s1");
       const { keep, keeper } = await opened(accountId, 30_000);
@@ -400,3 +421,90 @@ for (const mode of ["native", "connect"] as const) {
     });
   });
 }
+
+describe("Keep limits, set by flags", () => {
+  const { client } = useTestServer({
+    args: [
+      "--max-keepers-per-account",
+      "1",
+      "--max-leases-per-keeper",
+      "3",
+      "--max-keeper-ops-in-flight",
+      "3",
+      "--max-lock-delay",
+      "5s",
+    ],
+  });
+
+  const open = (accountId: string, lockDelayMs = 0) => {
+    const keep = openKeep(client);
+    keep.send({
+      id: 1n,
+      op: { case: "open", value: { accountId, ttl: ms(30_000), lockDelay: ms(lockDelayMs) } },
+    });
+    return keep;
+  };
+
+  it("--max-lock-delay: a longer lock-delay refuses the open, naming open.lock_delay and the flag", async () => {
+    const keep = open(account("delay"), 6_000);
+    await keep.reader.finished;
+    expect(keep.reader.error?.code).toBe(Code.InvalidArgument);
+    expect(keep.reader.error?.rawMessage).toContain("open.lock_delay");
+    expect(keep.reader.error?.rawMessage).toContain("--max-lock-delay");
+  });
+
+  it("--max-keepers-per-account: a second open keeper of the account refuses the open with RESOURCE_EXHAUSTED naming the limit", async () => {
+    const accountId = account("keepers");
+    const first = open(accountId);
+    expect((await first.answer(1n)).result.case).toBe("keeper");
+    const second = open(accountId);
+    await second.reader.finished;
+    expect(second.reader.error?.code).toBe(Code.ResourceExhausted);
+    const info = second.reader.error?.findDetails(ErrorInfoSchema)[0];
+    expect(info?.metadata.limit).toBe("max-keepers-per-account");
+    first.abort();
+  });
+
+  it("--max-leases-per-keeper: the acquire past the bound is answered RESOURCE_EXHAUSTED naming the limit; the keeper goes on", async () => {
+    const accountId = account("leases");
+    const keep = open(accountId);
+    expect((await keep.answer(1n)).result.case).toBe("keeper");
+    for (const [i, sessionId] of ["a", "b", "c"].entries()) {
+      const id = BigInt(10 + i);
+      keep.send({ id, op: { case: "acquire", value: { key: { accountId, sessionId } } } });
+      const a = await keep.answer(id);
+      expect(a.result.case === "acquire" && a.result.value.acquired).toBe(true);
+    }
+    keep.send({ id: 13n, op: { case: "acquire", value: { key: { accountId, sessionId: "d" } } } });
+    const fourth = errorOf(await keep.answer(13n));
+    expect(fourth.code).toBe(Code.ResourceExhausted);
+    expect(errorInfo(fourth).metadata.limit).toBe("max-leases-per-keeper");
+    keep.send({ id: 14n, op: { case: "heartbeat", value: {} } });
+    expect((await keep.answer(14n)).result.case).toBe("keeper");
+    keep.abort();
+  });
+
+  it("--max-keeper-ops-in-flight: with three acquires waiting, the next request is answered RESOURCE_EXHAUSTED naming the limit; the waiting ones are answered after", async () => {
+    const accountId = account("ops");
+    const keep = open(accountId);
+    expect((await keep.answer(1n)).result.case).toBe("keeper");
+    // Three acquires, each waiting on a key held elsewhere, fill the bound.
+    const keys = ["x", "y", "z"].map((sessionId) => ({ accountId, sessionId }));
+    const blockers = await Promise.all(keys.map((key) => client.acquire({ key, ttl: ms(30_000) })));
+    for (const [i, key] of keys.entries()) {
+      keep.send({ id: BigInt(20 + i), op: { case: "acquire", value: { key, wait: ms(20_000) } } });
+    }
+    keep.send({ id: 23n, op: { case: "heartbeat", value: {} } });
+    const past = errorOf(await keep.answer(23n));
+    expect(past.code).toBe(Code.ResourceExhausted);
+    expect(errorInfo(past).metadata.limit).toBe("max-keeper-ops-in-flight");
+    for (const [i, key] of keys.entries()) {
+      await client.release({ key, runId: blockers[i]?.lease?.runId ?? "" });
+    }
+    for (const id of [20n, 21n, 22n]) {
+      const a = await keep.answer(id);
+      expect(a.result.case === "acquire" && a.result.value.acquired).toBe(true);
+    }
+    keep.abort();
+  });
+});

@@ -168,8 +168,11 @@ export interface OpenKeeperInput {
 export interface KeeperStore {
   /** Opens the keeper, or re-attaches to it while it is valid (a heartbeat). */
   open(input: OpenKeeperInput): Promise<KeeperResult>;
-  /** Renews the keeper, and so every lease on it, with one row written (K1). */
-  heartbeat(accountId: string, id: string): Promise<KeeperResult>;
+  /**
+   * Renews the keeper, and so every lease on it, with one row written (K1).
+   * With `ttlMs`, the keeper takes that TTL from now on.
+   */
+  heartbeat(accountId: string, id: string, ttlMs?: number): Promise<KeeperResult>;
   /**
    * Ends the keeper: `closed` by its holder (its leases released), `revoked`
    * by an admin (its leases revoked, audited with the reason). No lock-delay

@@ -72,6 +72,7 @@ import type {
 import {
   checkId,
   checkKey,
+  checkOptionalTtl,
   checkRunId,
   checkText,
   checkTtl,
@@ -414,13 +415,9 @@ export class KeepSession {
     keeper: KeeperRecord,
     ttl: OpenKeeper["ttl"],
   ): Promise<KeepResponse | undefined> {
-    if (ttl !== undefined) {
-      throw new InvalidArgumentError(
-        "heartbeat.ttl",
-        "must be unset: this server keeps the TTL the keeper was opened with",
-      );
-    }
-    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id);
+    // A new TTL, within the server's bounds, kept by the keeper from now on.
+    const ttlMs = checkOptionalTtl("heartbeat.ttl", ttl, this.deps.limits);
+    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id, ttlMs);
     if (!beat.held) {
       this.lose(id, lossOfKeeper[beat.cause]);
       return undefined;
