@@ -21,6 +21,7 @@ from test_blocking import ACCOUNT, Clients, Proxies, events_of, key
 from leasehold import (
     AsyncKeeperHold,
     HandoffRequest,
+    InvalidArgumentError,
     KeeperHold,
     LeaseClient,
     LeaseLostError,
@@ -423,3 +424,24 @@ def test_a_handoff_request_reaches_only_its_keepers_hold_whose_listener_may_rele
         assert not other.handoff_requested.is_set() and not other.lost.is_set()
         assert not k.lost.is_set()
         assert_held_by(admin, other, k.keeper_id)
+
+
+def test_a_keeper_the_server_refuses_raises_the_error_naming_the_field(
+    server: Server, token: Callable[..., str], clients: Clients
+) -> None:
+    """Bad input: a lock-delay above the server's --max-lock-delay is
+    refused at the open, INVALID_ARGUMENT naming the field (no keeper); the
+    client's own checks name theirs before anything is sent."""
+    client = clients(server.address, token=token())
+    with (
+        pytest.raises(InvalidArgumentError) as refused,
+        client.keeper(ACCOUNT, ttl=3, lock_delay=2 * 24 * 3600),
+    ):
+        pass
+    assert refused.value.field == "open.lock_delay"
+    with pytest.raises(ValueError, match="ttl must be a positive duration"):
+        client.keeper(ACCOUNT, ttl=0)
+    with pytest.raises(ValueError, match="lock_delay must be at least 0"):
+        client.keeper(ACCOUNT, ttl=3, lock_delay=-1)
+    with pytest.raises(ValueError, match="account_id must not be empty"):
+        client.keeper("", ttl=3)
