@@ -284,3 +284,16 @@ def test_a_handoff_request_reaches_only_the_lease_it_names(h: _Harness) -> None:
         )
     )
     assert asked == [("s2", "browser")]
+
+
+def test_an_acquire_on_a_lost_keeper_is_refused_with_its_loss_and_nothing_sent(
+    h: _Harness,
+) -> None:
+    h.rt.advance(TTL)
+    sent = len(h.stream.sent)
+    got: list[KeeperLease | LeaseholdError] = []
+    h.core.acquire(
+        SessionKey("acct", "late"), "eeeeeeee-0000-4000-8000-000000000000", 0, "", got.append
+    )
+    assert isinstance(got[0], LeaseLostError) and got[0].loss_reason == "deadline"
+    assert len(h.stream.sent) == sent

@@ -305,10 +305,15 @@ class KeeperCore:
         if wait > 0:
             request.wait.CopyFrom(duration_of(wait))
 
+        # Set once sent; a keeper that has ended answers before that.
+        sent: list[_Pending] = []
+
         def answered(answer: lease_pb2.KeepResponse | LeaseholdError) -> None:
-            done(self._grant(key, run_id, answer, pending))
+            done(self._grant(key, run_id, answer, sent[0] if sent else None))
 
         pending = self._request(lease_pb2.KeepRequest(acquire=request), answered)
+        if pending is not None:
+            sent.append(pending)
 
         def give_up() -> None:
             if pending is not None:
