@@ -19,6 +19,7 @@ import { defaultLimits } from "../src/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
 import { grpcClient } from "./support/server.js";
 import { ms, openKeep, openWatch } from "./support/streams.js";
+import { waitFor } from "./support/wait.js";
 
 /** The error a request was answered with, or a failure naming what came instead. */
 function errorOf(m: KeepResponse): Status {
@@ -393,6 +394,30 @@ for (const mode of ["native", "connect"] as const) {
       await client.revoke({ key: leases[0]?.key, reason: "one" });
       const lost = await there.keep.reader.take((m) => m.result.case === "leaseLost");
       expect(lost.result.case === "leaseLost" && lost.result.value.runId).toBe(leases[0]?.runId);
+      there.keep.abort();
+    });
+
+    it("a graceful shutdown ends the Keep stream UNAVAILABLE (its waiting acquire too); the keeper and its leases stay, and the client re-attaches elsewhere", async () => {
+      const other = await startServer(["--grpc-path", mode], {
+        limits: { ...defaultLimits, minTtlMs: 50 },
+      });
+      const accountId = account("shutdown");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId, grpcClient(other.url));
+      const [lease] = await acquireAll(keep, accountId, ["a"]);
+      const key = { accountId, sessionId: "busy" };
+      const blocker = await client.acquire({ key, ttl: ms(30_000) });
+      keep.send({ id: 50n, op: { case: "acquire", value: { key, wait: ms(30_000) } } });
+      await waitFor(() => other.streaming.waiters.stats.waiting > 0, {
+        what: "the stream's acquire to wait on the closing server",
+      });
+      await other.close();
+      await keep.reader.finished;
+      expect(keep.reader.error?.code).toBe(Code.Unavailable);
+      const there = await opened(accountId, 30_000, 0, keeperId);
+      expect(there.keeper.leases).toBe(1);
+      expect((await client.get({ key: lease?.key })).lease?.runId).toBe(lease?.runId);
+      await client.release({ key, runId: blocker.lease?.runId ?? "" });
       there.keep.abort();
     });
 

@@ -16,7 +16,7 @@ import {
   opsSettings,
   parseOpsConfig,
 } from "../../config/ops-config.js";
-import { ConfigError, readSettings, type Setting } from "../../config/settings.js";
+import { ConfigError, integerSetting, readSettings, type Setting } from "../../config/settings.js";
 import { defaultLimits, type Limits } from "../../lease/limits.js";
 import { parseStreamTuning, type StreamTuning, streamSettings } from "./stream-config.js";
 import { parseTracingConfig, type TracingConfig, tracingSettings } from "./tracing-config.js";
@@ -89,17 +89,7 @@ export function parseServerConfig(
     fallback: number,
     min: number,
     max: number,
-  ) => {
-    const text = read.get(name);
-    if (text === undefined) return fallback;
-    const n = Number(text);
-    if (!/^\d+$/.test(text.trim()) || !Number.isSafeInteger(n) || n < min || n > max) {
-      throw new ConfigError(
-        `--${name} (${serverSettings[name].env}) must be an integer from ${min} to ${max}, got ${JSON.stringify(text)}`,
-      );
-    }
-    return n;
-  };
+  ) => integerSetting(name, serverSettings[name], read.get(name), fallback, min, max);
   const host = parseHostConfig(read, leaseServerDefaults);
   const limits: Limits = {
     ...defaultLimits,

@@ -33,9 +33,7 @@ import { requestCheckKey } from "../../call/policy-interceptor.js";
 import { type Status, StatusSchema } from "../../gen/google/rpc/status_pb.js";
 import {
   type AcquireRequest,
-  AcquireResponseSchema,
   type GetRequest,
-  GetResponseSchema,
   HandoffRequestedSchema,
   type Keeper,
   KeeperHandoffRequestedSchema,
@@ -85,9 +83,10 @@ import type { ChangeFeed } from "../streams/change-feed.js";
 import type { Outlet } from "../streams/outlet.js";
 import type { Waiters } from "../streams/waiters.js";
 import {
+  acquireResponse,
   durationFromMicros,
   durationFromMillis,
-  leaseToProto,
+  getResponse,
   timestampFromMicros,
 } from "./convert.js";
 import { piped } from "./stream-service.js";
@@ -234,6 +233,8 @@ export class KeepSession {
   private closing = false;
   /** Fires at the keeper's deadline: a keeper not renewed by then is lost. */
   private deadlineTimer: NodeJS.Timeout | undefined;
+  /** The deadline the timer was armed for. */
+  private armedUs = 0n;
 
   constructor(
     private readonly deps: KeepServiceDeps,
@@ -439,11 +440,12 @@ export class KeepSession {
    * stream or, after a re-attach, another) is lost, and its stream is told
    * at once rather than at its next heartbeat.
    */
-  private armDeadline(expiresAtUs: bigint): void {
+  private armDeadline(expiresAtUs: bigint, atLeastMs = 1): void {
     const now = this.deps.databaseNowUs;
     if (now === undefined || this.closed) return;
     clearTimeout(this.deadlineTimer);
-    const waitMs = Math.max(1, Number(expiresAtUs - now()) / 1_000 + 1);
+    this.armedUs = expiresAtUs;
+    const waitMs = Math.max(atLeastMs, Number(expiresAtUs - now()) / 1_000 + 1);
     this.deadlineTimer = setTimeout(() => this.checkKeeper(), Math.min(waitMs, 2 ** 31 - 1));
   }
 
@@ -451,10 +453,15 @@ export class KeepSession {
   private checkKeeper(): void {
     const keeper = this.keeper;
     if (!keeper || this.closed || this.finishing) return;
+    const armedUs = this.armedUs;
     this.deps.keepers.status(keeper.accountId, keeper.id).then(
       (status) => {
-        if (status.valid) this.armDeadline(status.expiresAtUs);
-        else this.lose(0n, lossOfKeeper[status.cause], status.reason);
+        // The same deadline, not yet past on the database's own clock (this
+        // instance's estimate of it ran early): read again a little later,
+        // not in a loop.
+        if (status.valid) {
+          this.armDeadline(status.expiresAtUs, status.expiresAtUs === armedUs ? 25 : 1);
+        } else this.lose(0n, lossOfKeeper[status.cause], status.reason);
       },
       // The database could not say: asked again after a while (a heartbeat
       // may answer first).
@@ -585,15 +592,7 @@ export class KeepSession {
       id,
       result: {
         case: "acquire",
-        value: create(AcquireResponseSchema, {
-          acquired: result.acquired,
-          lease: result.acquired ? leaseToProto(result.lease) : undefined,
-          current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-          lockDelayUntil:
-            !result.acquired && result.lockDelayUntilUs !== undefined
-              ? timestampFromMicros(result.lockDelayUntilUs)
-              : undefined,
-        }),
+        value: acquireResponse(result),
       },
     });
   }
@@ -625,11 +624,7 @@ export class KeepSession {
       id,
       result: {
         case: "get",
-        value: create(GetResponseSchema, {
-          held: lease !== undefined,
-          lease: lease ? leaseToProto(lease) : undefined,
-          lockDelayUntil: delayUntil === undefined ? undefined : timestampFromMicros(delayUntil),
-        }),
+        value: getResponse(lease, delayUntil),
       },
     });
   }

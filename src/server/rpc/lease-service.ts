@@ -6,8 +6,6 @@ import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
 import {
-  AcquireResponseSchema,
-  GetResponseSchema,
   type LeaseService,
   ListResponseSchema,
   ReleaseResponseSchema,
@@ -28,7 +26,7 @@ import {
   checkWait,
 } from "../../lease/validation.js";
 import type { Waiters } from "../streams/waiters.js";
-import { leaseToProto, timestampFromMicros } from "./convert.js";
+import { acquireResponse, getResponse, leaseToProto } from "./convert.js";
 
 export interface LeaseServiceDeps {
   store: LeaseStore;
@@ -75,15 +73,7 @@ export function createLeaseService(
         deps.waiters && waitFor > 0
           ? await deps.waiters.acquire(input, waitFor, ctx.signal)
           : await store.acquire(input);
-      return create(AcquireResponseSchema, {
-        acquired: result.acquired,
-        lease: result.acquired ? leaseToProto(result.lease) : undefined,
-        current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-        lockDelayUntil:
-          !result.acquired && result.lockDelayUntilUs !== undefined
-            ? timestampFromMicros(result.lockDelayUntilUs)
-            : undefined,
-      });
+      return acquireResponse(result);
     },
 
     async renew(req) {
@@ -107,11 +97,7 @@ export function createLeaseService(
       const lease = await store.get(key);
       // K2: a key free of any valid lease may still be in its lock-delay.
       const delayUntil = lease === undefined ? await store.lockDelayUntil(key) : undefined;
-      return create(GetResponseSchema, {
-        held: lease !== undefined,
-        lease: lease ? leaseToProto(lease) : undefined,
-        lockDelayUntil: delayUntil === undefined ? undefined : timestampFromMicros(delayUntil),
-      });
+      return getResponse(lease, delayUntil);
     },
 
     async list(req) {
