@@ -10,7 +10,17 @@ from typing import Any
 
 import pytest
 
-from leasehold import AsyncHold, AsyncLeaseClient, Hold, LeaseClient, SessionKey
+from leasehold import (
+    AsyncHold,
+    AsyncKeeper,
+    AsyncKeeperHold,
+    AsyncLeaseClient,
+    Hold,
+    Keeper,
+    KeeperHold,
+    LeaseClient,
+    SessionKey,
+)
 from leasehold._client import rpc
 
 #: A blocking name whose asyncio twin has another name.
@@ -36,7 +46,12 @@ def is_async(member: Any) -> bool:
 
 
 def pairs() -> list[tuple[str, type[Any], type[Any]]]:
-    return [("client", LeaseClient, AsyncLeaseClient), ("hold", Hold, AsyncHold)]
+    return [
+        ("client", LeaseClient, AsyncLeaseClient),
+        ("hold", Hold, AsyncHold),
+        ("keeper", Keeper, AsyncKeeper),
+        ("keeper hold", KeeperHold, AsyncKeeperHold),
+    ]
 
 
 @pytest.fixture
@@ -44,11 +59,17 @@ def instances() -> dict[type[Any], object]:
     """One of each class, made without a call or an event loop."""
     client = LeaseClient(ADDRESS)
     aclient = AsyncLeaseClient(ADDRESS)
+    keeper = client.keeper("acct", ttl=3)
+    akeeper = aclient.keeper("acct", ttl=3)
     return {
         LeaseClient: client,
         AsyncLeaseClient: aclient,
         Hold: client.hold(SessionKey("acct", "parity")),
         AsyncHold: aclient.hold(SessionKey("acct", "parity")),
+        Keeper: keeper,
+        AsyncKeeper: akeeper,
+        KeeperHold: keeper.hold(SessionKey("acct", "parity")),
+        AsyncKeeperHold: akeeper.hold(SessionKey("acct", "parity")),
     }
 
 

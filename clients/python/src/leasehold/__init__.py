@@ -5,8 +5,8 @@ from ._client import HoldOptions
 from ._core import KeepAliveEvent
 from ._metadata import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from ._tls import ClientTls
-from .aio import AsyncHold, AsyncLeaseClient
-from .client import Hold, LeaseClient
+from .aio import AsyncHold, AsyncKeeper, AsyncKeeperHold, AsyncLeaseClient
+from .client import Hold, Keeper, KeeperHold, LeaseClient
 from .errors import (
     CanceledError,
     DeadlineExceededError,
@@ -34,6 +34,7 @@ from .types import (
     Lease,
     ListResult,
     ReleaseFailure,
+    RevokeKeeperResult,
     RevokeResult,
     SessionKey,
     Snapshot,
@@ -45,6 +46,8 @@ __all__ = [
     "SESSION_ID_HEADER",
     "AcquireResult",
     "AsyncHold",
+    "AsyncKeeper",
+    "AsyncKeeperHold",
     "AsyncLeaseClient",
     "CanceledError",
     "CheckFenceResult",
@@ -59,6 +62,8 @@ __all__ = [
     "HoldOptions",
     "InvalidArgumentError",
     "KeepAliveEvent",
+    "Keeper",
+    "KeeperHold",
     "LateGrantError",
     "Lease",
     "LeaseClient",
@@ -70,6 +75,7 @@ __all__ = [
     "PermissionDeniedError",
     "ReleaseFailure",
     "ResourceExhaustedError",
+    "RevokeKeeperResult",
     "RevokeResult",
     "SessionKey",
     "Snapshot",

@@ -43,7 +43,6 @@ from ._core import (
     LeaseTiming,
     OnEnd,
     OnMessage,
-    Runtime,
     SendAcquire,
     Stream,
     Timer,
@@ -53,8 +52,10 @@ from ._core import (
 )
 from ._failover import Answered, Pause, Send, failover_flow
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._keeper import KeeperCore, KeeperLease, KeepStream, OnKeepEnd, OnKeepMessage
 from ._metadata import Auth, Metadata, Token, fencing_metadata
 from ._tls import ClientTls, credentials_of
+from .errors import DeadlineExceededError, LeaseholdError, LeaseLostError
 from .types import (
     CheckFenceResult,
     GetResult,
@@ -64,6 +65,7 @@ from .types import (
     Lease,
     ListResult,
     ReleaseFailure,
+    RevokeKeeperResult,
     RevokeResult,
     SessionKey,
     acquire_result,
@@ -79,6 +81,7 @@ from .types import (
     normalize_run_id,
     release_result,
     renew_result,
+    revoke_keeper_result,
     revoke_result,
     seconds,
 )
@@ -102,6 +105,8 @@ Response = TypeVar("Response")
 Result = TypeVar("Result")
 P = ParamSpec("P")
 HoldT = TypeVar("HoldT", bound="BaseHold")
+KeeperT = TypeVar("KeeperT", bound="BaseKeeper[Any]")
+KeeperHoldT = TypeVar("KeeperHoldT", bound="BaseKeeperHold")
 
 
 class HoldOptions(TypedDict, total=False):
@@ -122,6 +127,8 @@ class ClientRuntime:
 
     call_later: Callable[[float, Callable[[], None]], Timer]
     open_stream: Callable[[str, OnMessage, OnEnd], Stream]
+    #: A Keep stream (a keeper's), over a fresh connection as a KeepAlive stream's.
+    open_keep: Callable[[str, OnKeepMessage, OnKeepEnd], KeepStream]
 
     def now(self) -> float:
         return time.monotonic()
@@ -199,7 +206,7 @@ class rpc(Generic[P, Result]):
         self.__doc__ = describe.__doc__
         self.__name__ = describe.__name__
 
-        def unbound(client: BaseClient[Any], *args: Any, **kwargs: Any) -> Any:
+        def unbound(client: BaseClient[Any, Any], *args: Any, **kwargs: Any) -> Any:
             return client._bind(describe)(*args, **kwargs)
 
         # Read on the class (help(), inspect), an unbound method's parameters.
@@ -216,7 +223,7 @@ class rpc(Generic[P, Result]):
         self, client: AsyncLeaseClient, owner: type[Any]
     ) -> Callable[P, Coroutine[Any, Any, Result]]: ...
 
-    def __get__(self, client: BaseClient[Any] | None, owner: type[Any]) -> Any:
+    def __get__(self, client: BaseClient[Any, Any] | None, owner: type[Any]) -> Any:
         if client is None:
             return self._unbound
         signature = inspect.signature(functools.partial(self.describe, client))
@@ -236,10 +243,11 @@ def _presented(
     return method
 
 
-class BaseClient(Generic[HoldT]):
+class BaseClient(Generic[HoldT, KeeperT]):
     """The no-I/O half of ``LeaseClient`` and ``AsyncLeaseClient``."""
 
     _hold_type: type[HoldT]
+    _keeper_type: type[KeeperT]
 
     def __init__(
         self,
@@ -263,6 +271,7 @@ class BaseClient(Generic[HoldT]):
         self._preferred = 0
         self._closed = False
         self._holds: set[HoldT] = set()
+        self._keepers: set[KeeperT] = set()
         self._runtime = self._open_runtime()
         self._keepalive = KeepAliveChannel(
             self._runtime,
@@ -277,7 +286,7 @@ class BaseClient(Generic[HoldT]):
 
     # The I/O half's hooks
 
-    def _open_runtime(self) -> Runtime:
+    def _open_runtime(self) -> ClientRuntime:
         """Sets up the client's own I/O state; the runtime its KeepAlive
         channel and holds run on (clock, timers, streams)."""
         raise NotImplementedError
@@ -294,13 +303,15 @@ class BaseClient(Generic[HoldT]):
         """A channel to ``address`` (``grpc``'s, or ``grpc.aio``'s)."""
         raise NotImplementedError
 
-    def _open_keepalive(self, address: str, requests: Any) -> tuple[Any, Any]:
-        """A KeepAlive stream of ``requests`` over a fresh channel: the channel and the call."""
+    def _open_keepalive(
+        self, address: str, requests: Any, method: str = "KeepAlive"
+    ) -> tuple[Any, Any]:
+        """A KeepAlive (or a keeper's Keep) stream of ``requests`` over a
+        fresh channel: the channel and the call."""
         metadata = self._auth.metadata()
         channel = self._make_channel(address, fresh=True)
-        return channel, lease_pb2_grpc.LeaseServiceStub(channel).KeepAlive(
-            requests, metadata=metadata
-        )
+        stub = lease_pb2_grpc.LeaseServiceStub(channel)
+        return channel, getattr(stub, method)(requests, metadata=metadata)
 
     def _channel_options(self, fresh: bool) -> list[tuple[str, Any]]:
         """The channel's options; ``fresh``: a connection of its own (a KeepAlive stream's)."""
@@ -447,6 +458,28 @@ class BaseClient(Generic[HoldT]):
         request = lease_pb2.RevokeRequest(key=as_key(key).to_proto(), reason=reason)
         return Call("Revoke", lambda stub: stub.Revoke, request, revoke_result, _limit(timeout))
 
+    @rpc
+    def revoke_keeper(
+        self,
+        account_id: str,
+        keeper_id: str,
+        *,
+        reason: str,
+        timeout: timedelta | float | None = None,
+    ) -> Call[lease_pb2.RevokeKeeperRequest, lease_pb2.RevokeKeeperResponse, RevokeKeeperResult]:
+        """Ends a keeper and every lease on it, whatever its holder (admin
+        scope; audited; no lock-delay)."""
+        request = lease_pb2.RevokeKeeperRequest(
+            account_id=account_id, keeper_id=keeper_id, reason=reason
+        )
+        return Call(
+            "RevokeKeeper",
+            lambda stub: stub.RevokeKeeper,
+            request,
+            revoke_keeper_result,
+            _limit(timeout),
+        )
+
     def _watch_request(self, key: SessionKey, include_renewals: bool) -> lease_pb2.WatchRequest:
         return lease_pb2.WatchRequest(key=as_key(key).to_proto(), include_renewals=include_renewals)
 
@@ -475,6 +508,38 @@ class BaseClient(Generic[HoldT]):
             normalize_run_id(run_id),
         )
 
+    def keeper(
+        self,
+        account_id: str,
+        *,
+        ttl: timedelta | float,
+        lock_delay: timedelta | float = 0,
+        holder: str | None = None,
+        keeper_id: str | None = None,
+    ) -> KeeperT:
+        """A keeper for a ``with`` block (``async with`` for the asyncio
+        client): one Keep stream whose heartbeat (every ``ttl``/3) keeps
+        every lease held on it (``k.hold(key)``); leaving the block closes
+        it, releasing them all. ``lock_delay``: after the keeper *expires*,
+        none of its keys is granted to another run before it has passed
+        (K2). ``keeper_id``: a UUID (a new one when None). See :class:`Keeper`."""
+        ttl_s = seconds("ttl", ttl)
+        if ttl_s is None or not ttl_s > 0:
+            raise ValueError(f"ttl must be a positive duration, got {ttl!r}")
+        delay = seconds("lock_delay", lock_delay) or 0.0
+        if delay < 0:
+            raise ValueError(f"lock_delay must be at least 0, got {lock_delay!r}")
+        if not account_id:
+            raise ValueError("account_id must not be empty")
+        return self._keeper_type(
+            self,
+            account_id,
+            lease_timing(ttl_s, None, ttl_s * KEEPER_HEARTBEAT_FRACTION),
+            delay,
+            holder or "",
+            normalize_run_id(keeper_id),
+        )
+
     @staticmethod
     def _release_failures(holds: Sequence[BaseHold]) -> builtins.list[ReleaseFailure]:
         """What ``close()`` returns: the holds whose release failed."""
@@ -491,6 +556,10 @@ class BaseClient(Generic[HoldT]):
             return self._keepalive.open_streams
 
 
+#: A keeper heartbeats every third of its TTL (docs/keepers.md).
+KEEPER_HEARTBEAT_FRACTION = 1 / 3
+
+
 def _limit(timeout: timedelta | float | None) -> float | None:
     return seconds("timeout", timeout)
 
@@ -499,6 +568,20 @@ class _Flag(Protocol):
     def set(self) -> None: ...
 
     def is_set(self) -> bool: ...
+
+
+class _LeaseState(Protocol):
+    """What a hold's body reads: a lease of its own (``HoldCore``) or one
+    on a keeper (``KeeperLease``)."""
+
+    @property
+    def lease(self) -> lease_pb2.Lease: ...
+
+    def loss_reason(self) -> str | None: ...
+
+    def remaining(self) -> float: ...
+
+    def check(self) -> None: ...
 
 
 class BaseHold:
@@ -512,7 +595,7 @@ class BaseHold:
 
     def __init__(
         self,
-        client: BaseClient[Any],
+        client: BaseClient[Any, Any],
         key: SessionKey,
         timing: LeaseTiming,
         wait: float,
@@ -630,10 +713,15 @@ class BaseHold:
 
     # For the body
 
-    def _state(self) -> HoldCore:
-        if self._core is None:
-            raise RuntimeError(f"the lease is not held yet: use `{self._usage}`")
+    def _held(self) -> _LeaseState | None:
+        """What the body's accessors read: the hold's own lease state."""
         return self._core
+
+    def _state(self) -> _LeaseState:
+        state = self._held()
+        if state is None:
+            raise RuntimeError(f"the lease is not held yet: use `{self._usage}`")
+        return state
 
     @property
     def lease(self) -> Lease:
@@ -685,3 +773,197 @@ class BaseHold:
     def fencing_headers(self) -> dict[str, str]:
         """The three fencing headers for an HTTP client (raises once lost)."""
         return dict(self.fencing_metadata())
+
+
+class BaseKeeper(Generic[KeeperHoldT]):
+    """The no-I/O half of ``Keeper`` and ``AsyncKeeper``: its settings, its
+    state, and what the body reads, each behind the client's guard."""
+
+    lost: _Flag
+    #: How a body enters the keeper, for the error of a keeper not entered yet.
+    _usage = "with client.keeper(account_id, ttl=…) as k"
+
+    def __init__(
+        self,
+        client: BaseClient[Any, Any],
+        account_id: str,
+        timing: LeaseTiming,
+        lock_delay: float,
+        holder: str,
+        keeper_id: str,
+    ) -> None:
+        self._client = client
+        self.account_id = account_id
+        #: The keeper's id: chosen here, so a re-attach names the same keeper.
+        self.keeper_id = keeper_id
+        self.holder = holder
+        self.ttl = timedelta(seconds=timing.ttl)
+        self.lock_delay = timedelta(seconds=lock_delay)
+        self._timing = timing
+        self._core: KeeperCore | None = None
+        self._finished = False
+        #: Set when the keeper is lost (expired, revoked, its local deadline
+        #: passed): every lease on it is lost at that moment too.
+        self.lost = self._new_flag()
+        #: Why closing the keeper failed, when it did (its leases then end
+        #: at its deadline, and its lock-delay applies).
+        self.close_error: Exception | None = None
+        self._holds: set[BaseHold] = set()
+
+    def _new_flag(self) -> _Flag:
+        raise NotImplementedError
+
+    def _make_core(self) -> KeeperCore:
+        client = self._client
+        self._core = KeeperCore(
+            client._runtime,
+            client.addresses,
+            account_id=self.account_id,
+            keeper_id=self.keeper_id,
+            holder=self.holder,
+            timing=self._timing,
+            lock_delay=self.lock_delay.total_seconds(),
+            notify=self._on_lost,
+            refreshable_token=client._keepalive.refreshable_token,
+        )
+        return self._core
+
+    def _on_lost(self, reason: str, message: str) -> None:
+        self.lost.set()
+
+    def _closing(self) -> KeeperCore | None:
+        """The keeper is being closed: its core (None when never opened or
+        closed already); its holds end without a release of their own."""
+        with self._client._guard():
+            if self._finished or self._core is None:
+                return None
+            self._finished = True
+            self._client._keepers.discard(self)
+            for h in list(self._holds):
+                h._finished = True
+            self._holds.clear()
+            return self._core
+
+    def _close_failed(self, error: Exception) -> None:
+        self.close_error = error
+        log.warning("leasehold: close of keeper %s failed: %s", self.keeper_id, error)
+
+    # For the body
+
+    def _state(self) -> KeeperCore:
+        if self._core is None:
+            raise RuntimeError(f"the keeper is not open yet: use `{self._usage}`")
+        return self._core
+
+    @property
+    def loss_reason(self) -> str | None:
+        """Why the keeper was lost (``expired``, ``revoked``, ``deadline``,
+        ``renewal_failed``, …), or None."""
+        with self._client._guard():
+            core = self._state()
+            core.check_deadline()
+            return core.loss[0] if core.loss else None
+
+    @property
+    def heartbeats(self) -> int:
+        """Heartbeats sent so far (each re-attach counts as one)."""
+        with self._client._guard():
+            return self._state().heartbeats_sent
+
+    def remaining(self) -> timedelta:
+        """Time to the keeper's local deadline, read from the monotonic clock now."""
+        with self._client._guard():
+            return timedelta(seconds=self._state().remaining())
+
+    def check(self) -> None:
+        """Raises LeaseLostError when the keeper is lost or its local
+        deadline has passed (read from the clock now)."""
+        with self._client._guard():
+            core = self._state()
+            core.check_deadline()
+            if core.loss is not None:
+                raise LeaseLostError(core.loss[1], core.loss[0])
+
+    def hold(
+        self,
+        key: SessionKey,
+        *,
+        wait: timedelta | float | None = None,
+        holder: str | None = None,
+        run_id: str | None = None,
+    ) -> KeeperHoldT:
+        """A lease held on this keeper for a ``with`` block (``async with``
+        for the asyncio client), with the API of :meth:`LeaseClient.hold`:
+        acquired on entry (over the keeper's stream), kept by the keeper's
+        heartbeat, released on exit (never after loss). Lost when the
+        keeper is lost or its local deadline passes, or when the lease alone
+        is revoked."""
+        return self._hold_type(
+            self,
+            as_key(key),
+            seconds("wait", wait) or 0.0,
+            holder if holder is not None else self.holder,
+            normalize_run_id(run_id),
+        )
+
+    _hold_type: type[KeeperHoldT]
+
+
+class BaseKeeperHold(BaseHold):
+    """The no-I/O half of ``KeeperHold`` and ``AsyncKeeperHold``."""
+
+    def __init__(
+        self, keeper: BaseKeeper[Any], key: SessionKey, wait: float, holder: str, run_id: str
+    ) -> None:
+        super().__init__(keeper._client, key, keeper._timing, wait, holder, run_id)
+        self._keeper = keeper
+        self._lease: KeeperLease | None = None
+
+    def _held(self) -> _LeaseState | None:
+        return self._lease
+
+    def _acquire_timeout(self) -> float:
+        return self._wait + self._client._timeout
+
+    def _adopt(self, answer: KeeperLease | LeaseholdError | None) -> None:
+        """The acquire's answer (None: none came in time): the lease is held
+        from now on, or its error raised. Called with the client's guard held."""
+        if answer is None:
+            raise DeadlineExceededError(
+                f"no answer to the keeper's Acquire within {self._acquire_timeout():.1f}s",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        if isinstance(answer, LeaseholdError):
+            raise answer
+        self._lease = answer
+        self.fencing_token = answer.lease.fencing_token
+        answer.notify = self._on_lost
+        answer.on_handoff = self._on_handoff
+        self._keeper._holds.add(self)
+        if answer.loss is not None:
+            # Lost between its grant and now (the keeper's deadline, a revoke).
+            self._on_lost(*answer.loss)
+
+    def _ending(self, done: Callable[[Any], None]) -> bool:
+        """The hold is ending: True when its Release was sent (``done`` gets
+        the answer); False when there is nothing to send (lost, the keeper
+        ended, or ended already)."""
+        with self._client._guard():
+            if self._finished or self._lease is None:
+                return False
+            self._finished = True
+            self._keeper._holds.discard(self)
+            return self._lease.keeper.release(self._lease, done)
+
+    def _released(self, answer: Any) -> None:
+        """The Release's answer (None: none came in time)."""
+        if answer is None:
+            self._release_failed(
+                DeadlineExceededError(
+                    "no answer to the keeper's Release", grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+            )
+        elif isinstance(answer, Exception):
+            self._release_failed(answer)
+        else:
+            self.released = bool(answer.release.released)

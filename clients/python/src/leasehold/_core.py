@@ -46,6 +46,7 @@ from .types import (
     loss_cause,
     seconds,
     seconds_of,
+    timestamp_from,
 )
 
 DEFAULT_MARGIN_FRACTION = 0.1
@@ -121,13 +122,22 @@ def grant_of(
     """The grant in an Acquire's answer; NotAcquiredError naming the holder
     when the session is held by another run."""
     if not response.acquired or not response.HasField("lease"):
-        current = lease_from(response.current) if response.HasField("current") else None
-        raise NotAcquiredError(
-            f"session {key.account_id}/{key.session_id} is held by {describe_holder(current)}",
-            current,
-        )
+        raise not_acquired(key, response)
     deadline = local_deadline(sent_at, response.lease, margin)
     return Grant(response.lease, deadline, arrived >= deadline, arrived - sent_at)
+
+
+def not_acquired(key: SessionKey, response: lease_pb2.AcquireResponse) -> NotAcquiredError:
+    """A refused Acquire as its error: the lease that blocks it, or, for a
+    key of an expired keeper, until when its lock-delay runs (K2)."""
+    current = lease_from(response.current) if response.HasField("current") else None
+    until = timestamp_from(response.lock_delay_until, response.HasField("lock_delay_until"))
+    name = f"session {key.account_id}/{key.session_id}"
+    if until is not None and current is None:
+        message = f"{name} is in its lock-delay until {until.isoformat()}"
+    else:
+        message = f"{name} is held by {describe_holder(current)}"
+    return NotAcquiredError(message, current, lock_delay_until=until)
 
 
 def describe_holder(lease: Lease | None) -> str:

@@ -24,13 +24,27 @@ from typing import TYPE_CHECKING, Any, TypeVar, Unpack, cast
 import grpc
 import grpc.aio
 
-from ._client import BaseClient, BaseHold, Call, ClientRuntime, HoldOptions
-from ._core import Grant, OnEnd, OnMessage, SendAcquire, SendRelease, acquire_flow
+from ._client import (
+    BaseClient,
+    BaseHold,
+    BaseKeeper,
+    BaseKeeperHold,
+    Call,
+    ClientRuntime,
+    HoldOptions,
+)
+from ._core import Grant, OnEnd, SendAcquire, SendRelease, acquire_flow
 from ._failover import Pause, Send
 from ._flow import drive_async
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from ._tls import TlsCredentials
-from .errors import LeaseholdError, UnavailableError, from_rpc_error
+from .errors import (
+    DeadlineExceededError,
+    LeaseholdError,
+    LeaseLostError,
+    UnavailableError,
+    from_rpc_error,
+)
 from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
 
 if TYPE_CHECKING:
@@ -47,19 +61,26 @@ def _call_later(delay: float, fn: Callable[[], None]) -> asyncio.TimerHandle:
 
 
 class _AioStream:
-    """A KeepAlive stream over a fresh channel, read by a task of its own."""
+    """A KeepAlive stream (or a keeper's Keep stream: ``method``) over a
+    fresh channel, read by a task of its own."""
 
     def __init__(
-        self, client: AsyncLeaseClient, address: str, on_message: OnMessage, on_end: OnEnd
+        self,
+        client: AsyncLeaseClient,
+        address: str,
+        on_message: Callable[[Any], None],
+        on_end: OnEnd,
+        *,
+        method: str = "KeepAlive",
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[lease_pb2.KeepAliveRequest | None] = asyncio.Queue()
-        self._channel, self._call = client._open_keepalive(address, self._requests())
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._channel, self._call = client._open_keepalive(address, self._requests(), method)
         self._on_message = on_message
         self._on_end = on_end
         self._task = self._loop.create_task(self._read())
 
-    async def _requests(self) -> AsyncIterator[lease_pb2.KeepAliveRequest]:
+    async def _requests(self) -> AsyncIterator[Any]:
         while True:
             item = await self._queue.get()
             if item is None:
@@ -81,7 +102,7 @@ class _AioStream:
             await self._channel.close(None)
         self._on_end(error)
 
-    def send(self, request: lease_pb2.KeepAliveRequest) -> None:
+    def send(self, request: Any) -> None:
         self._queue.put_nowait(request)
 
     def close(self) -> None:
@@ -168,7 +189,151 @@ class AsyncHold(BaseHold):
             self._task.cancel()
 
 
-class AsyncLeaseClient(BaseClient[AsyncHold]):
+def _answer() -> tuple[asyncio.Future[Any], Callable[[Any], None]]:
+    """A future and the callback that sets it once (from the event loop)."""
+    future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def settle(value: Any) -> None:
+        if not future.done():
+            future.set_result(value)
+
+    return future, settle
+
+
+async def _within(future: asyncio.Future[Any], seconds: float) -> Any:
+    """The future's value, or None when it has none within ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await asyncio.shield(future)
+    except TimeoutError:
+        return future.result() if future.done() else None
+
+
+async def _run_in_task(h: AsyncHold, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Runs ``await fn(h)`` in a task cancelled the moment the lease is
+    lost; then raises LeaseLostError."""
+    task = asyncio.ensure_future(fn(h))
+    h._task = task
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if h.lost.is_set():
+            h.check()  # raises LeaseLostError with the reason
+        raise
+    finally:
+        h._task = None
+    h.check()
+    return result
+
+
+class AsyncKeeperHold(BaseKeeperHold, AsyncHold):
+    """A lease held on a keeper (``async with keeper.hold(key) as h``); see
+    :class:`leasehold.KeeperHold`. ``lost`` is an ``asyncio.Event``, and the
+    keeper's ``run_exclusive`` cancels its task the moment it is set.
+    """
+
+    _keeper: AsyncKeeper
+    _usage = "async with keeper.hold(key) as h"
+
+    async def __aenter__(self) -> AsyncKeeperHold:
+        future, settle = _answer()
+        keeper = self._keeper._state()
+        give_up = keeper.acquire(self.key, self.run_id, self._wait, self.holder, settle)
+        try:
+            answer = await _within(future, self._acquire_timeout())
+        except asyncio.CancelledError:
+            give_up()
+            raise
+        if answer is None:
+            give_up()
+        self._adopt(answer)
+        return self
+
+    async def _finish(self) -> None:
+        future, settle = _answer()
+        if self._ending(settle):
+            self._released(await _within(future, self._release_timeout()))
+
+
+class AsyncKeeper(BaseKeeper[AsyncKeeperHold]):
+    """A keeper (``async with client.keeper(account_id, ttl=…) as k``); see
+    :class:`leasehold.Keeper`. ``lost`` is an ``asyncio.Event``.
+    """
+
+    _client: AsyncLeaseClient
+    lost: asyncio.Event
+    _hold_type = AsyncKeeperHold
+    _usage = "async with client.keeper(account_id, ttl=…) as k"
+
+    def _new_flag(self) -> asyncio.Event:
+        return asyncio.Event()
+
+    async def __aenter__(self) -> AsyncKeeper:
+        if self._core is not None:
+            raise RuntimeError("a keeper is entered once")
+        future, settle = _answer()
+        core = self._make_core()
+        core.start(settle)
+        try:
+            result = await _within(future, self._client._timeout)
+        except asyncio.CancelledError:
+            core.abandon(UnavailableError("the keeper's open was cancelled"))
+            raise
+        if result is None:
+            result = UnavailableError(
+                f"no server answered the keeper's open within {self._client._timeout:.1f}s"
+            )
+            core.abandon(result)
+        if isinstance(result, Exception):
+            raise result
+        self._client._keepers.add(self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def run_exclusive(
+        self,
+        key: SessionKey,
+        fn: Callable[[AsyncKeeperHold], Awaitable[T]],
+        *,
+        wait: timedelta | float | None = None,
+        holder: str | None = None,
+        run_id: str | None = None,
+    ) -> T:
+        """Runs ``fn(hold)`` while holding the lease on this keeper, as
+        :meth:`LeaseClient.run_exclusive` does (in the asyncio client, in a
+        task cancelled the moment the lease is lost)."""
+        async with self.hold(key, wait=wait, holder=holder, run_id=run_id) as h:
+            return await _run_in_task(h, fn)
+
+    async def close(self) -> None:
+        """Releases every lease on the keeper and ends it (no lock-delay);
+        nothing is sent for a lost keeper. A failure is logged and kept in
+        ``close_error``: the keeper then ends at its deadline."""
+        core = self._closing()
+        if core is None:
+            return
+        future, settle = _answer()
+        core.close(settle)
+        try:
+            result = await _within(future, self._client._timeout)
+        finally:
+            core.abandon(UnavailableError("the keeper was closed"))
+        if result is None:
+            result = DeadlineExceededError(
+                "no answer to the keeper's close", grpc.StatusCode.DEADLINE_EXCEEDED
+            )
+        if isinstance(result, Exception) and not isinstance(result, LeaseLostError):
+            self._close_failed(result)
+
+
+class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper]):
     """An asyncio client of ``leasehold.v1.LeaseService``; see :class:`LeaseClient`.
 
     Make and use it inside one running event loop. ``token`` is a string or a
@@ -176,6 +341,7 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
     """
 
     _hold_type = AsyncHold
+    _keeper_type = AsyncKeeper
 
     def _open_runtime(self) -> ClientRuntime:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -183,7 +349,11 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
         self._stubs: dict[str, LeaseServiceAsyncStub] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        return ClientRuntime(_call_later, functools.partial(_AioStream, self))
+        return ClientRuntime(
+            _call_later,
+            functools.partial(_AioStream, self),
+            functools.partial(_AioStream, self, method="Keep"),
+        )
 
     def _guard(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
@@ -300,24 +470,15 @@ class AsyncLeaseClient(BaseClient[AsyncHold]):
         ``hold()`` takes them), in a task that is cancelled the moment the
         lease is lost; then raises LeaseLostError."""
         async with self.hold(key, **options) as h:
-            task = asyncio.ensure_future(fn(h))
-            h._task = task
-            try:
-                result = await task
-            except asyncio.CancelledError:
-                if h.lost.is_set():
-                    h.check()  # raises LeaseLostError with the reason
-                raise
-            finally:
-                h._task = None
-            h.check()
-            return result
+            return await _run_in_task(h, fn)
 
     async def close(self) -> builtins.list[ReleaseFailure]:
         """Releases every lease still held (not lost) and closes the
         connections. Returns the releases that failed (also logged)."""
         if self._closed:
             return []
+        for k in builtins.list(self._keepers):
+            await k.close()
         holds = builtins.list(self._holds)
         for h in holds:
             await h._finish()

@@ -21,13 +21,28 @@ from typing import Any, TypeVar, Unpack
 
 import grpc
 
-from ._client import BaseClient, BaseHold, Call, ClientRuntime, HoldOptions, log
-from ._core import Grant, OnEnd, OnMessage, SendAcquire, SendRelease, acquire_flow
+from ._client import (
+    BaseClient,
+    BaseHold,
+    BaseKeeper,
+    BaseKeeperHold,
+    Call,
+    ClientRuntime,
+    HoldOptions,
+    log,
+)
+from ._core import Grant, OnEnd, SendAcquire, SendRelease, acquire_flow
 from ._failover import Pause, Send
 from ._flow import drive
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from ._tls import TlsCredentials
-from .errors import LeaseholdError, UnavailableError, from_rpc_error
+from .errors import (
+    DeadlineExceededError,
+    LeaseholdError,
+    LeaseLostError,
+    UnavailableError,
+    from_rpc_error,
+)
 from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
 
 T = TypeVar("T")
@@ -114,19 +129,27 @@ class _Scheduler:
 
 
 class _ThreadStream:
-    """A KeepAlive stream over a fresh channel, read on a thread of its own."""
+    """A KeepAlive stream (or a keeper's Keep stream: ``method``) over a
+    fresh channel, read on a thread of its own."""
 
     def __init__(
-        self, client: LeaseClient, address: str, on_message: OnMessage, on_end: OnEnd
+        self,
+        client: LeaseClient,
+        address: str,
+        on_message: Callable[[Any], None],
+        on_end: OnEnd,
+        *,
+        method: str = "KeepAlive",
     ) -> None:
         self._client = client
-        self._queue: queue.SimpleQueue[lease_pb2.KeepAliveRequest | None] = queue.SimpleQueue()
-        self._channel, self._call = client._open_keepalive(address, self._requests())
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._channel, self._call = client._open_keepalive(address, self._requests(), method)
         self._on_message = on_message
         self._on_end = on_end
-        threading.Thread(target=self._read, name="leasehold-keepalive", daemon=True).start()
+        name = f"leasehold-{method.lower()}"
+        threading.Thread(target=self._read, name=name, daemon=True).start()
 
-    def _requests(self) -> Iterator[lease_pb2.KeepAliveRequest]:
+    def _requests(self) -> Iterator[Any]:
         while True:
             item = self._queue.get()
             if item is None:
@@ -150,7 +173,7 @@ class _ThreadStream:
         with lock:
             self._on_end(error)
 
-    def send(self, request: lease_pb2.KeepAliveRequest) -> None:
+    def send(self, request: Any) -> None:
         self._queue.put(request)
 
     def close(self) -> None:
@@ -230,7 +253,149 @@ class Hold(BaseHold):
             self.released = self._send_release()
 
 
-class LeaseClient(BaseClient[Hold]):
+class _Answer:
+    """One answer a blocking caller waits for, set from a client thread."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        if not self._event.is_set():
+            self.value = value
+            self._event.set()
+
+    def wait(self, timeout: float) -> Any:
+        """The answer, or None when none came within ``timeout``."""
+        return self.value if self._event.wait(timeout) else None
+
+
+class KeeperHold(BaseKeeperHold, Hold):
+    """A lease held on a keeper (``with keeper.hold(key) as h``), with the
+    API of :class:`Hold`: acquired on the keeper's stream with a
+    client-chosen run id, kept by the keeper's heartbeat (no renewal of its
+    own), ``lost`` set the moment the keeper is lost, its local deadline
+    passes, or the lease alone is revoked. Leaving releases it, unless it
+    was lost.
+    """
+
+    _keeper: Keeper
+    _usage = "with keeper.hold(key) as h"
+
+    def __enter__(self) -> KeeperHold:
+        answer = _Answer()
+        with self._client._lock:
+            keeper = self._keeper._state()
+            give_up = keeper.acquire(self.key, self.run_id, self._wait, self.holder, answer.set)
+        answer.wait(self._acquire_timeout())
+        with self._client._lock:
+            if answer.value is None:
+                give_up()
+            self._adopt(answer.value)
+        return self
+
+    def _finish(self) -> None:
+        answer = _Answer()
+        if self._ending(answer.set) and not _on_thread_of(self._client):
+            # Ended from a client callback (a handoff listener), this thread
+            # is the one that would read the answer: the Release is sent,
+            # not waited for.
+            self._released(answer.wait(self._release_timeout()))
+
+
+class Keeper(BaseKeeper[KeeperHold]):
+    """A keeper (``with client.keeper(account_id, ttl=…) as k``): one Keep
+    stream whose heartbeat, every third of ``ttl``, keeps every lease held
+    on it (``k.hold(key)``), whatever their number.
+
+    Its local deadline (L2) is each heartbeat's monotonic send time + the
+    ``remaining`` the database answered − a margin (TTL/10); it only moves
+    later, and an answer after it has passed does not revive it. ``lost`` is
+    set, with every hold's, the moment the server says the keeper ended
+    (expired, revoked) or the deadline passes. A stream that fails, ends or
+    leaves a heartbeat unanswered for one heartbeat interval re-attaches to
+    the same keeper over the next address, every lease kept. Leaving the
+    block closes it: every lease on it is released (no lock-delay).
+    """
+
+    _client: LeaseClient
+    lost: threading.Event
+    _hold_type = KeeperHold
+
+    def _new_flag(self) -> threading.Event:
+        return threading.Event()
+
+    def __enter__(self) -> Keeper:
+        answer = _Answer()
+        with self._client._lock:
+            if self._core is not None:
+                raise RuntimeError("a keeper is entered once")
+            core = self._make_core()
+            core.start(answer.set)
+        answer.wait(self._client._timeout)
+        with self._client._lock:
+            result = answer.value
+            if result is None:
+                result = UnavailableError(
+                    f"no server answered the keeper's open within {self._client._timeout:.1f}s"
+                )
+                core.abandon(result)
+            if isinstance(result, Exception):
+                raise result
+            self._client._keepers.add(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def run_exclusive(
+        self,
+        key: SessionKey,
+        fn: Callable[[KeeperHold], T],
+        *,
+        wait: timedelta | float | None = None,
+        holder: str | None = None,
+        run_id: str | None = None,
+    ) -> T:
+        """Runs ``fn(hold)`` while holding the lease on this keeper, as
+        :meth:`LeaseClient.run_exclusive` does (in the asyncio client, in a
+        task cancelled the moment the lease is lost)."""
+        with self.hold(key, wait=wait, holder=holder, run_id=run_id) as h:
+            result = fn(h)
+            h.check()
+            return result
+
+    def close(self) -> None:
+        """Releases every lease on the keeper and ends it (no lock-delay);
+        nothing is sent for a lost keeper. A failure is logged and kept in
+        ``close_error``: the keeper then ends at its deadline."""
+        core = self._closing()
+        if core is None:
+            return
+        answer = _Answer()
+        with self._client._lock:
+            core.close(answer.set)
+        if _on_thread_of(self._client):
+            # Closed from a client callback: this thread would read the
+            # answer; the close is sent, not waited for.
+            return
+        result = answer.wait(self._client._timeout)
+        with self._client._lock:
+            if result is None:
+                result = DeadlineExceededError(
+                    "no answer to the keeper's close", grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+            core.abandon(UnavailableError("the keeper was closed"))
+        if isinstance(result, Exception) and not isinstance(result, LeaseLostError):
+            self._close_failed(result)
+
+
+class LeaseClient(BaseClient[Hold, Keeper]):
     """A blocking client of ``leasehold.v1.LeaseService``.
 
     ``addresses`` is one ``host:port`` or several instances of one server
@@ -245,6 +410,7 @@ class LeaseClient(BaseClient[Hold]):
     """
 
     _hold_type = Hold
+    _keeper_type = Keeper
 
     def _open_runtime(self) -> ClientRuntime:
         self._lock = threading.RLock()
@@ -252,7 +418,11 @@ class LeaseClient(BaseClient[Hold]):
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, lease_pb2_grpc.LeaseServiceStub] = {}
         self._background: set[threading.Thread] = set()
-        return ClientRuntime(self._scheduler.call_later, functools.partial(_ThreadStream, self))
+        return ClientRuntime(
+            self._scheduler.call_later,
+            functools.partial(_ThreadStream, self),
+            functools.partial(_ThreadStream, self, method="Keep"),
+        )
 
     def _guard(self) -> threading.RLock:
         return self._lock
@@ -382,7 +552,10 @@ class LeaseClient(BaseClient[Hold]):
         with self._lock:
             if self._closed:
                 return []
+            keepers = builtins.list(self._keepers)
             holds = builtins.list(self._holds)
+        for k in keepers:
+            k.close()
         for h in holds:
             h._finish()
         with self._lock:

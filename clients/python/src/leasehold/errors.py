@@ -14,6 +14,8 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from .types import Lease
 
 ERROR_DOMAIN = "leasehold.dev"
@@ -25,6 +27,8 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 DATABASE_UNAVAILABLE = "DATABASE_UNAVAILABLE"
 UNAUTHENTICATED = "UNAUTHENTICATED"
 LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+#: A keeper named is not valid (``cause``: expired, revoked, closed, not_found).
+KEEPER_NOT_HELD = "KEEPER_NOT_HELD"
 
 #: The ``limit`` a KeepAlive stream refused for carrying too many leases names.
 LIMIT_LEASES_PER_STREAM = "max-leases-per-stream"
@@ -105,11 +109,18 @@ class StaleFencingTokenError(LeaseholdError):
 
 
 class NotAcquiredError(LeaseholdError):
-    """The session is held by another run; ``current`` is the lease that blocked the grant."""
+    """The session is held by another run; ``current`` is the lease that blocked the grant.
 
-    def __init__(self, message: str, current: Lease | None) -> None:
+    ``lock_delay_until``: when no lease holds it but the key's last lease was
+    on a keeper that expired, the end of its lock-delay (database clock, K2).
+    """
+
+    def __init__(
+        self, message: str, current: Lease | None, *, lock_delay_until: datetime | None = None
+    ) -> None:
         super().__init__(message, grpc.StatusCode.FAILED_PRECONDITION)
         self.current = current
+        self.lock_delay_until = lock_delay_until
 
     @property
     def holder(self) -> str:
@@ -265,6 +276,17 @@ def from_status(
     }
     cls = classes.get(code, LeaseholdError)
     return cls(message, code, reason=reason, metadata=metadata)
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status_message(status: status_pb2.Status) -> LeaseholdError:
+    """Maps a ``google.rpc.Status`` message (a Keep stream's refused
+    request) to a typed error, as a call's status with those details."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    trailing = [(_STATUS_DETAILS_KEY, status.SerializeToString())]
+    return from_status(code, status.message or str(code), trailing)
 
 
 def from_rpc_error(error: grpc.RpcError) -> LeaseholdError:

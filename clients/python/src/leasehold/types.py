@@ -37,6 +37,8 @@ class Lease:
     expires_at: datetime | None
     #: Time left when the server made the answer; local deadlines count from it.
     remaining: timedelta
+    #: The keeper the lease was acquired on ("" for a lease of its own).
+    keeper_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +48,18 @@ class AcquireResult:
     lease: Lease | None
     #: The valid lease that blocked the grant, when not acquired.
     current: Lease | None
+    #: When not acquired because the key's last lease was on a keeper that
+    #: expired: when its lock-delay ends, on the database clock (K2).
+    lock_delay_until: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
     held: bool
     lease: Lease | None
+    #: When not held and the key's last lease was on a keeper that expired:
+    #: when its lock-delay ends (K2).
+    lock_delay_until: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +125,14 @@ class RevokeResult:
 
 
 @dataclass(frozen=True, slots=True)
+class RevokeKeeperResult:
+    #: False when the keeper had already ended.
+    revoked: bool
+    #: The leases the revoke ended.
+    leases_revoked: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReleaseFailure:
     """A lease ``close()`` could not release, and why."""
 
@@ -159,7 +175,7 @@ def seconds_of(d: duration_pb2.Duration) -> float:
     return d.seconds + d.nanos / 1e9
 
 
-def _time(ts: timestamp_pb2.Timestamp, present: bool) -> datetime | None:
+def timestamp_from(ts: timestamp_pb2.Timestamp, present: bool) -> datetime | None:
     if not present:
         return None
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, tz=UTC)
@@ -176,9 +192,10 @@ def lease_from(lease: lease_pb2.Lease) -> Lease:
         fencing_token=lease.fencing_token,
         holder=lease.holder,
         ttl=timedelta(seconds=seconds_of(lease.ttl)),
-        acquired_at=_time(lease.acquired_at, lease.HasField("acquired_at")),
-        expires_at=_time(lease.expires_at, lease.HasField("expires_at")),
+        acquired_at=timestamp_from(lease.acquired_at, lease.HasField("acquired_at")),
+        expires_at=timestamp_from(lease.expires_at, lease.HasField("expires_at")),
         remaining=timedelta(seconds=seconds_of(lease.remaining)),
+        keeper_id=lease.keeper_id,
     )
 
 
@@ -195,7 +212,7 @@ def event_from(e: lease_pb2.Event) -> Event:
         fencing_token=e.fencing_token,
         holder=e.holder,
         reason=e.reason,
-        at=_time(e.at, e.HasField("at")),
+        at=timestamp_from(e.at, e.HasField("at")),
         lease=optional_lease(e.lease, e.HasField("lease")),
         requester_holder=e.requester_holder,
         id=e.id,
@@ -206,7 +223,7 @@ def handoff_from(h: lease_pb2.HandoffRequested) -> HandoffRequest:
     return HandoffRequest(
         requester_holder=h.requester_holder,
         reason=h.reason,
-        requested_at=_time(h.requested_at, h.HasField("requested_at")),
+        requested_at=timestamp_from(h.requested_at, h.HasField("requested_at")),
     )
 
 
@@ -215,6 +232,7 @@ def acquire_result(r: lease_pb2.AcquireResponse) -> AcquireResult:
         r.acquired,
         optional_lease(r.lease, r.HasField("lease")),
         optional_lease(r.current, r.HasField("current")),
+        timestamp_from(r.lock_delay_until, r.HasField("lock_delay_until")),
     )
 
 
@@ -227,7 +245,11 @@ def release_result(r: lease_pb2.ReleaseResponse) -> bool:
 
 
 def get_result(r: lease_pb2.GetResponse) -> GetResult:
-    return GetResult(r.held, optional_lease(r.lease, r.HasField("lease")))
+    return GetResult(
+        r.held,
+        optional_lease(r.lease, r.HasField("lease")),
+        timestamp_from(r.lock_delay_until, r.HasField("lock_delay_until")),
+    )
 
 
 def list_result(r: lease_pb2.ListResponse) -> ListResult:
@@ -248,6 +270,10 @@ def check_fence_result(r: lease_pb2.CheckFenceResponse) -> CheckFenceResult:
 
 def revoke_result(r: lease_pb2.RevokeResponse) -> RevokeResult:
     return RevokeResult(r.revoked, optional_lease(r.lease, r.HasField("lease")))
+
+
+def revoke_keeper_result(r: lease_pb2.RevokeKeeperResponse) -> RevokeKeeperResult:
+    return RevokeKeeperResult(r.revoked, r.leases_revoked)
 
 
 def watch_item(r: lease_pb2.WatchResponse) -> Snapshot | Event:
