@@ -16,6 +16,7 @@ import {
   type KeepResponseSchema,
   LeaseSchema,
   LeaseService,
+  LossReason,
 } from "../src/gen/leasehold/v1/lease_pb.js";
 import { listen } from "../src/host/listener.js";
 
@@ -169,5 +170,68 @@ describe("keeper client, scripted server", () => {
       { stream: 2, keeperId: keeper.id },
     ]);
     expect(keeper.signal.aborted).toBe(false);
+  });
+
+  it("K1: lease_lost of one lease aborts only its run; the keeper's lost aborts every run at once", async () => {
+    const runs = new Map<string, ScriptedStream>();
+    const server = await scriptedKeepServer((stream, request) => {
+      if (request.op.case === "open") stream.answer(keeperAnswer(request.id, 10_000));
+      if (request.op.case === "acquire") {
+        const { key, runId } = request.op.value;
+        runs.set(key?.sessionId ?? "", stream);
+        stream.answer({
+          id: request.id,
+          result: {
+            case: "acquire",
+            value: {
+              acquired: true,
+              lease: create(LeaseSchema, { key, runId, remaining: durationFromMs(10_000) }),
+            },
+          },
+        });
+      }
+    });
+    cleanups.push(server.close);
+    const client = createLeaseClient({ baseUrl: server.url });
+    cleanups.push(() => client.close());
+    const keeper = await client.openKeeper({ accountId: "acme", ttlMs: 10_000 });
+    const contexts = new Map<string, { signal: AbortSignal; runId: string }>();
+    let allHeld!: () => void;
+    const held = new Promise<void>((resolve) => {
+      allHeld = resolve;
+    });
+    const run = (sessionId: string) =>
+      keeper.runExclusive({ accountId: "acme", sessionId }, async (ctx) => {
+        contexts.set(sessionId, ctx);
+        if (contexts.size === 3) allHeld();
+        if (!ctx.signal.aborted) await once(ctx.signal, "abort");
+        return (ctx.signal.reason as LeaseLostError).lossReason;
+      });
+    const done = Promise.all(["a", "b", "c"].map(run));
+    await held;
+    const a = contexts.get("a");
+    if (!a) throw new Error("run a is not held");
+    runs.get("a")?.answer({
+      id: 0n,
+      result: {
+        case: "leaseLost",
+        value: {
+          key: { accountId: "acme", sessionId: "a" },
+          runId: a?.runId,
+          reason: LossReason.REVOKED,
+        },
+      },
+    });
+    if (!a.signal.aborted) await once(a.signal, "abort");
+    expect((a.signal.reason as LeaseLostError).lossReason).toBe("revoked");
+    expect(contexts.get("b")?.signal.aborted).toBe(false);
+    expect(contexts.get("c")?.signal.aborted).toBe(false);
+    expect(keeper.signal.aborted).toBe(false);
+    runs.get("b")?.answer({
+      id: 0n,
+      result: { case: "lost", value: { reason: LossReason.REVOKED, detail: "by the test" } },
+    });
+    expect(await done).toEqual(["revoked", "revoked", "revoked"]);
+    expect((keeper.signal.reason as LeaseLostError).message).toMatch(/revoked: by the test/);
   });
 });

@@ -339,8 +339,10 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
         // a renewal interval of the run's own would mean nothing there.
         for (const own of ["ttlMs", "safetyMarginMs", "renewIntervalMs"]) {
           if (own in keeperOptions) {
-            throw new RangeError(
-              `${own} is the keeper's with keeper set: leave it out of runExclusive's options`,
+            return Promise.reject(
+              new RangeError(
+                `${own} is the keeper's with keeper set: leave it out of runExclusive's options`,
+              ),
             );
           }
         }

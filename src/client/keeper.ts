@@ -18,6 +18,7 @@
 // idempotent retry), a Release and a Get as they were.
 
 import { randomUUID } from "node:crypto";
+import { setMaxListeners } from "node:events";
 import type { MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
@@ -282,6 +283,8 @@ class KeeperSession implements Keeper {
       throw new RangeError(`lockDelayMs must be 0 or more milliseconds, got ${lockDelayMs}`);
     }
     this.now = deps.now ?? (() => performance.now());
+    // Every run on the keeper listens to its signal: any number is expected.
+    setMaxListeners(0, this.controller.signal);
   }
 
   get signal(): AbortSignal {
@@ -713,6 +716,13 @@ class KeeperSession implements Keeper {
 
   private dispatch(message: KeepResponse): void {
     const { result } = message;
+    if (result.case === "lost") {
+      // Unasked, or as the answer to a heartbeat or a re-attach of a keeper
+      // that ended: the stream ends after it, and nothing will be answered.
+      const cause = lossCauseFromReason(result.value.reason);
+      this.lose(cause ?? "renewal_failed", lossMessage(cause, result.value.detail));
+      return;
+    }
     if (message.id !== 0n) {
       const entry = this.pending.get(message.id);
       if (!entry) return;
@@ -734,12 +744,6 @@ class KeeperSession implements Keeper {
           this.handoffs.get(result.value.runId)?.push(result.value.request as HandoffRequested);
         }
         break;
-      case "lost": {
-        const cause = lossCauseFromReason(result.value.reason);
-        this.lose(cause ?? "renewal_failed", lossMessage(cause, result.value.detail));
-        this.shutdown();
-        break;
-      }
       default:
         break;
     }
