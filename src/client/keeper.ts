@@ -222,6 +222,9 @@ function lossMessage(cause: LossCause | undefined, detail: string): string {
   return `the server reports the keeper lost (${what}${detail ? `: ${detail}` : ""})`;
 }
 
+/** Codes of a request the database could not decide now; the same request may succeed later. */
+const transientCodes = new Set<Code>([Code.Unavailable, Code.DeadlineExceeded]);
+
 /** A refused request's google.rpc.Status as the typed error a unary call would throw. */
 function errorOfStatus(status: {
   code: number;
@@ -610,9 +613,15 @@ class KeeperSession implements Keeper {
 
   private attached(stream: OpenStream, sentAt: number, result: KeepResult): void {
     if (result.case === "error") {
+      const error = errorOfStatus(result.value);
+      // The database could not decide it now: open again, elsewhere, after
+      // the backoff, as for a failed stream.
+      if (transientCodes.has(error.code)) {
+        this.fail(stream.generation, error);
+        return;
+      }
       // The server refused the open or re-attach (the keeper ended, its id
       // belongs to another account, bad input): nothing to retry.
-      const error = errorOfStatus(result.value);
       this.opened?.reject(error);
       this.lose("renewal_failed", `the keeper could not be opened: ${error.message}`, error);
       return;
@@ -651,6 +660,9 @@ class KeeperSession implements Keeper {
         if (result.case === "keeper") this.confirm(sentAt, result.value);
         else if (result.case === "error") {
           const error = errorOfStatus(result.value);
+          // Undecided (the database busy or away): the next heartbeat tries
+          // again, and the local deadline bounds how long that may go on.
+          if (transientCodes.has(error.code)) return;
           this.lose("renewal_failed", `the heartbeat was refused: ${error.message}`, error);
         }
       },
