@@ -29,6 +29,7 @@ export default defineConfig({
             "test/hostile-volume.test.ts",
             "test/scale/**",
             "test/hostile-bodies.test.ts",
+            "test/hostile-keep.test.ts",
             "node_modules/**",
           ],
           globalSetup: ["test/support/global-setup.ts"],

@@ -8,7 +8,11 @@ import { defineConfig } from "vitest/config";
 // memory and connection timeouts, so `npm test` leaves it out.
 export default defineConfig({
   test: {
-    include: ["test/hostile-volume.test.ts", "test/hostile-bodies.test.ts"],
+    include: [
+      "test/hostile-volume.test.ts",
+      "test/hostile-bodies.test.ts",
+      "test/hostile-keep.test.ts",
+    ],
     globalSetup: ["test/support/global-setup.ts"],
     pool: "forks",
     fileParallelism: false,

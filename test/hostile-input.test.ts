@@ -140,7 +140,7 @@ async function callMethod(method: string, request: unknown, authorization?: stri
       controller.abort();
     }
   }
-  if (method === "keepAlive") {
+  if (method === "keepAlive" || method === "keep") {
     const controller = new AbortController();
     async function* one() {
       yield request;

@@ -31,7 +31,7 @@ const text = fc.oneof(
   fc.string({ unit: "binary", maxLength: 20 }),
   fc.string({ minLength: 120, maxLength: 300 }),
 );
-const lease: fc.Arbitrary<LeaseRecord> = fc.record({
+const ownLease: fc.Arbitrary<LeaseRecord> = fc.record({
   accountId: text,
   sessionId: text,
   runId: fc.oneof(fc.uuid(), text),
@@ -45,6 +45,10 @@ const lease: fc.Arbitrary<LeaseRecord> = fc.record({
   expiresAtUs: micros,
   remainingUs: micros,
 });
+// A keeper's lease carries its keeper's id (Lease.keeper_id, field 9); a lease of its own none.
+const lease: fc.Arbitrary<LeaseRecord> = fc
+  .tuple(ownLease, fc.option(fc.oneof(fc.uuid(), text), { nil: undefined }))
+  .map(([l, keeperId]) => (keeperId === undefined ? l : { ...l, keeperId }));
 const causes: LossCause[] = ["expired", "released", "taken_over", "revoked", "not_found"];
 const answer: fc.Arbitrary<KeepAliveAnswer> = fc.oneof(
   { weight: 4, arbitrary: lease.map((l): KeepAliveAnswer => ({ kind: "lease", lease: l })) },

@@ -14,10 +14,12 @@ import { Code } from "@connectrpc/connect";
 import { describe, expect, it } from "vitest";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import type { Status } from "../src/gen/google/rpc/status_pb.js";
-import { type KeepResponse, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
+import { EventType, type KeepResponse, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/lease/limits.js";
 import { useTestServer } from "./support/fixture.js";
-import { ms, openKeep } from "./support/streams.js";
+import { grpcClient } from "./support/server.js";
+import { ms, openKeep, openWatch } from "./support/streams.js";
+import { waitFor } from "./support/wait.js";
 
 /** The error a request was answered with, or a failure naming what came instead. */
 function errorOf(m: KeepResponse): Status {
@@ -36,19 +38,31 @@ const account = (name: string) => `acct-${name}-${randomUUID().slice(0, 8)}`;
 
 for (const mode of ["native", "connect"] as const) {
   describe(`Keep on --grpc-path ${mode}`, () => {
-    const { db, client } = useTestServer({
+    const { db, client, server, startServer } = useTestServer({
       args: ["--grpc-path", mode],
       overrides: { limits: { ...defaultLimits, minTtlMs: 50 } },
     });
 
     /** Opens a keeper on a new stream; its answer is checked. */
-    async function opened(accountId: string, ttlMs: number, lockDelayMs = 0) {
-      const keep = openKeep(client);
+    async function opened(
+      accountId: string,
+      ttlMs: number,
+      lockDelayMs = 0,
+      keeperId = "",
+      on = client,
+    ) {
+      const keep = openKeep(on);
       keep.send({
         id: 1n,
         op: {
           case: "open",
-          value: { accountId, holder: "worker", ttl: ms(ttlMs), lockDelay: ms(lockDelayMs) },
+          value: {
+            accountId,
+            keeperId,
+            holder: "worker",
+            ttl: ms(ttlMs),
+            lockDelay: ms(lockDelayMs),
+          },
         },
       });
       const answer = await keep.answer(1n);
@@ -99,12 +113,38 @@ for (const mode of ["native", "connect"] as const) {
       for (const sessionId of sessions) {
         expect((await client.get({ key: { accountId, sessionId } })).held).toBe(false);
       }
-      // S4: the late heartbeat fails; the stream ends after `lost`.
-      const late = await ask(keep, { case: "heartbeat", value: {} });
-      expect(late.result.case).toBe("lost");
-      expect(late.result.case === "lost" && late.result.value.reason).toBe(LossReason.EXPIRED);
+      // S4: the late heartbeat fails. The stream is told `lost` once: as
+      // that heartbeat's answer, or unasked (id 0) when the server's check
+      // at the keeper's deadline found it first; then it ends OK.
+      const lateId = nextId++;
+      keep.send({ id: lateId, op: { case: "heartbeat", value: {} } });
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect([0n, lateId]).toContain(lost.id);
+      expect(lost.result.case === "lost" && lost.result.value.reason).toBe(LossReason.EXPIRED);
       await keep.reader.finished;
       expect(keep.reader.error).toBeUndefined();
+      expect(keep.reader.pending().filter((m) => m.result.case === "keeper")).toEqual([]);
+    });
+
+    it("a heartbeat with a ttl gives the keeper that TTL from then on; a re-attach takes the TTL it names; a ttl out of bounds is refused in that heartbeat's error", async () => {
+      const accountId = account("ttl");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId);
+      const beat = await ask(keep, { case: "heartbeat", value: { ttl: ms(45_000) } });
+      if (beat.result.case !== "keeper") throw new Error(`heartbeat answered ${beat.result.case}`);
+      expect(beat.result.value.ttl?.seconds).toBe(45n);
+      expect(beat.result.value.remaining?.seconds).toBeGreaterThan(40n);
+      const plain = await ask(keep, { case: "heartbeat", value: {} });
+      expect(plain.result.case === "keeper" && plain.result.value.ttl?.seconds).toBe(45n);
+      const tooLong = errorOf(
+        await ask(keep, { case: "heartbeat", value: { ttl: ms(7_200_000) } }),
+      );
+      expect(errorInfo(tooLong).metadata.field).toBe("heartbeat.ttl");
+      keep.abort();
+      await keep.reader.finished;
+      const again = await opened(accountId, 20_000, 0, keeperId);
+      expect(again.keeper.ttl?.seconds).toBe(20n);
+      again.keep.abort();
     });
 
     it("S1, S3, S5, S6 on a keeper's leases: another run is refused while the keeper lives, Release is owner-checked, a re-acquire gets a higher token", async () => {
@@ -223,5 +263,287 @@ for (const mode of ["native", "connect"] as const) {
       expect(bad.reader.error?.code).toBe(Code.InvalidArgument);
       expect(bad.reader.error?.rawMessage).toContain("open.ttl");
     });
+
+    /** Acquires `sessions` on the stream's keeper; their leases. */
+    async function acquireAll(
+      keep: ReturnType<typeof openKeep>,
+      accountId: string,
+      sessions: string[],
+    ) {
+      const leases = [];
+      for (const sessionId of sessions) {
+        const a = await ask(keep, { case: "acquire", value: { key: { accountId, sessionId } } });
+        if (a.result.case !== "acquire" || !a.result.value.lease) throw new Error("not acquired");
+        leases.push(a.result.value.lease);
+      }
+      return leases;
+    }
+
+    it("a revoke of one lease is pushed as lease_lost and the keeper goes on; a handoff request of a keeper's lease is pushed as handoff_requested", async () => {
+      const accountId = account("one");
+      const { keep } = await opened(accountId, 30_000);
+      const [a, b] = await acquireAll(keep, accountId, ["a", "b"]);
+      if (!a || !b) throw new Error("no leases");
+      await client.requestHandoff({ key: b.key, requesterHolder: "laptop", reason: "move" });
+      const handoff = await keep.reader.take((m) => m.result.case === "handoffRequested");
+      expect(handoff.id).toBe(0n);
+      if (handoff.result.case !== "handoffRequested") throw new Error("no handoff");
+      expect(handoff.result.value.runId).toBe(b.runId);
+      expect(handoff.result.value.request?.requesterHolder).toBe("laptop");
+
+      const revoked = await client.revoke({ key: a.key, reason: "stuck" });
+      expect(revoked.revoked).toBe(true);
+      const lost = await keep.reader.take((m) => m.result.case === "leaseLost");
+      expect(lost.id).toBe(0n);
+      if (lost.result.case !== "leaseLost") throw new Error("no lease_lost");
+      expect(lost.result.value.runId).toBe(a.runId);
+      expect(lost.result.value.reason).toBe(LossReason.REVOKED);
+      // The keeper and its other lease go on.
+      expect((await ask(keep, { case: "heartbeat", value: {} })).result.case).toBe("keeper");
+      expect((await client.get({ key: b.key })).lease?.runId).toBe(b.runId);
+      keep.abort();
+    });
+
+    it("RevokeKeeper: every lease ends REVOKED at once (Watch sees each), the stream is told lost with the reason and ends", async () => {
+      const accountId = account("revoke");
+      const { keep, keeper } = await opened(accountId, 30_000);
+      const sessions = ["a", "b", "c"];
+      await acquireAll(keep, accountId, sessions);
+      const watch = openWatch(client, { accountId, sessionId: "" });
+      await watch.reader.next((m) => m.kind.case === "snapshot");
+
+      const revoked = await client.revokeKeeper({
+        accountId,
+        keeperId: keeper.keeperId,
+        reason: "runaway",
+      });
+      expect(revoked).toMatchObject({ revoked: true, leasesRevoked: 3 });
+      const events = [];
+      for (const _ of sessions) {
+        const m = await watch.reader.next((e) => e.kind.case === "event");
+        if (m.kind.case === "event") events.push(m.kind.value);
+      }
+      expect(events.map((e) => e.type)).toEqual(sessions.map(() => EventType.REVOKED));
+      expect(events.map((e) => e.key?.sessionId).sort()).toEqual(sessions);
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.result.case === "lost" && lost.result.value).toMatchObject({
+        reason: LossReason.REVOKED,
+        detail: "runaway",
+      });
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+      // Again: nothing left to revoke.
+      expect(
+        await client.revokeKeeper({ accountId, keeperId: keeper.keeperId, reason: "again" }),
+      ).toMatchObject({ revoked: false, leasesRevoked: 0 });
+      watch.abort();
+    });
+
+    it("RevokeKeeper of a keeper with no leases: its stream on this instance is told lost at once", async () => {
+      const accountId = account("revoke-empty");
+      const { keep, keeper } = await opened(accountId, 60_000);
+      await client.revokeKeeper({ accountId, keeperId: keeper.keeperId, reason: "idle" });
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.id).toBe(0n);
+      expect(lost.result.case === "lost" && lost.result.value).toMatchObject({
+        reason: LossReason.REVOKED,
+        detail: "idle",
+      });
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+    });
+
+    it("a close is published: Watch sees RELEASED for each lease at once", async () => {
+      const accountId = account("close");
+      const { keep } = await opened(accountId, 30_000);
+      await acquireAll(keep, accountId, ["a", "b"]);
+      const watch = openWatch(client, { accountId, sessionId: "" });
+      await watch.reader.next((m) => m.kind.case === "snapshot");
+      expect((await ask(keep, { case: "close", value: {} })).result.case).toBe("keeper");
+      for (const _ of [1, 2]) {
+        const m = await watch.reader.next((e) => e.kind.case === "event");
+        expect(m.kind.case === "event" && m.kind.value.type).toBe(EventType.RELEASED);
+      }
+      watch.abort();
+    });
+
+    it("K1: a keeper not renewed is found lost at its deadline and the stream told unasked (id 0), then it ends", async () => {
+      const accountId = account("deadline");
+      const { keep } = await opened(accountId, 1_000);
+      await acquireAll(keep, accountId, ["a"]);
+      const lost = await keep.reader.take((m) => m.result.case === "lost");
+      expect(lost.id).toBe(0n);
+      expect(lost.result.case === "lost" && lost.result.value.reason).toBe(LossReason.EXPIRED);
+      await keep.reader.finished;
+      expect(keep.reader.error).toBeUndefined();
+      expect((await client.get({ key: { accountId, sessionId: "a" } })).held).toBe(false);
+    });
+
+    it("re-attach after a cut stream, on this instance and on another one on the same database: every lease kept and followed", async () => {
+      const accountId = account("reattach");
+      const keeperId = randomUUID();
+      const first = await opened(accountId, 30_000, 0, keeperId);
+      const leases = await acquireAll(first.keep, accountId, ["a", "b"]);
+      first.keep.abort();
+      await first.keep.reader.finished;
+
+      const again = await opened(accountId, 30_000, 0, keeperId);
+      expect(again.keeper.keeperId).toBe(keeperId);
+      expect(again.keeper.leases).toBe(2);
+      again.keep.abort();
+      await again.keep.reader.finished;
+
+      const other = await startServer(["--grpc-path", mode], {
+        limits: { ...defaultLimits, minTtlMs: 50 },
+      });
+      expect(other.url).not.toBe(server.url);
+      const there = await opened(accountId, 30_000, 0, keeperId, grpcClient(other.url));
+      expect(there.keeper.leases).toBe(2);
+      expect((await ask(there.keep, { case: "heartbeat", value: {} })).result.case).toBe("keeper");
+      for (const lease of leases) {
+        expect((await client.get({ key: lease.key })).lease?.runId).toBe(lease.runId);
+      }
+      // The re-attached stream follows the leases acquired before: a revoke
+      // on the first instance reaches it.
+      await client.revoke({ key: leases[0]?.key, reason: "one" });
+      const lost = await there.keep.reader.take((m) => m.result.case === "leaseLost");
+      expect(lost.result.case === "leaseLost" && lost.result.value.runId).toBe(leases[0]?.runId);
+      there.keep.abort();
+    });
+
+    it("a graceful shutdown ends the Keep stream UNAVAILABLE (its waiting acquire too); the keeper and its leases stay, and the client re-attaches elsewhere", async () => {
+      const other = await startServer(["--grpc-path", mode], {
+        limits: { ...defaultLimits, minTtlMs: 50 },
+      });
+      const accountId = account("shutdown");
+      const keeperId = randomUUID();
+      const { keep } = await opened(accountId, 30_000, 0, keeperId, grpcClient(other.url));
+      const [lease] = await acquireAll(keep, accountId, ["a"]);
+      const key = { accountId, sessionId: "busy" };
+      const blocker = await client.acquire({ key, ttl: ms(30_000) });
+      keep.send({ id: 50n, op: { case: "acquire", value: { key, wait: ms(30_000) } } });
+      await waitFor(() => other.streaming.waiters.stats.waiting > 0, {
+        what: "the stream's acquire to wait on the closing server",
+      });
+      await other.close();
+      await keep.reader.finished;
+      expect(keep.reader.error?.code).toBe(Code.Unavailable);
+      const there = await opened(accountId, 30_000, 0, keeperId);
+      expect(there.keeper.leases).toBe(1);
+      expect((await client.get({ key: lease?.key })).lease?.runId).toBe(lease?.runId);
+      await client.release({ key, runId: blocker.lease?.runId ?? "" });
+      there.keep.abort();
+    });
+
+    it("unary Acquire on a keeper (keeper_id), ttl refused with it; K2: a refused Acquire and Get say until when the lock-delay runs", async () => {
+      const accountId = account("unary");
+      const { keep, keeper } = await opened(accountId, 1_000, 30_000);
+      const key = { accountId, sessionId: "u" };
+      const withTtl = await client.acquire({ key, keeperId: keeper.keeperId, ttl: ms(5_000) }).then(
+        () => undefined,
+        (e: unknown) => e as { code: Code; rawMessage: string },
+      );
+      expect(withTtl?.code).toBe(Code.InvalidArgument);
+      expect(withTtl?.rawMessage).toContain("ttl");
+      const granted = await client.acquire({ key, keeperId: keeper.keeperId });
+      expect(granted.acquired).toBe(true);
+      expect(granted.lease?.keeperId).toBe(keeper.keeperId);
+      // The keeper expires (no heartbeat): the key is in its lock-delay.
+      await keep.reader.take((m) => m.result.case === "lost");
+      const refused = await client.acquire({ key, ttl: ms(5_000) });
+      expect(refused.acquired).toBe(false);
+      expect(refused.current).toBeUndefined();
+      expect(refused.lockDelayUntil).toBeDefined();
+      const got = await client.get({ key });
+      expect(got.held).toBe(false);
+      expect(got.lockDelayUntil).toEqual(refused.lockDelayUntil);
+    });
   });
 }
+
+describe("Keep limits, set by flags", () => {
+  const { client } = useTestServer({
+    args: [
+      "--max-keepers-per-account",
+      "1",
+      "--max-leases-per-keeper",
+      "3",
+      "--max-keeper-ops-in-flight",
+      "3",
+      "--max-lock-delay",
+      "5s",
+    ],
+  });
+
+  const open = (accountId: string, lockDelayMs = 0) => {
+    const keep = openKeep(client);
+    keep.send({
+      id: 1n,
+      op: { case: "open", value: { accountId, ttl: ms(30_000), lockDelay: ms(lockDelayMs) } },
+    });
+    return keep;
+  };
+
+  it("--max-lock-delay: a longer lock-delay refuses the open, naming open.lock_delay and the flag", async () => {
+    const keep = open(account("delay"), 6_000);
+    await keep.reader.finished;
+    expect(keep.reader.error?.code).toBe(Code.InvalidArgument);
+    expect(keep.reader.error?.rawMessage).toContain("open.lock_delay");
+    expect(keep.reader.error?.rawMessage).toContain("--max-lock-delay");
+  });
+
+  it("--max-keepers-per-account: a second open keeper of the account refuses the open with RESOURCE_EXHAUSTED naming the limit", async () => {
+    const accountId = account("keepers");
+    const first = open(accountId);
+    expect((await first.answer(1n)).result.case).toBe("keeper");
+    const second = open(accountId);
+    await second.reader.finished;
+    expect(second.reader.error?.code).toBe(Code.ResourceExhausted);
+    const info = second.reader.error?.findDetails(ErrorInfoSchema)[0];
+    expect(info?.metadata.limit).toBe("max-keepers-per-account");
+    first.abort();
+  });
+
+  it("--max-leases-per-keeper: the acquire past the bound is answered RESOURCE_EXHAUSTED naming the limit; the keeper goes on", async () => {
+    const accountId = account("leases");
+    const keep = open(accountId);
+    expect((await keep.answer(1n)).result.case).toBe("keeper");
+    for (const [i, sessionId] of ["a", "b", "c"].entries()) {
+      const id = BigInt(10 + i);
+      keep.send({ id, op: { case: "acquire", value: { key: { accountId, sessionId } } } });
+      const a = await keep.answer(id);
+      expect(a.result.case === "acquire" && a.result.value.acquired).toBe(true);
+    }
+    keep.send({ id: 13n, op: { case: "acquire", value: { key: { accountId, sessionId: "d" } } } });
+    const fourth = errorOf(await keep.answer(13n));
+    expect(fourth.code).toBe(Code.ResourceExhausted);
+    expect(errorInfo(fourth).metadata.limit).toBe("max-leases-per-keeper");
+    keep.send({ id: 14n, op: { case: "heartbeat", value: {} } });
+    expect((await keep.answer(14n)).result.case).toBe("keeper");
+    keep.abort();
+  });
+
+  it("--max-keeper-ops-in-flight: with three acquires waiting, the next request is answered RESOURCE_EXHAUSTED naming the limit; the waiting ones are answered after", async () => {
+    const accountId = account("ops");
+    const keep = open(accountId);
+    expect((await keep.answer(1n)).result.case).toBe("keeper");
+    // Three acquires, each waiting on a key held elsewhere, fill the bound.
+    const keys = ["x", "y", "z"].map((sessionId) => ({ accountId, sessionId }));
+    const blockers = await Promise.all(keys.map((key) => client.acquire({ key, ttl: ms(30_000) })));
+    for (const [i, key] of keys.entries()) {
+      keep.send({ id: BigInt(20 + i), op: { case: "acquire", value: { key, wait: ms(20_000) } } });
+    }
+    keep.send({ id: 23n, op: { case: "heartbeat", value: {} } });
+    const past = errorOf(await keep.answer(23n));
+    expect(past.code).toBe(Code.ResourceExhausted);
+    expect(errorInfo(past).metadata.limit).toBe("max-keeper-ops-in-flight");
+    for (const [i, key] of keys.entries()) {
+      await client.release({ key, runId: blockers[i]?.lease?.runId ?? "" });
+    }
+    for (const id of [20n, 21n, 22n]) {
+      const a = await keep.answer(id);
+      expect(a.result.case === "acquire" && a.result.value.acquired).toBe(true);
+    }
+    keep.abort();
+  });
+});

@@ -8,7 +8,7 @@ import net from "node:net";
 import { createLocalJWKSet, type JSONWebKeySet } from "jose";
 import { defaultLimits, type Limits } from "../lease/limits.js";
 import type { TlsConfig } from "./host-config.js";
-import { ConfigError } from "./settings.js";
+import { ConfigError, integerSetting } from "./settings.js";
 
 /** Where verification keys come from; undefined keys mean development mode. */
 export type VerificationKeys =
@@ -153,17 +153,8 @@ export function parseOpsConfig(
   read: OpsSettingsReader,
   statementTimeoutMs: number,
 ): { ops: OpsConfig; limits: Partial<Limits> } {
-  const integer = (name: OpsSettingName, fallback: number, min: number, max: number) => {
-    const text = read.get(name);
-    if (text === undefined) return fallback;
-    const n = Number(text);
-    if (!/^\d+$/.test(text.trim()) || !Number.isSafeInteger(n) || n < min || n > max) {
-      throw new ConfigError(
-        `--${name} (${opsSettings[name].env}) must be an integer from ${min} to ${max}, got ${JSON.stringify(text)}`,
-      );
-    }
-    return n;
-  };
+  const integer = (name: OpsSettingName, fallback: number, min: number, max: number) =>
+    integerSetting(name, opsSettings[name], read.get(name), fallback, min, max);
   const limits: Partial<Limits> = {
     maxMessageBytes: integer("max-message-bytes", defaultLimits.maxMessageBytes, 1024, 64 << 20),
     maxLeasesPerStream: integer(

@@ -60,6 +60,28 @@ export function readSettings<S extends Record<string, Setting>>(
 }
 
 /** The flag table as help text: flag, environment variable, description. */
+/**
+ * An integer setting from `min` to `max`: `fallback` when unset, else its
+ * text as written, or a ConfigError naming the flag, its variable and the rule.
+ */
+export function integerSetting(
+  name: string,
+  setting: Setting,
+  text: string | undefined,
+  fallback: number,
+  min: number,
+  max: number,
+): number {
+  if (text === undefined) return fallback;
+  const n = Number(text);
+  if (!/^\d+$/.test(text.trim()) || !Number.isSafeInteger(n) || n < min || n > max) {
+    throw new ConfigError(
+      `--${name} (${setting.env}) must be an integer from ${min} to ${max}, got ${JSON.stringify(text)}`,
+    );
+  }
+  return n;
+}
+
 export function settingsHelp(settings: Record<string, Setting>): string {
   return Object.entries(settings)
     .map(

@@ -168,8 +168,11 @@ export interface OpenKeeperInput {
 export interface KeeperStore {
   /** Opens the keeper, or re-attaches to it while it is valid (a heartbeat). */
   open(input: OpenKeeperInput): Promise<KeeperResult>;
-  /** Renews the keeper, and so every lease on it, with one row written (K1). */
-  heartbeat(accountId: string, id: string): Promise<KeeperResult>;
+  /**
+   * Renews the keeper, and so every lease on it, with one row written (K1).
+   * With `ttlMs`, the keeper takes that TTL from now on.
+   */
+  heartbeat(accountId: string, id: string, ttlMs?: number): Promise<KeeperResult>;
   /**
    * Ends the keeper: `closed` by its holder (its leases released), `revoked`
    * by an admin (its leases revoked, audited with the reason). No lock-delay
@@ -180,6 +183,24 @@ export interface KeeperStore {
     id: string,
     how: { ended: "closed" } | { ended: "revoked"; reason: string },
   ): Promise<{ ended: boolean; cause?: KeeperEnd; leases: EndedLease[] }>;
+  /**
+   * The keeper as it stands now, read at the statement's snapshot: whether it
+   * is valid and until when, or how it ended. Decides nothing (a stream
+   * reads it at its keeper's deadline to learn whether it was lost).
+   */
+  status(accountId: string, id: string): Promise<KeeperStatus>;
+  /** The open leases on a valid keeper (a re-attached stream follows them). */
+  leasesOf(accountId: string, id: string): Promise<KeeperLease[]>;
+}
+
+export type KeeperStatus =
+  | { valid: true; expiresAtUs: bigint }
+  | { valid: false; cause: KeeperEnd; reason: string };
+
+/** One open lease of a keeper: what a stream needs to follow it. */
+export interface KeeperLease extends SessionKey {
+  runId: string;
+  fencingToken: bigint;
 }
 
 export interface ListPage {

@@ -53,6 +53,7 @@ import {
 import { createAccess } from "./rpc/access.js";
 import { createNativeGrpc } from "./rpc/grpc-native.js";
 import { createHealthService } from "./rpc/health-service.js";
+import { createKeeperFollow } from "./rpc/keep-service.js";
 import { nativeStreams } from "./rpc/native-streams.js";
 import { reflectionRoutes } from "./rpc/reflection.js";
 import { leaseRoutes, leaseServiceImpl } from "./rpc/routes.js";
@@ -255,6 +256,16 @@ async function buildLeaseServer(
     logger,
     recheckIntervalMs: tuning.recheckIntervalMs,
   });
+  // The Keep streams' leases, followed through the change feed (keep-service.ts).
+  const keeperFollow = createKeeperFollow(feed);
+  const keep = {
+    store,
+    keepers,
+    limits,
+    waiters,
+    follow: keeperFollow,
+    databaseNowUs: () => tracker.databaseNowUs(),
+  };
   const stopStreaming = async () => {
     // A stream still open now (the listener's grace ran out, or it was
     // opened as the server stopped) ends as a shutdown ends every stream:
@@ -268,6 +279,7 @@ async function buildLeaseServer(
           );
     keepAlive.close(reason);
     watch.close(reason);
+    keeperFollow.close();
     waiters.close();
     batcher.close();
     tracker.close();
@@ -281,6 +293,7 @@ async function buildLeaseServer(
     await tracker.start();
     keepAlive.start();
     watch.start();
+    keeperFollow.start();
     waiters.start();
     await feed.start();
   } catch (error) {
@@ -341,13 +354,10 @@ async function buildLeaseServer(
   // methods as they are; KeepAlive and Watch over the same hubs:
   // grpc-native.ts, native-streams.ts).
   const impl = leaseServiceImpl({
-    store,
+    ...keep,
     events: createEventStore(sql),
-    limits,
-    waiters,
     keepAlive,
     watch,
-    keepers,
   });
 
   const maintenance = startMaintenance(
@@ -391,7 +401,7 @@ async function buildLeaseServer(
                     keepAlive,
                     watch,
                     limits,
-                    keep: { store, keepers, limits, waiters },
+                    keep,
                   }),
                 },
               ],

@@ -16,6 +16,7 @@ import { ResourceExhaustedError } from "../../lease/errors.js";
 import type {
   EndedLease,
   KeeperEnd,
+  KeeperLease,
   KeeperRecord,
   KeeperResult,
   KeeperStore,
@@ -39,6 +40,8 @@ export interface KeeperStoreOptions {
 interface Beat {
   accountId: string;
   id: string;
+  /** A new TTL for the keeper (it then keeps it); null keeps its TTL. */
+  ttlMs: number | null;
 }
 
 /** The keeper columns of alias `k`, relative to `lease_clock.observed_at`. */
@@ -91,11 +94,13 @@ export function createKeeperStore(
    * the row lock (up to lock_timeout), re-checks its guard on the version it
    * locked, and decides or names the cause.
    */
-  const heartbeatOne = async ({ accountId, id }: Beat): Promise<KeeperResult> => {
+  const heartbeatOne = async ({ accountId, id, ttlMs }: Beat): Promise<KeeperResult> => {
     const rows = await sql<KeeperRecord[]>`
-      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
-      UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
-      FROM lease_clock
+      WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+      new_ttl AS MATERIALIZED (SELECT ${ttlMs}::bigint * interval '1 millisecond' AS ttl)
+      UPDATE keepers AS k SET ttl = coalesce(new_ttl.ttl, k.ttl),
+        expires_at = lease_clock.observed_at + coalesce(new_ttl.ttl, k.ttl)
+      FROM lease_clock, new_ttl
       WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
         AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
       RETURNING ${keeperColumns(sql, "k")}`;
@@ -118,11 +123,12 @@ export function createKeeperStore(
         SELECT * FROM unnest(
           ${beats.map((_, i) => i)}::int[],
           ${beats.map((b) => b.id)}::uuid[],
-          ${beats.map((b) => b.accountId)}::text[]
-        ) AS w(idx, id, account_id)
+          ${beats.map((b) => b.accountId)}::text[],
+          ${beats.map((b) => b.ttlMs)}::bigint[]
+        ) AS w(idx, id, account_id, ttl_ms)
       ),
       locked AS MATERIALIZED (
-        SELECT w.idx, held.ctid AS row_id
+        SELECT w.idx, w.ttl_ms * interval '1 millisecond' AS new_ttl, held.ctid AS row_id
         FROM (SELECT * FROM wanted ORDER BY id) w
         CROSS JOIN LATERAL (
           SELECT k.ctid FROM keepers k
@@ -133,7 +139,9 @@ export function createKeeperStore(
       ),
       beaten AS (
         -- The locked row versions, by ctid: stable while the lock is held.
-        UPDATE keepers AS k SET expires_at = lease_clock.observed_at + k.ttl
+        -- A heartbeat's new TTL (ttl is in no index: still a HOT update).
+        UPDATE keepers AS k SET ttl = coalesce(l.new_ttl, k.ttl),
+          expires_at = lease_clock.observed_at + coalesce(l.new_ttl, k.ttl)
         FROM locked l, lease_clock
         WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM locked))
           AND k.ctid = l.row_id AND k.ended IS NULL
@@ -160,7 +168,7 @@ export function createKeeperStore(
     open: (input: OpenKeeperInput) =>
       run(async () => {
         // A new id inserts; the id of a valid keeper of the same account
-        // re-attaches, which renews it (a heartbeat). The open-keeper count
+        // re-attaches, which renews it (a heartbeat) with the TTL it names. The open-keeper count
         // leaves out this id, so a re-attach at the limit succeeds.
         const rows = await sql<(KeeperRecord & { overLimit: boolean })[]>`
           WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
@@ -183,7 +191,9 @@ export function createKeeperStore(
                    c.observed_at, c.observed_at + ${input.ttlMs}::bigint * interval '1 millisecond'
             FROM lease_clock c, open_keepers o
             WHERE ${maxKeepers} = 0 OR o.n < ${maxKeepers}
-            ON CONFLICT (id) DO UPDATE SET expires_at = EXCLUDED.created_at + k.ttl
+            -- A re-attach takes the TTL it names (OpenKeeper.ttl), from now on.
+            ON CONFLICT (id) DO UPDATE SET ttl = EXCLUDED.ttl,
+              expires_at = EXCLUDED.created_at + EXCLUDED.ttl
             WHERE k.account_id = EXCLUDED.account_id AND k.ended IS NULL
               AND k.expires_at > EXCLUDED.created_at
             RETURNING k.*
@@ -207,10 +217,40 @@ export function createKeeperStore(
         return { held: false, cause };
       }),
 
+    status: (accountId, id) =>
+      run(async () => {
+        const [row] = await sql<
+          {
+            valid: boolean;
+            ended: KeeperEnd | null;
+            endReason: string | null;
+            expiresAtUs: bigint;
+          }[]
+        >`
+          SELECT k.ended IS NULL AND k.expires_at > clock_timestamp() AS valid, k.ended,
+                 k.end_reason, (extract(epoch FROM k.expires_at) * 1000000)::bigint AS expires_at_us
+          FROM keepers k WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}`;
+        if (!row) return { valid: false, cause: "not_found", reason: "" };
+        if (row.valid) return { valid: true, expiresAtUs: row.expiresAtUs };
+        return { valid: false, cause: row.ended ?? "expired", reason: row.endReason ?? "" };
+      }),
+
+    leasesOf: (accountId, id) =>
+      run(async () => {
+        // Through leases_open_by_keeper; a valid keeper's open leases are its leases.
+        const rows = await sql<KeeperLease[]>`
+          SELECT l.account_id, l.session_id, l.run_id::text AS run_id, l.fencing_token
+          FROM leases l
+          WHERE l.keeper_id = ${id}::uuid AND l.ended IS NULL AND l.account_id = ${accountId}
+          ORDER BY l.session_id`;
+        return [...rows];
+      }),
+
     // Group-committed: concurrent heartbeats share one statement.
-    async heartbeat(accountId, id) {
-      const keeper = await heartbeats.submit({ accountId, id });
-      return keeper ? { held: true, keeper } : run(() => heartbeatOne({ accountId, id }));
+    async heartbeat(accountId, id, ttlMs) {
+      const beat = { accountId, id, ttlMs: ttlMs ?? null };
+      const keeper = await heartbeats.submit(beat);
+      return keeper ? { held: true, keeper } : run(() => heartbeatOne(beat));
     },
 
     end: (accountId, id, how) =>

@@ -4,15 +4,19 @@
 import { create } from "@bufbuild/protobuf";
 import { type Duration, DurationSchema } from "@bufbuild/protobuf/wkt";
 import {
+  type AcquireResponse,
+  AcquireResponseSchema,
   type Event,
   EventSchema,
   EventType,
+  type GetResponse,
+  GetResponseSchema,
   type Lease,
   LeaseSchema,
   SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
 import type { ChangeType, LeaseChange } from "../../lease/lease-change.js";
-import type { LeaseRecord } from "../../lease/types.js";
+import type { AcquireResult, LeaseRecord } from "../../lease/types.js";
 import { timestampFromMicros } from "../../protocol/timestamps.js";
 
 // In src/protocol, shared with the guarded store; the services here take it from this module.
@@ -40,6 +44,32 @@ export function leaseToProto(r: LeaseRecord): Lease {
     expiresAt: timestampFromMicros(r.expiresAtUs),
     remaining: durationFromMicros(r.remainingUs),
     keeperId: r.keeperId ?? "",
+  });
+}
+
+/** An Acquire's answer (unary and on a Keep stream): with K2's `lock_delay_until` when that refused it. */
+export function acquireResponse(result: AcquireResult): AcquireResponse {
+  return create(AcquireResponseSchema, {
+    acquired: result.acquired,
+    lease: result.acquired ? leaseToProto(result.lease) : undefined,
+    current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
+    lockDelayUntil:
+      !result.acquired && result.lockDelayUntilUs !== undefined
+        ? timestampFromMicros(result.lockDelayUntilUs)
+        : undefined,
+  });
+}
+
+/** A Get's answer: the valid lease, or when none, until when a lock-delay keeps the key (K2). */
+export function getResponse(
+  lease: LeaseRecord | undefined,
+  lockDelayUntilUs: bigint | undefined,
+): GetResponse {
+  return create(GetResponseSchema, {
+    held: lease !== undefined,
+    lease: lease ? leaseToProto(lease) : undefined,
+    lockDelayUntil:
+      lockDelayUntilUs === undefined ? undefined : timestampFromMicros(lockDelayUntilUs),
   });
 }
 

@@ -33,10 +33,11 @@ import { requestCheckKey } from "../../call/policy-interceptor.js";
 import { type Status, StatusSchema } from "../../gen/google/rpc/status_pb.js";
 import {
   type AcquireRequest,
-  AcquireResponseSchema,
   type GetRequest,
-  GetResponseSchema,
+  HandoffRequestedSchema,
   type Keeper,
+  KeeperHandoffRequestedSchema,
+  KeeperLeaseLostSchema,
   KeeperLostSchema,
   KeeperSchema,
   type KeepRequest,
@@ -46,6 +47,8 @@ import {
   type OpenKeeper,
   type ReleaseRequest,
   ReleaseResponseSchema,
+  RevokeKeeperResponseSchema,
+  SessionKeySchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
 import {
   InvalidArgumentError,
@@ -54,9 +57,11 @@ import {
   ResourceExhaustedError,
   UnauthenticatedError,
 } from "../../lease/errors.js";
+import { keyString, type LeaseChange, runKey } from "../../lease/lease-change.js";
 import { formatDuration, type Limits } from "../../lease/limits.js";
 import type {
   KeeperEnd,
+  KeeperLease,
   KeeperRecord,
   KeeperStore,
   LeaseStore,
@@ -65,6 +70,7 @@ import type {
 import {
   checkId,
   checkKey,
+  checkOptionalTtl,
   checkRunId,
   checkText,
   checkTtl,
@@ -73,12 +79,14 @@ import {
 } from "../../lease/validation.js";
 import { LimitName, type LossCause } from "../../protocol/errors.js";
 import { lossReasonFromCause } from "../../protocol/loss-reason.js";
+import type { ChangeFeed } from "../streams/change-feed.js";
 import type { Outlet } from "../streams/outlet.js";
 import type { Waiters } from "../streams/waiters.js";
 import {
+  acquireResponse,
   durationFromMicros,
   durationFromMillis,
-  leaseToProto,
+  getResponse,
   timestampFromMicros,
 } from "./convert.js";
 import { piped } from "./stream-service.js";
@@ -90,6 +98,80 @@ export interface KeepServiceDeps {
   keepers: KeeperStore;
   limits: Limits;
   waiters?: Waiters;
+  /** What the streams learn of their leases' ends and handoffs (createKeeperFollow). */
+  follow?: KeeperFollow;
+  /** The database clock, as this instance tracks it: the keeper's deadline is armed on it. */
+  databaseNowUs?: () => bigint;
+}
+
+/**
+ * The keepers' streams of this instance, by the keys of their leases: one
+ * subscription to the change feed (every instance's changes) hands each
+ * change to the streams following its key.
+ */
+export interface KeeperFollow {
+  add(key: string, session: KeepSession): void;
+  remove(key: string, session: KeepSession): void;
+  /** The streams of keeper `id` on this instance (one, or a few while one re-attaches). */
+  attach(id: string, session: KeepSession): void;
+  detach(id: string, session: KeepSession): void;
+  /**
+   * Keeper `id` was ended here (a RevokeKeeper): its streams on this
+   * instance read it now. Those on other instances learn at their next
+   * heartbeat, their deadline check, or a change of one of its leases.
+   */
+  ended(id: string): void;
+  start(): void;
+  close(): void;
+}
+
+export function createKeeperFollow(feed: ChangeFeed): KeeperFollow {
+  const byKey = new Map<string, Set<KeepSession>>();
+  const byKeeper = new Map<string, Set<KeepSession>>();
+  let unsubscribe: (() => void) | undefined;
+  return {
+    attach(id, session) {
+      let set = byKeeper.get(id);
+      if (!set) {
+        set = new Set();
+        byKeeper.set(id, set);
+      }
+      set.add(session);
+    },
+    detach(id, session) {
+      const set = byKeeper.get(id);
+      set?.delete(session);
+      if (set?.size === 0) byKeeper.delete(id);
+    },
+    ended(id) {
+      for (const session of [...(byKeeper.get(id) ?? [])]) session.keeperEnded();
+    },
+    add(key, session) {
+      let set = byKey.get(key);
+      if (!set) {
+        set = new Set();
+        byKey.set(key, set);
+      }
+      set.add(session);
+    },
+    remove(key, session) {
+      const set = byKey.get(key);
+      set?.delete(session);
+      if (set?.size === 0) byKey.delete(key);
+    },
+    start() {
+      unsubscribe = feed.subscribe((change) => {
+        if (change.type === "renewed" || change.type === "acquired") return;
+        const set = byKey.get(keyString(change));
+        if (set) for (const session of [...set]) session.onChange(change);
+      });
+    },
+    close() {
+      unsubscribe?.();
+      byKey.clear();
+      byKeeper.clear();
+    },
+  };
 }
 
 /** The call policy's check of one request message (access, then the policy's steps). */
@@ -172,6 +254,14 @@ export class KeepSession {
   private finishing = false;
   private failure: { error: unknown } | undefined;
   private closed = false;
+  /** The keeper's open leases this stream follows, by run key. */
+  private readonly runs = new Map<string, KeeperLease>();
+  /** This stream's close is in flight: the releases it publishes are its own. */
+  private closing = false;
+  /** Fires at the keeper's deadline: a keeper not renewed by then is lost. */
+  private deadlineTimer: NodeJS.Timeout | undefined;
+  /** The deadline the timer was armed for. */
+  private armedUs = 0n;
 
   constructor(
     private readonly deps: KeepServiceDeps,
@@ -221,16 +311,24 @@ export class KeepSession {
         lockDelayMs,
       });
       if (!opened.held) throw new KeeperNotHeldError(keeperId, opened.cause);
-      return opened.keeper;
+      // A re-attach follows the leases acquired before (on any stream, any instance).
+      const leases = await this.deps.keepers.leasesOf(accountId, keeperId);
+      return { keeper: opened.keeper, leases };
     })().then(
-      (keeper) => {
+      ({ keeper, leases }) => {
         if (this.closed) return;
         this.keeper = keeper;
         this.opening = false;
+        for (const lease of leases) this.follow(lease);
+        this.deps.follow?.attach(keeper.id, this);
+        this.armDeadline(keeper.expiresAtUs);
         this.push(
           create(KeepResponseSchema, {
             id,
-            result: { case: "keeper", value: keeperToProto(keeper) },
+            result: {
+              case: "keeper",
+              value: create(KeeperSchema, { ...keeperToProto(keeper), leases: leases.length }),
+            },
           }),
         );
         const held = this.held;
@@ -346,22 +444,139 @@ export class KeepSession {
     keeper: KeeperRecord,
     ttl: OpenKeeper["ttl"],
   ): Promise<KeepResponse | undefined> {
-    if (ttl !== undefined) {
-      throw new InvalidArgumentError(
-        "heartbeat.ttl",
-        "must be unset: this server keeps the TTL the keeper was opened with",
-      );
-    }
-    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id);
+    // A new TTL, within the server's bounds, kept by the keeper from now on.
+    const ttlMs = checkOptionalTtl("heartbeat.ttl", ttl, this.deps.limits);
+    const beat = await this.deps.keepers.heartbeat(keeper.accountId, keeper.id, ttlMs);
     if (!beat.held) {
       this.lose(id, lossOfKeeper[beat.cause]);
       return undefined;
     }
     this.keeper = beat.keeper;
+    this.armDeadline(beat.keeper.expiresAtUs);
     return create(KeepResponseSchema, {
       id,
-      result: { case: "keeper", value: keeperToProto(beat.keeper) },
+      result: {
+        case: "keeper",
+        value: create(KeeperSchema, { ...keeperToProto(beat.keeper), leases: this.runs.size }),
+      },
     });
+  }
+
+  /**
+   * Arms the check at the keeper's deadline (on the database clock as this
+   * instance tracks it): a keeper that no heartbeat renewed by then (on this
+   * stream or, after a re-attach, another) is lost, and its stream is told
+   * at once rather than at its next heartbeat.
+   */
+  private armDeadline(expiresAtUs: bigint, atLeastMs = 1): void {
+    const now = this.deps.databaseNowUs;
+    if (now === undefined || this.closed) return;
+    clearTimeout(this.deadlineTimer);
+    this.armedUs = expiresAtUs;
+    const waitMs = Math.max(atLeastMs, Number(expiresAtUs - now()) / 1_000 + 1);
+    this.deadlineTimer = setTimeout(() => this.checkKeeper(), Math.min(waitMs, 2 ** 31 - 1));
+  }
+
+  /** The keeper was ended on this instance: read it now rather than at its deadline. */
+  keeperEnded(): void {
+    if (this.closing) return;
+    clearTimeout(this.deadlineTimer);
+    this.checkKeeper();
+  }
+
+  /** Reads the keeper: still valid (re-arms at its deadline), or lost (`lost`, then the end). */
+  private checkKeeper(): void {
+    const keeper = this.keeper;
+    if (!keeper || this.closed || this.finishing) return;
+    const armedUs = this.armedUs;
+    this.deps.keepers.status(keeper.accountId, keeper.id).then(
+      (status) => {
+        // The same deadline, not yet past on the database's own clock (this
+        // instance's estimate of it ran early): read again a little later,
+        // not in a loop.
+        if (status.valid) {
+          this.armDeadline(status.expiresAtUs, status.expiresAtUs === armedUs ? 25 : 1);
+        } else this.lose(0n, lossOfKeeper[status.cause], status.reason);
+      },
+      // The database could not say: asked again after a while (a heartbeat
+      // may answer first).
+      () => {
+        if (!this.closed) {
+          this.deadlineTimer = setTimeout(() => this.checkKeeper(), 1_000);
+        }
+      },
+    );
+  }
+
+  private follow(lease: KeeperLease): void {
+    const rk = runKey(lease, lease.runId);
+    if (!this.runs.has(rk)) this.deps.follow?.add(keyString(lease), this);
+    this.runs.set(rk, lease);
+  }
+
+  private unfollow(key: SessionKey, runId: string): void {
+    if (!this.runs.delete(runKey(key, runId))) return;
+    const k = keyString(key);
+    for (const other of this.runs.values()) if (keyString(other) === k) return;
+    this.deps.follow?.remove(k, this);
+  }
+
+  /** A change of a key one of this stream's leases is on, from any instance. */
+  onChange(change: LeaseChange): void {
+    const keeper = this.keeper;
+    if (!keeper || this.closed || this.finishing || this.closing) return;
+    const key = { accountId: change.accountId, sessionId: change.sessionId };
+    const run = this.runs.get(runKey(key, change.runId));
+    if (!run || run.fencingToken !== change.fencingToken) return;
+    const keyProto = create(SessionKeySchema, key);
+    if (change.type === "handoff_requested") {
+      this.push(
+        create(KeepResponseSchema, {
+          id: 0n,
+          result: {
+            case: "handoffRequested",
+            value: create(KeeperHandoffRequestedSchema, {
+              key: keyProto,
+              runId: run.runId,
+              request: create(HandoffRequestedSchema, {
+                requesterHolder: change.requesterHolder,
+                reason: change.reason,
+                requestedAt: timestampFromMicros(change.atUs),
+              }),
+            }),
+          },
+        }),
+      );
+      return;
+    }
+    if (change.type !== "revoked" && change.type !== "released" && change.type !== "expired") {
+      return;
+    }
+    const cause: LossCause = change.type;
+    this.unfollow(key, run.runId);
+    // One lease ended, or the keeper with all of them: the keeper's row says which.
+    this.deps.keepers.status(keeper.accountId, keeper.id).then(
+      (status) => {
+        if (!status.valid) {
+          this.lose(0n, lossOfKeeper[status.cause], status.reason);
+          return;
+        }
+        this.push(
+          create(KeepResponseSchema, {
+            id: 0n,
+            result: {
+              case: "leaseLost",
+              value: create(KeeperLeaseLostSchema, {
+                key: keyProto,
+                runId: run.runId,
+                reason: lossReasonFromCause(cause),
+              }),
+            },
+          }),
+        );
+      },
+      (error: unknown) => this.fail(error),
+    );
   }
 
   /** A key of the keeper's account (K1: a keeper holds leases of its own account only). */
@@ -407,19 +622,12 @@ export class KeepSession {
       waiters && waitMs > 0
         ? await waiters.acquire(input, waitMs, this.ops.signal)
         : await this.deps.store.acquire(input);
+    if (result.acquired) this.follow(result.lease);
     return create(KeepResponseSchema, {
       id,
       result: {
         case: "acquire",
-        value: create(AcquireResponseSchema, {
-          acquired: result.acquired,
-          lease: result.acquired ? leaseToProto(result.lease) : undefined,
-          current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-          lockDelayUntil:
-            !result.acquired && result.lockDelayUntilUs !== undefined
-              ? timestampFromMicros(result.lockDelayUntilUs)
-              : undefined,
-        }),
+        value: acquireResponse(result),
       },
     });
   }
@@ -431,6 +639,8 @@ export class KeepSession {
   ): Promise<KeepResponse> {
     const key = this.keyOf("release", r.key, keeper);
     const runId = checkRunId("release.run_id", r.runId);
+    // Not followed from here: this stream's own release is no loss to report.
+    this.unfollow(key, runId);
     const ended = await this.deps.store.release(key, runId);
     return create(KeepResponseSchema, {
       id,
@@ -449,17 +659,14 @@ export class KeepSession {
       id,
       result: {
         case: "get",
-        value: create(GetResponseSchema, {
-          held: lease !== undefined,
-          lease: lease ? leaseToProto(lease) : undefined,
-          lockDelayUntil: delayUntil === undefined ? undefined : timestampFromMicros(delayUntil),
-        }),
+        value: getResponse(lease, delayUntil),
       },
     });
   }
 
   /** Close: every lease released, the keeper ended (no lock-delay); the answer, then the end. */
   private async closeKeeper(id: bigint, keeper: KeeperRecord): Promise<KeepResponse | undefined> {
+    this.closing = true;
     const ended = await this.deps.keepers.end(keeper.accountId, keeper.id, { ended: "closed" });
     if (!ended.ended && ended.cause !== "closed") {
       this.lose(id, lossOfKeeper[ended.cause ?? "not_found"]);
@@ -614,15 +821,40 @@ export class KeepSession {
     this.closed = true;
     this.queue = [];
     this.held = [];
+    clearTimeout(this.deadlineTimer);
+    for (const run of [...this.runs.values()]) this.unfollow(run, run.runId);
+    if (this.keeper) this.deps.follow?.detach(this.keeper.id, this);
     this.ops.abort(new ConnectError("the Keep stream ended", Code.Canceled));
   }
 }
 
 type Impl = ServiceImpl<typeof LeaseService>;
 
-/** Keep on the Connect adapter (Connect, gRPC-Web, and gRPC when the native path is off). */
-export function createKeepService(deps: KeepServiceDeps): Pick<Impl, "keep"> {
+/**
+ * Keep on the Connect adapter (Connect, gRPC-Web, and gRPC when the native
+ * path is off), and RevokeKeeper (unary, both paths).
+ */
+export function createKeepService(deps: KeepServiceDeps): Pick<Impl, "keep" | "revokeKeeper"> {
   return {
+    async revokeKeeper(req) {
+      // Admin scope (access.ts); audited: one REVOKED row per lease, with the reason.
+      const accountId = checkId("account_id", req.accountId, deps.limits);
+      const keeperId = checkRunId("keeper_id", req.keeperId);
+      const reason = checkText("reason", req.reason, deps.limits.maxReasonLength);
+      if (reason.trim() === "") {
+        throw new InvalidArgumentError(
+          "reason",
+          "is required: a revoke is audited with its reason",
+        );
+      }
+      const result = await deps.keepers.end(accountId, keeperId, { ended: "revoked", reason });
+      if (result.ended) deps.follow?.ended(keeperId);
+      return create(RevokeKeeperResponseSchema, {
+        revoked: result.ended,
+        leasesRevoked: result.leases.length,
+      });
+    },
+
     async *keep(requests, ctx) {
       // The policy's check, handed over by the interceptor: the handler
       // answers a refused request itself (PolicyCall.checkedByHandler).

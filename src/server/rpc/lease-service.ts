@@ -6,14 +6,12 @@ import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
 import type { ServiceImpl } from "@connectrpc/connect";
 import {
-  AcquireResponseSchema,
-  GetResponseSchema,
   type LeaseService,
   ListResponseSchema,
   ReleaseResponseSchema,
   RenewResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
-import { LeaseNotHeldError } from "../../lease/errors.js";
+import { InvalidArgumentError, LeaseNotHeldError } from "../../lease/errors.js";
 import type { Limits } from "../../lease/limits.js";
 import { sessionPageToken } from "../../lease/page-token.js";
 import type { LeaseStore } from "../../lease/types.js";
@@ -28,7 +26,7 @@ import {
   checkWait,
 } from "../../lease/validation.js";
 import type { Waiters } from "../streams/waiters.js";
-import { leaseToProto } from "./convert.js";
+import { acquireResponse, getResponse, leaseToProto } from "./convert.js";
 
 export interface LeaseServiceDeps {
   store: LeaseStore;
@@ -53,11 +51,19 @@ export function createLeaseService(
   return {
     async acquire(req, ctx) {
       const key = checkKey("key", req.key, limits);
-      const ttlMs = checkTtl("ttl", req.ttl, limits);
+      // On a keeper (K1) the lease lives as long as the keeper: its TTL is the keeper's.
+      const keeperId = req.keeperId === "" ? undefined : checkRunId("keeper_id", req.keeperId);
+      if (keeperId !== undefined && req.ttl !== undefined) {
+        throw new InvalidArgumentError(
+          "ttl",
+          "must be unset with keeper_id: the lease lives as long as its keeper",
+        );
+      }
+      const ttlMs = keeperId === undefined ? checkTtl("ttl", req.ttl, limits) : limits.minTtlMs;
       const waitMs = checkWait("wait", req.wait, limits);
       const runId = req.runId === "" ? randomUUID() : checkRunId("run_id", req.runId);
       const holder = checkText("holder", req.holder, limits.maxHolderLength);
-      const input = { ...key, runId, ttlMs, holder };
+      const input = { ...key, runId, ttlMs, holder, ...(keeperId ? { keeperId } : {}) };
       const timeoutMs = ctx.timeoutMs();
       const waitFor =
         timeoutMs === undefined
@@ -67,11 +73,7 @@ export function createLeaseService(
         deps.waiters && waitFor > 0
           ? await deps.waiters.acquire(input, waitFor, ctx.signal)
           : await store.acquire(input);
-      return create(AcquireResponseSchema, {
-        acquired: result.acquired,
-        lease: result.acquired ? leaseToProto(result.lease) : undefined,
-        current: !result.acquired && result.current ? leaseToProto(result.current) : undefined,
-      });
+      return acquireResponse(result);
     },
 
     async renew(req) {
@@ -93,10 +95,9 @@ export function createLeaseService(
     async get(req) {
       const key = checkKey("key", req.key, limits);
       const lease = await store.get(key);
-      return create(GetResponseSchema, {
-        held: lease !== undefined,
-        lease: lease ? leaseToProto(lease) : undefined,
-      });
+      // K2: a key free of any valid lease may still be in its lock-delay.
+      const delayUntil = lease === undefined ? await store.lockDelayUntil(key) : undefined;
+      return getResponse(lease, delayUntil);
     },
 
     async list(req) {

@@ -1,7 +1,7 @@
 // Routes of the lease server: one plain function from a router to services,
 // over the one service implementation that the native gRPC path serves too.
 
-import { Code, ConnectError, type ConnectRouter, type ServiceImpl } from "@connectrpc/connect";
+import type { ConnectRouter, ServiceImpl } from "@connectrpc/connect";
 import { LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
 import { type AuditServiceDeps, createAuditService } from "./audit-service.js";
 import { createFenceService } from "./fence-service.js";
@@ -22,9 +22,6 @@ export function leaseServiceImpl(deps: LeaseServiceImplDeps): ServiceImpl<typeof
     ...createAuditService(deps),
     ...createStreamService(deps),
     ...createKeepService(deps),
-    revokeKeeper: async () => {
-      throw new ConnectError("RevokeKeeper is not served by this server", Code.Unimplemented);
-    },
   };
 }
 
