@@ -21,7 +21,6 @@ import {
   NotAcquiredError,
 } from "../src/client/index.js";
 import { defaultLimits } from "../src/lease/limits.js";
-import { createKeeperStore } from "../src/server/db/keeper-store.js";
 import { useTestServer } from "./support/fixture.js";
 import { repoRoot } from "./support/server.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
@@ -256,21 +255,32 @@ describe("keepers in the client library", () => {
     expect(got.lockDelayUntil).toBeDefined();
   });
 
-  it("K1: the keeper revoked ends every lease on it at once", async () => {
+  it("K1: the keeper revoked (RevokeKeeper) ends every lease on it at once; a revoke of one lease ends only that one", async () => {
     const accountId = account("revoke");
-    const keeper = await client().openKeeper({ accountId, ttlMs: 1_500 });
+    const c = client();
+    const keeper = await c.openKeeper({ accountId, ttlMs: 5_000 });
     const hold = holdAll(keeper, accountId, ["a", "b", "c"], new Promise(() => {}));
     await hold.held;
-    const ended = await createKeeperStore(db.sql).end(accountId, keeper.id, {
-      ended: "revoked",
-      reason: "test",
-    });
-    expect(ended.ended).toBe(true);
+    const byKey = new Map(hold.contexts.map((ctx) => [ctx.key.sessionId, ctx]));
+    const a = byKey.get("a");
+    if (!a) throw new Error("run a is not held");
+
+    // One lease: only its run stops, told `revoked`; the keeper and the others go on.
+    const one = await c.revoke({ key: { accountId, sessionId: "a" }, reason: "operator: a only" });
+    expect(one.revoked).toBe(true);
+    await aborted(a.signal);
+    expect((a.signal.reason as LeaseLostError).lossReason).toBe("revoked");
+    expect(byKey.get("b")?.signal.aborted).toBe(false);
+    expect(byKey.get("c")?.signal.aborted).toBe(false);
+    expect(keeper.signal.aborted).toBe(false);
+
+    // The keeper: every run left stops at once, told `revoked`.
+    const all = await c.revokeKeeper({ accountId, keeperId: keeper.id, reason: "operator: all" });
+    expect(all).toMatchObject({ revoked: true, leasesRevoked: 2 });
     const results = await hold.runs;
-    for (const r of results) {
-      expect((r.reason as LeaseLostError).lossReason).toBe("revoked");
-    }
+    for (const r of results) expect((r.reason as LeaseLostError).lossReason).toBe("revoked");
     expect((keeper.signal.reason as LeaseLostError).lossReason).toBe("revoked");
+    expect((keeper.signal.reason as LeaseLostError).message).toMatch(/operator: all/);
   });
 
   it("examples/typescript/keeper.ts: a keeper holds several leases, each run works and releases, the keeper closes", async () => {

@@ -37,6 +37,8 @@ import {
   type RenewResponse,
   type RequestHandoffRequestSchema,
   type RequestHandoffResponse,
+  type RevokeKeeperRequestSchema,
+  type RevokeKeeperResponse,
   type RevokeRequestSchema,
   type RevokeResponse,
   type WatchRequestSchema,
@@ -121,6 +123,8 @@ export type HistoryInit = MessageInitShape<typeof HistoryRequestSchema>;
 export type CheckFenceInit = MessageInitShape<typeof CheckFenceRequestSchema>;
 /** Request of `revoke`. */
 export type RevokeInit = MessageInitShape<typeof RevokeRequestSchema>;
+/** Request of `revokeKeeper`. */
+export type RevokeKeeperInit = MessageInitShape<typeof RevokeKeeperRequestSchema>;
 
 /**
  * A client of LeaseService. Every method throws a LeaseholdError subclass
@@ -171,6 +175,12 @@ export interface LeaseClient {
   checkFence(request: CheckFenceInit, options?: CallOptions): Promise<CheckFenceResponse>;
   /** Revoke: ends the session's valid lease whatever its run (admin scope). */
   revoke(request: RevokeInit, options?: CallOptions): Promise<RevokeResponse>;
+  /**
+   * RevokeKeeper: ends a keeper and every lease on it whatever its holder
+   * (admin scope; audited, one REVOKED per lease; no lock-delay). The
+   * keeper's holder learns it as `lost` (`revoked`): every run on it aborts.
+   */
+  revokeKeeper(request: RevokeKeeperInit, options?: CallOptions): Promise<RevokeKeeperResponse>;
   /**
    * Runs `work` while this client holds the session's lease, and returns its
    * result.
@@ -332,6 +342,7 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     history: unary(rpc.history),
     checkFence: unary(rpc.checkFence),
     revoke: unary(rpc.revoke),
+    revokeKeeper: unary(rpc.revokeKeeper),
     runExclusive: (key, work, runOptions) => {
       if (runOptions && "keeper" in runOptions && runOptions.keeper !== undefined) {
         const { keeper, ...keeperOptions } = runOptions;

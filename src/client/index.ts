@@ -15,6 +15,7 @@ export {
   type RenewInit,
   type RequestHandoffInit,
   type RevokeInit,
+  type RevokeKeeperInit,
   type WatchInit,
 } from "./client.js";
 export { type ClientTls, type ClientTlsOptions, clientTlsOptions } from "./client-tls.js";
