@@ -224,6 +224,39 @@ describe("keepers in the client library", () => {
     expect(results.map((r) => r.token)).toEqual([...hold.contexts].map((ctx) => ctx.fencingToken));
   });
 
+  it("re-attach: an instance stopped under the keeper (graceful shutdown) — the keeper re-attaches on the next one; every lease is kept", async () => {
+    const [first, second] = [await startServer(), await startServer()];
+    const accountId = account("stopped");
+    const reopened = gate();
+    const keeper = await client({
+      baseUrls: [first.url, second.url],
+      reconnectBackoff: { initialMs: 10, maxMs: 50 },
+      onEvent: (event) => {
+        if (event.type === "keeper-open" && event.baseUrl === second.url) reopened.open();
+      },
+    }).openKeeper({ accountId, ttlMs: 1_500 });
+    defer(() => keeper.close());
+    const done = gate();
+    const hold = holdAll(keeper, accountId, ["a", "b", "c"], done.opened);
+    await hold.held;
+    const before = await storedLeases(accountId);
+    await first.close();
+    await reopened.opened;
+    await untilPastKeeperDeadline(keeper.id, 100);
+    const after = await storedLeases(accountId);
+    expect(after.map((l) => [l.runId, l.token, l.ended])).toEqual(
+      before.map((l) => [l.runId, l.token, null]),
+    );
+    for (const ctx of hold.contexts) expect(ctx.signal.aborted).toBe(false);
+    done.open();
+    await hold.runs;
+    expect((await storedLeases(accountId)).map((l) => l.ended)).toEqual([
+      "released",
+      "released",
+      "released",
+    ]);
+  });
+
   it("K2: lock-delay visible: a refused acquire and Get say until when", async () => {
     const accountId = account("lockdelay");
     const key = { accountId, sessionId: "a" };
