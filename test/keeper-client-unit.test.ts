@@ -8,7 +8,12 @@ import { create, type MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ConnectRouter } from "@connectrpc/connect";
 import { connectNodeAdapter } from "@connectrpc/connect-node";
 import { afterEach, describe, expect, it } from "vitest";
-import { createLeaseClient, durationFromMs, LeaseLostError } from "../src/client/index.js";
+import {
+  createLeaseClient,
+  DeadlineExceededError,
+  durationFromMs,
+  LeaseLostError,
+} from "../src/client/index.js";
 import { RequestQueue } from "../src/client/request-queue.js";
 import {
   KeeperSchema,
@@ -234,4 +239,55 @@ describe("keeper client, scripted server", () => {
     expect(await done).toEqual(["revoked", "revoked", "revoked"]);
     expect((keeper.signal.reason as LeaseLostError).message).toMatch(/revoked: by the test/);
   });
+
+  it("an acquire unanswered past its deadline fails with DeadlineExceededError, and its late grant is released", async () => {
+    let heldAcquire: { stream: ScriptedStream; request: KeepRequest } | undefined;
+    const released: string[] = [];
+    const gotRelease = gate();
+    const server = await scriptedKeepServer((stream, request) => {
+      switch (request.op.case) {
+        case "open":
+        case "heartbeat":
+          stream.answer(keeperAnswer(request.id, 10_000));
+          break;
+        case "acquire":
+          heldAcquire = { stream, request };
+          break;
+        case "release":
+          released.push(request.op.value.runId);
+          stream.answer({ id: request.id, result: { case: "release", value: { released: true } } });
+          gotRelease.open();
+          break;
+        default:
+          break;
+      }
+    });
+    cleanups.push(server.close);
+    const client = createLeaseClient({ baseUrl: server.url, defaultTimeoutMs: 300 });
+    cleanups.push(() => client.close());
+    const keeper = await client.openKeeper({ accountId: "acme", ttlMs: 10_000 });
+    const key = { accountId: "acme", sessionId: "slow" };
+    const error = await keeper.acquire({ key }).catch((e: unknown) => e);
+    expect(error).toBeInstanceOf(DeadlineExceededError);
+    if (heldAcquire?.request.op.case !== "acquire") throw new Error("no acquire");
+    const { runId } = heldAcquire.request.op.value;
+    heldAcquire.stream.answer({
+      id: heldAcquire.request.id,
+      result: {
+        case: "acquire",
+        value: { acquired: true, lease: create(LeaseSchema, { key, runId }) },
+      },
+    });
+    await gotRelease.opened;
+    expect(released).toEqual([runId]);
+    expect(keeper.signal.aborted).toBe(false);
+  });
 });
+
+function gate() {
+  let open!: () => void;
+  const opened = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  return { open, opened };
+}

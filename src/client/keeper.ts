@@ -36,6 +36,7 @@ import { lossCauseFromReason } from "../protocol/loss-reason.js";
 import { durationFromMs, msFromDuration } from "./durations.js";
 import {
   CanceledError,
+  DeadlineExceededError,
   type LeaseholdError,
   type LeaseLossReason,
   LeaseLostError,
@@ -365,39 +366,44 @@ class KeeperSession implements Keeper {
         reject(new CanceledError("the acquire was cancelled", Code.Canceled));
       };
       signal?.addEventListener("abort", onAbort, { once: true });
-      this.request({
-        // Sent again after a cut stream with the same run id: the server's
-        // answer is the same grant (same token) if the first one was made.
-        build: () => {
-          const left = waitMs - (this.now() - firstSentAt);
-          return {
-            case: "acquire",
-            value: {
-              key,
-              runId,
-              holder,
-              wait: left > 0 ? durationFromMs(left) : undefined,
-            },
-          };
+      this.request(
+        {
+          // Sent again after a cut stream with the same run id: the server's
+          // answer is the same grant (same token) if the first one was made.
+          build: () => {
+            const left = waitMs - (this.now() - firstSentAt);
+            return {
+              case: "acquire",
+              value: {
+                key,
+                runId,
+                holder,
+                wait: left > 0 ? durationFromMs(left) : undefined,
+              },
+            };
+          },
+          resolve: (result) => {
+            signal?.removeEventListener("abort", onAbort);
+            if (result.case !== "acquire") {
+              reject(this.unexpected("acquire", result));
+              return;
+            }
+            // The caller gave up while the server granted it: nobody will
+            // use the lease, so it is released rather than left to the keeper.
+            if (abandoned && result.value.acquired) {
+              void this.release({ key, runId }).catch(() => {});
+            }
+            resolve(result.value);
+          },
+          reject: (error) => {
+            // Given up (a timeout): a grant that still comes is released.
+            abandoned = true;
+            signal?.removeEventListener("abort", onAbort);
+            reject(error);
+          },
         },
-        resolve: (result) => {
-          signal?.removeEventListener("abort", onAbort);
-          if (result.case !== "acquire") {
-            reject(this.unexpected("acquire", result));
-            return;
-          }
-          // The caller gave up while the server granted it: nobody will
-          // use the lease, so it is released rather than left to the keeper.
-          if (abandoned && result.value.acquired) {
-            void this.release({ key, runId }).catch(() => {});
-          }
-          resolve(result.value);
-        },
-        reject: (error) => {
-          signal?.removeEventListener("abort", onAbort);
-          reject(error);
-        },
-      });
+        { timeoutMs: waitMs + this.deps.defaultTimeoutMs },
+      );
     });
   }
 
@@ -405,26 +411,32 @@ class KeeperSession implements Keeper {
     const key = keyOf(request.key);
     const runId = request.runId.toLowerCase();
     return new Promise((resolve, reject) => {
-      this.request({
-        build: () => ({ case: "release", value: { key, runId } }),
-        resolve: (result) =>
-          result.case === "release"
-            ? resolve(result.value)
-            : reject(this.unexpected("release", result)),
-        reject,
-      });
+      this.request(
+        {
+          build: () => ({ case: "release", value: { key, runId } }),
+          resolve: (result) =>
+            result.case === "release"
+              ? resolve(result.value)
+              : reject(this.unexpected("release", result)),
+          reject,
+        },
+        { timeoutMs: this.deps.defaultTimeoutMs },
+      );
     });
   }
 
   get(key: SessionKeyInit): Promise<GetResponse> {
     const k = keyOf(key);
     return new Promise((resolve, reject) => {
-      this.request({
-        build: () => ({ case: "get", value: { key: k } }),
-        resolve: (result) =>
-          result.case === "get" ? resolve(result.value) : reject(this.unexpected("get", result)),
-        reject,
-      });
+      this.request(
+        {
+          build: () => ({ case: "get", value: { key: k } }),
+          resolve: (result) =>
+            result.case === "get" ? resolve(result.value) : reject(this.unexpected("get", result)),
+          reject,
+        },
+        { timeoutMs: this.deps.defaultTimeoutMs },
+      );
     });
   }
 
@@ -522,7 +534,7 @@ class KeeperSession implements Keeper {
       const timer = setTimeout(finish, Math.min(this.deps.defaultTimeoutMs, this.timing.ttlMs));
       this.request(
         { build: () => ({ case: "close", value: {} }), resolve: finish, reject: finish },
-        true,
+        { whileEnding: true },
       );
     });
     return this.closing;
@@ -547,14 +559,41 @@ class KeeperSession implements Keeper {
     );
   }
 
-  /** Queues a request; sent now when the stream is attached, else on the next attach. */
-  private request(pending: Omit<Pending, "sentAt" | "sentOn">, whileEnding = false): void {
-    if (this.signal.aborted && !whileEnding) {
+  /**
+   * Queues a request; sent now when the stream is attached, else on the
+   * next attach. Unanswered after `timeoutMs` (a unary call's deadline), it
+   * fails with DeadlineExceededError but stays queued: its answer, when it
+   * comes, still reaches `resolve` (where an acquire releases a late grant).
+   */
+  private request(
+    pending: Omit<Pending, "sentAt" | "sentOn">,
+    options: { whileEnding?: boolean; timeoutMs?: number } = {},
+  ): void {
+    if (this.signal.aborted && !options.whileEnding) {
       pending.reject(this.signal.reason as LeaseholdError);
       return;
     }
     const id = this.nextId++;
     const entry: Pending = { ...pending, sentAt: 0, sentOn: 0 };
+    const { timeoutMs } = options;
+    if (timeoutMs !== undefined) {
+      const timer = setTimeout(() => {
+        pending.reject(
+          new DeadlineExceededError(
+            `the keeper's ${pending.build()?.case ?? "request"} had no answer within ${timeoutMs}ms`,
+            Code.DeadlineExceeded,
+          ),
+        );
+      }, timeoutMs);
+      entry.resolve = (result) => {
+        clearTimeout(timer);
+        pending.resolve(result);
+      };
+      entry.reject = (error) => {
+        clearTimeout(timer);
+        pending.reject(error);
+      };
+    }
     this.pending.set(id, entry);
     if (this.stream?.attached) this.send(this.stream, id, entry);
   }
