@@ -310,7 +310,10 @@ for (const mode of ["native", "connect"] as const) {
       const sessions = ["a", "b", "c"];
       await acquireAll(keep, accountId, sessions);
       const watch = openWatch(client, { accountId, sessionId: "" });
-      await watch.reader.next((m) => m.kind.case === "snapshot");
+      const snapshot = await watch.reader.next((m) => m.kind.case === "snapshot");
+      expect(
+        snapshot.kind.case === "snapshot" && snapshot.kind.value.leases.map((l) => l.keeperId),
+      ).toEqual(sessions.map(() => keeper.keeperId));
 
       const revoked = await client.revokeKeeper({
         accountId,

@@ -69,17 +69,21 @@ const arbitraryChange: fc.Arbitrary<LeaseChange> = fc.record({
   holder: text,
   atUs: bigint64,
   lease: fc.option(
-    fc.record({
-      accountId: text,
-      sessionId: text,
-      runId: fc.uuid(),
-      fencingToken: bigint64,
-      holder: text,
-      ttlMs: bigint64,
-      acquiredAtUs: bigint64,
-      expiresAtUs: bigint64,
-      remainingUs: bigint64,
-    }),
+    fc
+      .record({
+        accountId: text,
+        sessionId: text,
+        runId: fc.uuid(),
+        fencingToken: bigint64,
+        holder: text,
+        ttlMs: bigint64,
+        acquiredAtUs: bigint64,
+        expiresAtUs: bigint64,
+        remainingUs: bigint64,
+        // A keeper's lease carries its keeper's id (K1); a lease of its own none.
+        keeperId: fc.option(fc.uuid(), { nil: undefined }),
+      })
+      .map(({ keeperId, ...l }) => (keeperId === undefined ? l : { ...l, keeperId })),
     { nil: undefined },
   ),
   reason: text,
@@ -220,6 +224,7 @@ describe("L1: notification payload codec", () => {
         acquiredAtUs: 2n ** 63n - 1n,
         expiresAtUs: 2n ** 63n - 1n,
         remainingUs: 2n ** 63n - 1n,
+        keeperId: "0".repeat(36),
       },
     });
     const [payload, ...rest] = encodeChanges("0".repeat(36), [largest]);

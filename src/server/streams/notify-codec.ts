@@ -6,13 +6,14 @@
 // Wire format (version 1): compact JSON arrays, so that one payload carries
 // dozens of changes. bigints travel as decimal strings.
 //   {"v":1,"s":source,"c":[[type,account,session,run,token,holder,at,reason,requester,event,lease]]}
-//   lease: [ttlMs, acquiredAt, expiresAt, remaining] or 0
+//   lease: [ttlMs, acquiredAt, expiresAt, remaining] or 0; a keeper's lease
+//   adds its keeper id as a fifth element (a reader that knows four ignores it)
 //   {"v":1,"s":source,"i":[[account,session],...],"f":forMs}
 //   {"v":1,"s":source,"h":1}
 //   {"v":1,"s":source,"p":nonce}
 
 import type { ChangeType, LeaseChange } from "../../lease/lease-change.js";
-import type { Scope } from "../../lease/types.js";
+import type { LeaseRecord, Scope } from "../../lease/types.js";
 
 export const notificationChannel = "leasehold_changes";
 
@@ -30,7 +31,7 @@ export type NotifierMessage =
 
 export type ControlMessage = Extract<NotifierMessage, { kind: "interest" | "hello" }>;
 
-type WireLease = [string, string, string, string];
+type WireLease = [string, string, string, string] | [string, string, string, string, string];
 type WireChange = [
   ChangeType,
   string,
@@ -45,6 +46,16 @@ type WireChange = [
   WireLease | 0,
 ];
 
+function wireLease(l: LeaseRecord): WireLease {
+  const times: [string, string, string, string] = [
+    l.ttlMs.toString(),
+    l.acquiredAtUs.toString(),
+    l.expiresAtUs.toString(),
+    l.remainingUs.toString(),
+  ];
+  return l.keeperId ? [...times, l.keeperId] : times;
+}
+
 function wireChange(c: LeaseChange): WireChange {
   return [
     c.type,
@@ -57,14 +68,7 @@ function wireChange(c: LeaseChange): WireChange {
     c.reason,
     c.requesterHolder,
     c.eventId.toString(),
-    c.lease
-      ? [
-          c.lease.ttlMs.toString(),
-          c.lease.acquiredAtUs.toString(),
-          c.lease.expiresAtUs.toString(),
-          c.lease.remainingUs.toString(),
-        ]
-      : 0,
+    c.lease ? wireLease(c.lease) : 0,
   ];
 }
 
@@ -179,6 +183,7 @@ export function decodeMessage(payload: string): NotifierMessage | undefined {
               acquiredAtUs: BigInt(lease[1]),
               expiresAtUs: BigInt(lease[2]),
               remainingUs: BigInt(lease[3]),
+              ...(typeof lease[4] === "string" && lease[4] !== "" ? { keeperId: lease[4] } : {}),
             }
           : undefined,
       };

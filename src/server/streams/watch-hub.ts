@@ -290,6 +290,7 @@ function toLease(row: SessionRow): LeaseRecord {
     acquiredAtUs: row.acquiredAtUs,
     expiresAtUs: row.expiresAtUs,
     remainingUs: row.remainingUs,
+    ...(row.keeperId ? { keeperId: row.keeperId } : {}),
   };
 }
 
