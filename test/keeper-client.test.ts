@@ -257,6 +257,40 @@ describe("keepers in the client library", () => {
     ]);
   });
 
+  it("a handoff request reaches the run holding the keeper's lease (onHandoffRequested), and only it", async () => {
+    const accountId = account("handoff");
+    const c = client();
+    const keeper = await c.openKeeper({ accountId, ttlMs: 5_000 });
+    defer(() => keeper.close());
+    const heard = new Map<string, string[]>();
+    const asked = gate();
+    const done = gate();
+    const bothHeld = gate();
+    let held = 0;
+    const runs = ["a", "b"].map((sessionId) =>
+      keeper.runExclusive({ accountId, sessionId }, async (ctx) => {
+        ctx.onHandoffRequested((request) => {
+          heard.set(sessionId, [...(heard.get(sessionId) ?? []), request.requesterHolder]);
+          asked.open();
+        });
+        held += 1;
+        if (held === 2) bothHeld.open();
+        await done.opened;
+      }),
+    );
+    await bothHeld.opened;
+    const answer = await c.requestHandoff({
+      key: { accountId, sessionId: "a" },
+      requesterHolder: "phone",
+      reason: "continue here",
+    });
+    expect(answer.delivered).toBe(true);
+    await asked.opened;
+    done.open();
+    await Promise.all(runs);
+    expect(Object.fromEntries(heard)).toEqual({ a: ["phone"] });
+  });
+
   it("K2: lock-delay visible: a refused acquire and Get say until when", async () => {
     const accountId = account("lockdelay");
     const key = { accountId, sessionId: "a" };
