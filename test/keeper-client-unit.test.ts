@@ -282,6 +282,34 @@ describe("keeper client, scripted server", () => {
     expect(released).toEqual([runId]);
     expect(keeper.signal.aborted).toBe(false);
   });
+
+  it("L2: client.close() cuts a keeper's stream; its runs stop at the keeper's local deadline, not never", async () => {
+    const server = await scriptedKeepServer((stream, request) => {
+      if (request.op.case === "open" || request.op.case === "heartbeat") {
+        stream.answer(keeperAnswer(request.id, 600));
+      }
+      if (request.op.case === "acquire") {
+        const { key, runId } = request.op.value;
+        stream.answer({
+          id: request.id,
+          result: {
+            case: "acquire",
+            value: { acquired: true, lease: create(LeaseSchema, { key, runId }) },
+          },
+        });
+      }
+    });
+    cleanups.push(server.close);
+    const client = createLeaseClient({ baseUrl: server.url });
+    const keeper = await client.openKeeper({ accountId: "acme", ttlMs: 600 });
+    const reason = await keeper.runExclusive({ accountId: "acme", sessionId: "a" }, async (ctx) => {
+      client.close();
+      await expect(keeper.get({ accountId: "acme", sessionId: "a" })).rejects.toThrow(/closed/);
+      if (!ctx.signal.aborted) await once(ctx.signal, "abort");
+      return (ctx.signal.reason as LeaseLostError).lossReason;
+    });
+    expect(reason).toBe("deadline");
+  });
 });
 
 function gate() {

@@ -268,6 +268,8 @@ class KeeperSession implements Keeper {
   private awaited: { id: bigint; generation: number } | undefined;
   private stallTimer: NodeJS.Timeout | undefined;
   private closing: Promise<void> | undefined;
+  /** Set by abandon(): the client closed; the stream is not reopened. */
+  private abandoned = false;
   private opened: { resolve: () => void; reject: (error: LeaseholdError) => void } | undefined;
 
   constructor(
@@ -573,6 +575,10 @@ class KeeperSession implements Keeper {
       pending.reject(this.signal.reason as LeaseholdError);
       return;
     }
+    if (this.abandoned) {
+      pending.reject(new CanceledError("the client was closed", Code.Canceled));
+      return;
+    }
     const id = this.nextId++;
     const entry: Pending = { ...pending, sentAt: 0, sentOn: 0 };
     const { timeoutMs } = options;
@@ -839,7 +845,7 @@ class KeeperSession implements Keeper {
       error,
       retryInMs: delay,
     });
-    if (this.signal.aborted && !this.closing) return;
+    if ((this.signal.aborted && !this.closing) || this.abandoned) return;
     this.reconnectTimer = setTimeout(() => this.connect(), delay);
   }
 
@@ -862,9 +868,23 @@ class KeeperSession implements Keeper {
   }
 
   /** Stops every timer and ends the stream. */
-  shutdown(): void {
+  /**
+   * The client is closing: the stream is cut and never reopened, requests
+   * in flight fail, and the runs on the keeper stop at its local deadline
+   * (the keeper expires on the server; close it first to release at once).
+   */
+  abandon(): void {
+    this.abandoned = true;
+    const failed = [...this.pending.values()];
+    this.pending.clear();
+    const error = new CanceledError("the client was closed", Code.Canceled);
+    for (const entry of failed) entry.reject(error);
+    this.shutdown(true);
+  }
+
+  shutdown(keepDeadline = false): void {
     clearInterval(this.heartbeatTimer);
-    clearTimeout(this.deadlineTimer);
+    if (!keepDeadline) clearTimeout(this.deadlineTimer);
     clearTimeout(this.stallTimer);
     clearTimeout(this.reconnectTimer);
     this.heartbeatTimer = undefined;
@@ -892,5 +912,5 @@ export async function openKeeper(deps: KeeperDeps, options: OpenKeeperOptions): 
 
 /** Ends a keeper's stream without closing it on the server (the client is closing). */
 export function abandonKeeper(keeper: Keeper): void {
-  if (keeper instanceof KeeperSession) keeper.shutdown();
+  if (keeper instanceof KeeperSession) keeper.abandon();
 }
