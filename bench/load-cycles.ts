@@ -10,6 +10,7 @@ import { createClient } from "@connectrpc/connect";
 import { Etcd3 } from "etcd3";
 import postgres from "postgres";
 import { createGrpcTransport } from "../src/client/grpc-transport.js";
+import { createLeaseClient } from "../src/client/index.js";
 import { LeaseService, SessionKeySchema } from "../src/gen/leasehold/v1/lease_pb.js";
 import { openDatabase } from "../src/postgres/pool.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
@@ -24,7 +25,9 @@ export type CycleTarget =
   /** Leasehold's own store SQL, sent from this process: the service minus RPC. */
   | { kind: "store"; databaseUrl: string }
   /** etcd: lease grant, put-if-absent txn, owner-checked delete txn, revoke. */
-  | { kind: "etcd"; url: string };
+  | { kind: "etcd"; url: string }
+  /** Acquire and Release on one keeper's Keep stream (the client library's keeper.acquire/release). */
+  | { kind: "keeper"; urls: string[] };
 
 export interface CycleOptions extends WindowTiming {
   target: CycleTarget;
@@ -64,7 +67,7 @@ interface Granted {
   revision?: string;
 }
 
-function connect(options: CycleOptions): LockClient {
+async function connect(options: CycleOptions): Promise<LockClient> {
   const { target, ttlSeconds, accountId } = options;
   switch (target.kind) {
     case "service": {
@@ -148,6 +151,29 @@ function connect(options: CycleOptions): LockClient {
         close: () => sql.end({ timeout: 1 }),
       };
     }
+    case "keeper": {
+      // One keeper for the process: every worker's acquire and release ride
+      // its one stream, as a process holding many leases would do.
+      const client = createLeaseClient({ baseUrls: target.urls, protocol: "grpc" });
+      const keeper = await client.openKeeper({
+        accountId,
+        ttlMs: ttlSeconds * 1000,
+        holder: "bench",
+      });
+      return {
+        acquire: async (sessionId, runId) => {
+          const res = await keeper.acquire({ key: { accountId, sessionId }, runId });
+          return res.acquired ? { runId } : undefined;
+        },
+        release: async (sessionId, granted) => {
+          await keeper.release({ key: { accountId, sessionId }, runId: granted.runId });
+        },
+        close: async () => {
+          await keeper.close();
+          client.close();
+        },
+      };
+    }
     case "etcd": {
       const client = new Etcd3({ hosts: target.url });
       const keyOf = (sessionId: string) => Buffer.from(`/leases/${accountId}/${sessionId}`);
@@ -180,7 +206,7 @@ function connect(options: CycleOptions): LockClient {
 
 async function main(): Promise<void> {
   const options = loadOptions<CycleOptions>();
-  const client = connect(options);
+  const client = await connect(options);
   const sessions = Array.from({ length: options.keys }, (_, i) => `session-${i}`);
   const cycle = new Latency();
   const acquire = new Latency();

@@ -19,6 +19,7 @@ import { renderMarkdown, renderText } from "./report.js";
 import { runContention } from "./scenario-contention.js";
 import { runCycles } from "./scenario-cycles.js";
 import { runKeepAlive } from "./scenario-keepalive.js";
+import { runKeepers } from "./scenario-keepers.js";
 import { runWatch } from "./scenario-watch.js";
 import { failureSummary, notRunRows, runScenarios, type Scenario } from "./scenarios.js";
 import { cleanupsOnSignal } from "./support/cleanups.js";
@@ -28,7 +29,7 @@ const usage = `Usage: npm run bench -- [flags]
   --quick            one short window per figure (under two minutes)
   --with-etcd        install Debian's etcd-server when etcd is missing (root only)
   --no-etcd          skip etcd even when it is installed
-  --only LIST        scenarios to run, comma-separated: cycles,contention,keepalive,watch
+  --only LIST        scenarios to run, comma-separated: cycles,contention,keepalive,watch,keepers
   --servers N        lease server processes (default 1)
   --pool-size N      database connections per server (default 20, the server default)
   --rounds N         measured windows per figure (default 3, quick 1)
@@ -193,6 +194,7 @@ async function main(): Promise<number> {
         run: () => runKeepAlive(ctx, etcd),
       },
       { id: "watch", scenario: "4 watch fan-out", streaming: true, run: () => runWatch(ctx) },
+      { id: "keepers", scenario: "6 keepers", streaming: true, run: () => runKeepers(ctx) },
     ];
     // Load generators run in process groups of their own (load-protocol.ts):
     // a signal to the terminal's group does not reach them; this does, first.

@@ -9,13 +9,14 @@ import type { CycleOptions, CycleResult, CycleTarget } from "./load-cycles.js";
 import { type Measured, measureLoad } from "./measure.js";
 import { type Comparison, compare, fmtMs, fmtRate, fmtRatio, type Row } from "./report.js";
 
-type System = "leasehold" | "sql" | "store" | "etcd";
+export type System = "leasehold" | "sql" | "store" | "etcd" | "keeper";
 
 const labels: Record<System, string> = {
   leasehold: "Leasehold (gRPC)",
   sql: "raw SQL (seed statements)",
   store: "Leasehold store SQL, no RPC",
   etcd: "etcd",
+  keeper: "Leasehold on a keeper's stream",
 };
 
 export interface CycleFigures {
@@ -39,10 +40,22 @@ export interface CycleFigures {
   windows: { cyclesPerSec: number; p50Ms: number; p99Ms: number; otherCpu: number }[];
 }
 
-export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
+/** Which Leasehold is measured: unary calls (scenario 1) or a keeper's stream (the keepers scenario). */
+export interface CycleRun {
+  id: string;
+  scenario: string;
+  lead: "leasehold" | "keeper";
+}
+
+const unaryCycles: CycleRun = { id: "cycles", scenario: "1 acquire→release", lead: "leasehold" };
+
+export async function runCycles(
+  ctx: BenchContext,
+  run: CycleRun = unaryCycles,
+): Promise<ScenarioReport> {
   const { settings, systems } = ctx;
-  const present: System[] = ["leasehold", "sql"];
-  if (settings.storeBaseline) present.push("store");
+  const present: System[] = [run.lead, "sql"];
+  if (settings.storeBaseline && run.lead === "leasehold") present.push("store");
   if (systems.etcd) present.push("etcd");
   const targetOf = (system: System): CycleTarget => {
     switch (system) {
@@ -54,6 +67,8 @@ export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
         return { kind: "store", databaseUrl: systems.postgres.url };
       case "etcd":
         return { kind: "etcd", url: systems.etcd?.url ?? "" };
+      case "keeper":
+        return { kind: "keeper", urls: ctx.serverUrls };
     }
   };
 
@@ -65,14 +80,14 @@ export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
     for (let round = 1; round <= settings.rounds; round++) {
       for (const system of present) {
         ctx.progress(
-          `1 acquire→release · c=${concurrency} · ${labels[system]} · round ${round}/${settings.rounds}`,
+          `${run.scenario} · c=${concurrency} · ${labels[system]} · round ${round}/${settings.rounds}`,
         );
         const options: CycleOptions = {
           target: targetOf(system),
           concurrency,
           keys: settings.keys,
           ttlSeconds: settings.ttlSeconds,
-          accountId: `bench-${system}`,
+          accountId: `bench-${run.id}-${system}`,
           warmupMs: settings.warmupMs,
           windowMs: settings.windowMs,
         };
@@ -83,64 +98,71 @@ export async function runCycles(ctx: BenchContext): Promise<ScenarioReport> {
           );
         }
         runs.get(system)?.push(measured);
-        if (system === "leasehold" && concurrency === profiled)
-          profileWindows.push(measured.window);
+        if (system === run.lead && concurrency === profiled) profileWindows.push(measured.window);
       }
     }
     for (const system of present) {
-      const r = runs.get(system) ?? [];
-      const cpuKeys = Object.keys(r[0]?.cpu ?? {});
-      const cpuCores = Object.fromEntries(
-        cpuKeys.map((k) => [k, medianOf(r, (m) => m.cpu[k] ?? 0)]),
-      );
-      figures.push({
-        system,
-        concurrency,
-        cyclesPerSec: medianOf(r, (m) => m.load.cyclesPerSec),
-        contendedPerSec: medianOf(r, (m) => m.load.contendedPerSec),
-        p50Ms: medianOf(r, (m) => m.load.cycle.p50Ms),
-        p99Ms: medianOf(r, (m) => m.load.cycle.p99Ms),
-        acquireP50Ms: medianOf(r, (m) => m.load.acquire.p50Ms),
-        acquireP99Ms: medianOf(r, (m) => m.load.acquire.p99Ms),
-        errors: r.reduce((sum, m) => sum + m.load.errors, 0),
-        cpuCores,
-        cpuMsPerCycle: Object.fromEntries(
-          cpuKeys
-            .filter((k) => k !== "machine" && k !== "other")
-            .map((k) => [
-              k,
-              Math.round(
-                medianOf(r, (m) => ((m.cpu[k] ?? 0) / m.load.cyclesPerSec) * 1000) * 1000,
-              ) / 1000,
-            ]),
-        ),
-        databaseStatementsPerSec: medianOf(r, (m) => m.database.statementsPerSec),
-        walSyncsPerSec: medianOf(r, (m) => m.database.walSyncsPerSec),
-        etcdWalFsyncsPerSec:
-          system === "etcd" ? medianOf(r, (m) => m.etcdWalFsyncsPerSec ?? Number.NaN) : undefined,
-        windows: r.map((m) => ({
-          cyclesPerSec: m.load.cyclesPerSec,
-          p50Ms: m.load.cycle.p50Ms,
-          p99Ms: m.load.cycle.p99Ms,
-          otherCpu: m.cpu.other ?? Number.NaN,
-        })),
-      });
+      figures.push(cycleFigures(system, concurrency, runs.get(system) ?? []));
     }
   }
   return {
-    ...report(ctx, figures),
-    profile: { label: `1 acquire→release, Leasehold at c=${profiled}`, windows: profileWindows },
+    ...report(ctx, figures, run),
+    profile: {
+      label: `${run.scenario}, ${labels[run.lead]} at c=${profiled}`,
+      windows: profileWindows,
+    },
   };
 }
 
-function report(ctx: BenchContext, figures: CycleFigures[]): ScenarioReport {
-  const scenario = "1 acquire→release";
+/** The figures of one system at one concurrency: medians of its windows. */
+export function cycleFigures(
+  system: System,
+  concurrency: number,
+  r: Measured<CycleResult>[],
+): CycleFigures {
+  const cpuKeys = Object.keys(r[0]?.cpu ?? {});
+  const cpuCores = Object.fromEntries(cpuKeys.map((k) => [k, medianOf(r, (m) => m.cpu[k] ?? 0)]));
+  return {
+    system,
+    concurrency,
+    cyclesPerSec: medianOf(r, (m) => m.load.cyclesPerSec),
+    contendedPerSec: medianOf(r, (m) => m.load.contendedPerSec),
+    p50Ms: medianOf(r, (m) => m.load.cycle.p50Ms),
+    p99Ms: medianOf(r, (m) => m.load.cycle.p99Ms),
+    acquireP50Ms: medianOf(r, (m) => m.load.acquire.p50Ms),
+    acquireP99Ms: medianOf(r, (m) => m.load.acquire.p99Ms),
+    errors: r.reduce((sum, m) => sum + m.load.errors, 0),
+    cpuCores,
+    cpuMsPerCycle: Object.fromEntries(
+      cpuKeys
+        .filter((k) => k !== "machine" && k !== "other")
+        .map((k) => [
+          k,
+          Math.round(medianOf(r, (m) => ((m.cpu[k] ?? 0) / m.load.cyclesPerSec) * 1000) * 1000) /
+            1000,
+        ]),
+    ),
+    databaseStatementsPerSec: medianOf(r, (m) => m.database.statementsPerSec),
+    walSyncsPerSec: medianOf(r, (m) => m.database.walSyncsPerSec),
+    etcdWalFsyncsPerSec:
+      system === "etcd" ? medianOf(r, (m) => m.etcdWalFsyncsPerSec ?? Number.NaN) : undefined,
+    windows: r.map((m) => ({
+      cyclesPerSec: m.load.cyclesPerSec,
+      p50Ms: m.load.cycle.p50Ms,
+      p99Ms: m.load.cycle.p99Ms,
+      otherCpu: m.cpu.other ?? Number.NaN,
+    })),
+  };
+}
+
+function report(ctx: BenchContext, figures: CycleFigures[], run: CycleRun): ScenarioReport {
+  const { scenario } = run;
   const rows: Row[] = [];
   const comparisons: Comparison[] = [];
   const targets: ScenarioReport["targets"] = [];
   for (const concurrency of ctx.settings.concurrencies) {
     const get = (s: System) => figures.find((f) => f.system === s && f.concurrency === concurrency);
-    const service = get("leasehold");
+    const service = get(run.lead);
     const sql = get("sql");
     const store = get("store");
     const etcd = get("etcd");
@@ -233,6 +255,9 @@ function report(ctx: BenchContext, figures: CycleFigures[]): ScenarioReport {
         measured: rateEtcd ? `${rateEtcd.ratio.toFixed(2)}×` : "etcd not measured",
         met: rateEtcd ? rateEtcd.ratio >= 4 : null,
       });
+    }
+    // The unary fast path's own targets (docs/design.md, "The unary fast path").
+    if (concurrency === 32 && run.lead === "leasehold") {
       const serverMs = service.cpuMsPerCycle.server ?? 0;
       targets.push({
         scenario,
@@ -258,5 +283,6 @@ function report(ctx: BenchContext, figures: CycleFigures[]): ScenarioReport {
       });
     }
   }
-  return { id: "cycles", name: "acquire → release cycles", figures, rows, comparisons, targets };
+  const name = run.lead === "keeper" ? "acquire → release on a keeper" : "acquire → release cycles";
+  return { id: run.id, name, figures, rows, comparisons, targets };
 }

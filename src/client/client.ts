@@ -37,6 +37,8 @@ import {
   type RenewResponse,
   type RequestHandoffRequestSchema,
   type RequestHandoffResponse,
+  type RevokeKeeperRequestSchema,
+  type RevokeKeeperResponse,
   type RevokeRequestSchema,
   type RevokeResponse,
   type WatchRequestSchema,
@@ -45,6 +47,14 @@ import {
 import { msFromDuration } from "./durations.js";
 import { type LeaseholdError, toLeaseholdError } from "./errors.js";
 import { KeepAliveChannel, type KeepAliveEvent } from "./keepalive.js";
+import {
+  abandonKeeper,
+  type Keeper,
+  type KeeperEvent,
+  type KeeperRunOptions,
+  type OpenKeeperOptions,
+  openKeeper,
+} from "./keeper.js";
 import {
   type LeaseContext,
   type RunExclusiveOptions,
@@ -61,6 +71,7 @@ import {
 /** Something the client did in the background, for logs and diagnostics. */
 export type ClientEvent =
   | KeepAliveEvent
+  | KeeperEvent
   | FailoverEvent
   | { type: "release-failed"; key: SessionKeyInit; runId: string; error: LeaseholdError };
 
@@ -112,6 +123,8 @@ export type HistoryInit = MessageInitShape<typeof HistoryRequestSchema>;
 export type CheckFenceInit = MessageInitShape<typeof CheckFenceRequestSchema>;
 /** Request of `revoke`. */
 export type RevokeInit = MessageInitShape<typeof RevokeRequestSchema>;
+/** Request of `revokeKeeper`. */
+export type RevokeKeeperInit = MessageInitShape<typeof RevokeKeeperRequestSchema>;
 
 /**
  * A client of LeaseService. Every method throws a LeaseholdError subclass
@@ -163,6 +176,12 @@ export interface LeaseClient {
   /** Revoke: ends the session's valid lease whatever its run (admin scope). */
   revoke(request: RevokeInit, options?: CallOptions): Promise<RevokeResponse>;
   /**
+   * RevokeKeeper: ends a keeper and every lease on it whatever its holder
+   * (admin scope; audited, one REVOKED per lease; no lock-delay). The
+   * keeper's holder learns it as `lost` (`revoked`): every run on it aborts.
+   */
+  revokeKeeper(request: RevokeKeeperInit, options?: CallOptions): Promise<RevokeKeeperResponse>;
+  /**
    * Runs `work` while this client holds the session's lease, and returns its
    * result.
    *
@@ -182,9 +201,26 @@ export interface LeaseClient {
   runExclusive<T>(
     key: SessionKeyInit,
     work: (ctx: LeaseContext) => Promise<T> | T,
-    options?: RunExclusiveOptions,
+    options?: RunExclusiveOptions | (KeeperRunOptions & { keeper: Keeper }),
   ): Promise<T>;
-  /** Ends the KeepAlive stream and every connection. Runs in progress then stop at their local deadline. */
+  /**
+   * Opens a keeper (docs/keepers.md): one Keep stream whose heartbeat, every
+   * TTL/3 or so, keeps every lease acquired on it, with one row written per
+   * heartbeat whatever their number. Resolves once the server opened it (or
+   * re-attached to the keeper `keeperId`, keeping its leases). Its local
+   * deadline (L2) is each heartbeat's send time + the answer's `remaining` −
+   * the margin: when heartbeats stall, `keeper.signal` and every run on it
+   * abort before the database deadline. A cut stream or a stopped instance
+   * re-attaches to the same keeper on any configured instance. Leases are
+   * held with `keeper.runExclusive` (or `runExclusive(key, work, { keeper })`)
+   * or `keeper.acquire`; `keeper.close()` releases them all.
+   */
+  openKeeper(options: OpenKeeperOptions): Promise<Keeper>;
+  /**
+   * Ends the KeepAlive stream, every keeper's stream and every connection.
+   * Runs in progress then stop at their local deadline; keepers are not
+   * closed on the server (they expire), so close them first.
+   */
   close(): void;
 }
 
@@ -270,6 +306,8 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     maxLeasesPerStream: options.maxLeasesPerStream,
   });
 
+  const keepers = new Set<Keeper>();
+
   const unary =
     <I, O>(call: (request: I, options?: CallOptions) => Promise<O>) =>
     async (request: I, callOptions?: CallOptions): Promise<O> => {
@@ -304,8 +342,24 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     history: unary(rpc.history),
     checkFence: unary(rpc.checkFence),
     revoke: unary(rpc.revoke),
-    runExclusive: (key, work, runOptions) =>
-      runExclusive(
+    revokeKeeper: unary(rpc.revokeKeeper),
+    runExclusive: (key, work, runOptions) => {
+      if (runOptions && "keeper" in runOptions && runOptions.keeper !== undefined) {
+        const { keeper, ...keeperOptions } = runOptions;
+        // A keeper's lease lives as long as its keeper: a TTL, a margin or
+        // a renewal interval of the run's own would mean nothing there.
+        for (const own of ["ttlMs", "safetyMarginMs", "renewIntervalMs"]) {
+          if (own in keeperOptions) {
+            return Promise.reject(
+              new RangeError(
+                `${own} is the keeper's with keeper set: leave it out of runExclusive's options`,
+              ),
+            );
+          }
+        }
+        return keeper.runExclusive(key, work, keeperOptions);
+      }
+      return runExclusive(
         {
           acquire: client.acquire,
           release: client.release,
@@ -318,9 +372,29 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
         key,
         work,
         runOptions,
-      ),
+      );
+    },
+    openKeeper: async (keeperOptions) => {
+      const keeper = await openKeeper(
+        {
+          baseUrls,
+          transport: options,
+          defaultTimeoutMs,
+          backoffInitialMs: options.reconnectBackoff?.initialMs,
+          backoffMaxMs: options.reconnectBackoff?.maxMs,
+          onEvent: options.onEvent,
+          onReleaseError: (error, key, runId) =>
+            options.onEvent?.({ type: "release-failed", key, runId, error }),
+        },
+        keeperOptions,
+      );
+      keepers.add(keeper);
+      keeper.signal.addEventListener("abort", () => keepers.delete(keeper), { once: true });
+      return keeper;
+    },
     close: () => {
       keepAlive.close();
+      for (const keeper of keepers) abandonKeeper(keeper);
       for (const endpoint of endpoints) endpoint.close();
     },
   };

@@ -15,6 +15,7 @@ export {
   type RenewInit,
   type RequestHandoffInit,
   type RevokeInit,
+  type RevokeKeeperInit,
   type WatchInit,
 } from "./client.js";
 export { type ClientTls, type ClientTlsOptions, clientTlsOptions } from "./client-tls.js";
@@ -53,6 +54,13 @@ export {
   type GrpcTransportOptions,
 } from "./grpc-transport.js";
 export type { KeepAliveEvent } from "./keepalive.js";
+export type {
+  Keeper,
+  KeeperAcquireInit,
+  KeeperEvent,
+  KeeperRunOptions,
+  OpenKeeperOptions,
+} from "./keeper.js";
 export type { LeaseContext, RunExclusiveOptions, SessionKeyInit } from "./run-exclusive.js";
 export {
   bearerTokenInterceptor,
