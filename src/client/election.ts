@@ -273,6 +273,15 @@ export async function campaign(
       }
       throw toLeaseholdError(error);
     }
+    if (term.ctx.signal.aborted && callerSignal?.aborted) {
+      // Cancelled as the grant arrived: the grant is released (runExclusive
+      // ends it with the cancelled run), and no term is reported.
+      callerSignal.removeEventListener("abort", onCallerAbort);
+      await holding;
+      throw new CanceledError("the campaign was cancelled", Code.Canceled, {
+        cause: callerSignal.reason,
+      });
+    }
     return startTerm(client, options, term.ctx, term.stop, holding, {
       ttlMs,
       detach: () => callerSignal?.removeEventListener("abort", onCallerAbort),
@@ -458,7 +467,7 @@ export async function* observe(
   const missed = async (): Promise<LeaseEvent[]> => {
     const found: LeaseEvent[] = [];
     let pageToken = "";
-    for (let page = 0; page < 20; page += 1) {
+    for (;;) {
       const response = await client.history(
         { key: sessionKey, pageSize: 100, pageToken },
         { signal },
