@@ -355,6 +355,35 @@ describe("onStoppedLeading", () => {
   });
 });
 
+describe("runElection", () => {
+  it("E1: a waiting campaign whose connection is lost is started again, and leads once the leader resigns", async () => {
+    const e = election("run-retry");
+    const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });
+    const proxy = await proxyTo(server.url);
+    const stop = new AbortController();
+    const led: bigint[] = [];
+    const running = runElection(
+      client({ baseUrl: proxy.url }),
+      { ...e, value: "patient", ttlMs: 60_000, again: false },
+      async (leadership) => {
+        led.push(leadership.term);
+      },
+      { signal: stop.signal },
+    );
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting" });
+    proxy.drop();
+    await waitFor(() => waiting() === 0, { what: "the lost waiter dropped by the server" });
+    await waitFor(() => proxy.accepted >= 2, { what: "the campaign started again (refused)" });
+    proxy.pass();
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting again" });
+    await holder.resign();
+    await within(running, { what: "runElection to lead one term and stop" });
+    expect(led.length).toBe(1);
+    expect(led[0]).toBeGreaterThan(holder.term);
+    expect(await leader(client(), e)).toBeUndefined();
+  });
+});
+
 describe("observe", () => {
   it("E1: yields the current leader first, then every change in order, across an instance stopped mid-watch", async () => {
     const [one, two] = await Promise.all([spawnServer(), spawnServer()]);

@@ -24,11 +24,13 @@ import type { LeaseClient } from "./client.js";
 import { dateFromTimestamp, durationFromMs } from "./durations.js";
 import {
   CanceledError,
+  DeadlineExceededError,
   InvalidArgumentError,
   LateGrantError,
   LeaseLostError,
   NotAcquiredError,
   toLeaseholdError,
+  UnavailableError,
 } from "./errors.js";
 import type { FencingSource } from "./fencing.js";
 import type { LeaseContext } from "./run-exclusive.js";
@@ -554,18 +556,25 @@ export async function* observe(
     // The stream ended or failed: open it again after a short backoff.
     failures += 1;
     const bound = Math.min(2_000, (options.reconnectDelayMs ?? 100) * 2 ** Math.min(failures, 5));
-    await new Promise<void>((resolve) => {
-      const timer = setTimeout(resolve, Math.random() * bound);
-      signal?.addEventListener(
-        "abort",
-        () => {
-          clearTimeout(timer);
-          resolve();
-        },
-        { once: true },
-      );
-    });
+    await pause(Math.random() * bound, signal);
   }
+}
+
+/** Resolves after `ms`, or at once when `signal` aborts. */
+function pause(ms: number, signal: AbortSignal | undefined): Promise<void> {
+  return new Promise<void>((resolve) => {
+    if (signal?.aborted) {
+      resolve();
+      return;
+    }
+    const done = () => {
+      clearTimeout(timer);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal?.addEventListener("abort", done, { once: true });
+  });
 }
 
 /** Options of `runElection`. */
@@ -579,9 +588,12 @@ export interface RunElectionOptions extends CampaignOptions {
 /**
  * Campaigns, runs `lead` while leading (it gets the Leadership; stop when
  * its signal aborts), resigns when `lead` settles, and campaigns again
- * (unless `again` is false) until `signal` aborts. Resolves when it stops;
- * rejects with the campaign's error when campaigning fails (a lost waiting
- * call, a refusal), or with the error `lead` threw.
+ * (unless `again` is false) until `signal` aborts. A campaign whose waiting
+ * call was lost (UnavailableError, DeadlineExceededError: an instance gone,
+ * a connection reset or stalled) is started again after a backoff (100 ms
+ * doubling to 2 s, full jitter). Resolves when it stops; rejects with any
+ * other campaign error (a refusal, a timeout's NotAcquiredError) or with
+ * the error `lead` threw.
  */
 export async function runElection(
   client: LeaseClient,
@@ -601,21 +613,32 @@ export async function runElection(
             if (change.type !== "ended" && change.leader) options.onNewLeader?.(change.leader);
           }
         })().catch(() => undefined);
+  let failures = 0;
   try {
-    do {
+    for (let terms = 0; !signal?.aborted && (terms === 0 || options.again !== false); ) {
       let leadership: Leadership;
       try {
         leadership = await campaign(client, options, { signal });
+        failures = 0;
       } catch (error) {
         if (signal?.aborted) return;
-        throw error;
+        // The waiting call's connection or instance went away: campaign
+        // again (with a new run id, so nothing of the failed one is reused)
+        // after a backoff with full jitter. Any other failure is the answer.
+        if (!(error instanceof UnavailableError || error instanceof DeadlineExceededError)) {
+          throw error;
+        }
+        failures += 1;
+        await pause(Math.random() * Math.min(2_000, 100 * 2 ** Math.min(failures, 5)), signal);
+        continue;
       }
+      terms += 1;
       try {
         await lead(leadership);
       } finally {
         await leadership.resign();
       }
-    } while (options.again !== false && !signal?.aborted);
+    }
   } finally {
     signal?.removeEventListener("abort", onAbort);
     watching.abort();
