@@ -68,6 +68,13 @@ export {
   type GrpcTransportOptions,
 } from "./grpc-transport.js";
 export type { KeepAliveEvent } from "./keepalive.js";
+export type {
+  Keeper,
+  KeeperAcquireInit,
+  KeeperEvent,
+  KeeperRunOptions,
+  OpenKeeperOptions,
+} from "./keeper.js";
 export type { LeaseContext, RunExclusiveOptions, SessionKeyInit } from "./run-exclusive.js";
 export {
   bearerTokenInterceptor,
