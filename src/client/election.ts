@@ -11,7 +11,8 @@
 // release-unless-lost are runExclusive's, unchanged. What this file adds is
 // the waiting loop (a waiting Acquire is bounded by the server's --max-wait),
 // the one-call-per-term callbacks, proclaim, and observe's gap-free change
-// stream over Watch and History.
+// stream over Watch and History. With a keeper, runExclusive's keeper form
+// holds the lease instead: the same context and rules, the keeper's timing.
 
 import { type CallOptions, Code } from "@connectrpc/connect";
 import {
