@@ -336,7 +336,6 @@ function startTerm(
       // A callback's own failure must not keep the term from ending.
     }
   };
-  ctx.signal.addEventListener("abort", onAbort, { once: true });
 
   const leadership: Leadership = {
     term,
@@ -391,6 +390,11 @@ function startTerm(
   } catch {
     // As onStoppedLeading: the callback's failure is the caller's.
   }
+  // A term lost between the grant and here (or in onStartedLeading) still
+  // gets its one onStoppedLeading: a listener added to an aborted signal
+  // would never run.
+  if (ctx.signal.aborted) onAbort();
+  else ctx.signal.addEventListener("abort", onAbort, { once: true });
   return leadership;
 }
 
