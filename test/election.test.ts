@@ -106,6 +106,25 @@ describe("campaign", () => {
     expect(await leader(client(), e)).toBeUndefined();
   });
 
+  it("E1: candidates waiting on one instance lead in their arrival order (waiters.ts: one FIFO per key)", async () => {
+    const e = election("fifo");
+    const first = await campaign(client(), { ...e, value: "first", ttlMs: 60_000 });
+    const names = ["b", "c", "d"];
+    const wins: Promise<Leadership>[] = [];
+    for (const [i, name] of names.entries()) {
+      wins.push(campaign(client(), { ...e, value: name, ttlMs: 60_000 }));
+      await waitFor(() => waiting() >= i + 1, { what: `${name} waiting` });
+    }
+    await first.resign();
+    const order: string[] = [];
+    for (const win of wins) {
+      const leadership = await within(win, { what: "the next in line to lead", timeoutMs: 5_000 });
+      order.push(leadership.value);
+      await leadership.resign();
+    }
+    expect(order).toEqual(names);
+  });
+
   it("E1: resign hands over at once to the waiting candidate", async () => {
     const e = election("resign");
     const first = await campaign(client(), { ...e, value: "first", ttlMs: 60_000 });
