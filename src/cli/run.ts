@@ -1,14 +1,8 @@
 // `leasehold run -- CMD`: holds a session's lease while CMD runs, and stops
 // CMD when the lease is lost (L2): SIGTERM, then SIGKILL after a grace.
 
-import { type ChildProcess, spawn } from "node:child_process";
-import os from "node:os";
-import {
-  type Keeper,
-  type LeaseContext,
-  LeaseLostError,
-  NotAcquiredError,
-} from "../client/index.js";
+import type { ChildProcess } from "node:child_process";
+import { type Keeper, type LeaseContext, NotAcquiredError } from "../client/index.js";
 import {
   clientFor,
   commonFlags,
@@ -25,6 +19,7 @@ import {
   UsageError,
 } from "./common.js";
 import { keyText, leaseText } from "./format.js";
+import { checkSignal, forwardedSignals, SpawnError, superviseCommand } from "./supervise.js";
 
 export const runHelp = `Usage: leasehold run --account A --session S [--ttl 10s] [--keeper | --lock-delay 5s] [flags] -- CMD [ARGS...]
 
@@ -67,30 +62,6 @@ ${commonHelp}
 Example:
   leasehold run --account acme --session s2 --ttl 5s -- sh -c 'echo token=$LEASEHOLD_FENCING_TOKEN'
 `;
-
-const forwarded = ["SIGINT", "SIGTERM", "SIGHUP"] as const;
-
-function signalExitCode(signal: NodeJS.Signals): number {
-  return 128 + (os.constants.signals[signal] ?? 0);
-}
-
-function checkSignal(name: string, value: string | undefined): NodeJS.Signals | undefined {
-  if (value === undefined) return undefined;
-  const signal = value.toUpperCase().startsWith("SIG")
-    ? value.toUpperCase()
-    : `SIG${value.toUpperCase()}`;
-  if (!(signal in os.constants.signals)) {
-    throw new UsageError(
-      `--${name} must be a signal name such as SIGUSR1, got ${JSON.stringify(value)}`,
-    );
-  }
-  return signal as NodeJS.Signals;
-}
-
-/** CMD could not be started at all (not found, not executable). */
-class SpawnError extends Error {
-  override readonly name = "SpawnError";
-}
 
 export function run(argv: string[]): Promise<number> {
   return runCommand("run", runHelp, argv, async () => {
@@ -135,55 +106,30 @@ export function run(argv: string[]): Promise<number> {
       if (child) child.kill(signal);
       else acquiring.abort(new Error(`interrupted by ${signal}`));
     };
-    for (const s of forwarded) process.on(s, onSignal);
+    for (const s of forwardedSignals) process.on(s, onSignal);
     let keeper: Keeper | undefined;
     try {
-      const work = (ctx: LeaseContext) =>
-        new Promise<number>((resolve, reject) => {
-          if (verbose) say(`holding ${keyText(key)}: ${leaseText(ctx.lease)}`);
-          const started = spawn(file, args, {
-            stdio: "inherit",
-            env: {
-              ...process.env,
-              LEASEHOLD_FENCING_TOKEN: ctx.fencingToken.toString(),
-              LEASEHOLD_RUN_ID: ctx.runId,
-              LEASEHOLD_ACCOUNT_ID: key.accountId,
-              LEASEHOLD_SESSION_ID: key.sessionId,
-              LEASEHOLD_SERVER: flags.servers.join(","),
-            },
-          });
-          child = started;
-          let killTimer: NodeJS.Timeout | undefined;
-          started.once("error", (error) => {
-            reject(new SpawnError(`cannot start ${JSON.stringify(file)}: ${error.message}`));
-          });
-          started.once("exit", (code, signal) => {
-            clearTimeout(killTimer);
-            resolve(code ?? (signal ? signalExitCode(signal) : ExitCode.failure));
-          });
-          ctx.signal.addEventListener("abort", () => {
-            if (started.exitCode !== null || started.signalCode !== null) return;
-            const reason: unknown = ctx.signal.reason;
-            const why =
-              reason instanceof LeaseLostError ? reason.message : "the run was interrupted";
-            say(`lease on ${keyText(key)} lost: ${why}; stopping ${file} (SIGTERM)`);
-            started.kill("SIGTERM");
-            killTimer = setTimeout(() => {
-              if (started.exitCode !== null || started.signalCode !== null) return;
-              say(`${file} did not exit within ${graceMs}ms of SIGTERM; sending SIGKILL`);
-              started.kill("SIGKILL");
-            }, graceMs);
-          });
-          ctx.onHandoffRequested((request) => {
-            const by =
-              request.requesterHolder === ""
-                ? "another holder"
-                : JSON.stringify(request.requesterHolder);
-            const why = request.reason === "" ? "" : `: ${request.reason}`;
-            say(`handoff requested by ${by}${why}`);
-            if (handoffSignal) started.kill(handoffSignal);
-          });
+      const work = (ctx: LeaseContext) => {
+        if (verbose) say(`holding ${keyText(key)}: ${leaseText(ctx.lease)}`);
+        return superviseCommand(ctx, {
+          file,
+          args,
+          env: {
+            LEASEHOLD_FENCING_TOKEN: ctx.fencingToken.toString(),
+            LEASEHOLD_RUN_ID: ctx.runId,
+            LEASEHOLD_ACCOUNT_ID: key.accountId,
+            LEASEHOLD_SESSION_ID: key.sessionId,
+            LEASEHOLD_SERVER: flags.servers.join(","),
+          },
+          graceMs,
+          handoffSignal,
+          what: `lease on ${keyText(key)}`,
+          say,
+          onSpawn: (spawned) => {
+            child = spawned;
+          },
         });
+      };
       if (!onKeeper) {
         return await client.runExclusive(key, work, {
           ttlMs: flags.ttlMs,
@@ -226,7 +172,7 @@ export function run(argv: string[]): Promise<number> {
       }
       throw error;
     } finally {
-      for (const s of forwarded) process.off(s, onSignal);
+      for (const s of forwardedSignals) process.off(s, onSignal);
       await keeper?.close();
       client.close();
     }

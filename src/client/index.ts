@@ -21,6 +21,21 @@ export {
 export { type ClientTls, type ClientTlsOptions, clientTlsOptions } from "./client-tls.js";
 export { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
 export {
+  type CampaignOptions,
+  campaign,
+  type ElectionCallbacks,
+  type ElectionChange,
+  type ElectionKey,
+  type Leader,
+  type Leadership,
+  leader,
+  maxElectionValueLength,
+  observe,
+  type RunElectionOptions,
+  runElection,
+  type StopReason,
+} from "./election.js";
+export {
   type AuthFailure,
   CanceledError,
   DeadlineExceededError,
