@@ -436,16 +436,17 @@ describe("campaign on a keeper", () => {
     proxy.stall();
     expect(await within(lost, { what: "the campaign to fail" })).toBeInstanceOf(LeaseLostError);
     // The server has not seen the stall: the waiter stays queued until the
-    // keeper's deadline passes on the database clock, and can never be
-    // granted after it (K1).
+    // keeper's deadline passes on the database clock, and is never granted
+    // after it (K1): the Keep stream's check at the deadline ends the keeper
+    // and refuses its waiter.
     await db.sql`SELECT pg_sleep_until(expires_at) FROM keepers WHERE id = ${keeper.id}::uuid`;
+    await waitFor(() => waiting() === 0, { what: "the stale waiter refused" });
     const third = campaign(client(), { ...e, value: "third", ttlMs: 60_000 });
-    await waitFor(() => waiting() >= 2, { what: "the third candidate waiting behind it" });
+    await waitFor(() => waiting() >= 1, { what: "the third candidate waiting" });
     await holder.resign();
     const won = await within(third, { what: "the third candidate to lead", timeoutMs: 5_000 });
     expect(won.value).toBe("third");
     expect(micros(won.lease.acquiredAt)).toBeLessThan(micros(holder.lease.expiresAt) - 50_000_000n);
-    await waitFor(() => waiting() === 0, { what: "the stale waiter refused" });
     await won.resign();
   });
 });
