@@ -99,12 +99,27 @@ describe("starting `leasehold serve` on an embedded database", () => {
   });
 
   it("--embedded-port fixes the embedded PostgreSQL's port", async () => {
-    const data = await dataDir();
-    const port = await fixedPort();
-    const server = await spawnLeasehold({
-      argv: ["serve", "--listen", "127.0.0.1:0", "--data-dir", data],
-      env: { DATABASE_URL: "", LEASEHOLD_EMBEDDED_PORT: String(port) },
-    });
+    // Another process on the machine may bind the port between the check
+    // and PostgreSQL's start: only that failure, which names the port, is
+    // tried again, on another port.
+    let data = "";
+    let port = 0;
+    let server: ServerProcess | undefined;
+    for (let attempt = 1; server === undefined; attempt++) {
+      data = await dataDir();
+      port = await fixedPort();
+      try {
+        server = await spawnLeasehold({
+          argv: ["serve", "--listen", "127.0.0.1:0", "--data-dir", data],
+          env: { DATABASE_URL: "", LEASEHOLD_EMBEDDED_PORT: String(port) },
+        });
+      } catch (error) {
+        const taken =
+          String(error).includes(`(port ${port}) did not start`) &&
+          String(error).includes("Address already in use");
+        if (!taken || attempt === 3) throw error;
+      }
+    }
     servers.push(server);
     // postmaster.pid's fourth line is the port PostgreSQL listens on.
     const lines = (await readFile(path.join(data, "postmaster.pid"), "utf8")).split("\n");

