@@ -152,7 +152,8 @@ class LeaseLayout {
     this.session = utf8Length(lease.sessionId);
     this.runId = utf8Length(lease.runId);
     this.holder = utf8Length(lease.holder);
-    this.keeperId = lease.keeperId === undefined ? 0 : utf8Length(lease.keeperId);
+    // Null as well as undefined: a row spread as it is carries keeper_id NULL.
+    this.keeperId = lease.keeperId == null ? 0 : utf8Length(lease.keeperId);
     this.key = stringFieldSize(this.account) + stringFieldSize(this.session);
     this.token = int64(lease.fencingToken);
     splitMicros(lease.ttlMs * 1000n, false);
