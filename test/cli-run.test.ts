@@ -150,3 +150,53 @@ describe("leasehold watch", () => {
     expect(result.stderr).toMatch(/leasehold watch: stream lost \(.*\); watching again in \d/);
   });
 });
+
+describe("leasehold run --keeper", () => {
+  it("K1: with --lock-delay, CMD holds the lease on a keeper of its own (its lock-delay set), released and the keeper closed when CMD ends", async () => {
+    const key = freshKey("keeper");
+    const result = await runCli([
+      ...runOn(key),
+      ...["--ttl", "3s", "--lock-delay", "5s"],
+      "--",
+      process.execPath,
+      "-e",
+      "console.log('token=' + process.env.LEASEHOLD_FENCING_TOKEN); process.exit(3)",
+    ]);
+    expect(result.code).toBe(3);
+    const [row] = await db.sql<
+      {
+        fencingToken: bigint;
+        ended: string | null;
+        keeperEnded: string | null;
+        lockDelayMs: number;
+      }[]
+    >`
+      SELECT l.fencing_token, l.ended, k.ended AS keeper_ended,
+        (extract(epoch FROM k.lock_delay) * 1000)::int AS lock_delay_ms
+      FROM leases l JOIN keepers k ON k.id = l.keeper_id
+      WHERE l.account_id = ${key.accountId} AND l.session_id = ${key.sessionId}`;
+    expect(result.stdout).toBe(`token=${row?.fencingToken}\n`);
+    expect(row?.ended).toBe("released");
+    expect(row?.keeperEnded).toBe("closed");
+    expect(row?.lockDelayMs).toBe(5_000);
+  });
+
+  it("K2: a session in a lock-delay is refused with exit 75, saying until when", async () => {
+    const key = freshKey("delayed");
+    const gone = createLeaseClient({ baseUrl: server.url });
+    const keeper = await gone.openKeeper({
+      accountId: key.accountId,
+      ttlMs: 1_000,
+      lockDelayMs: 10_000,
+    });
+    expect((await keeper.acquire({ key })).acquired).toBe(true);
+    // Its process cut off: the keeper expires, then the lock-delay runs.
+    gone.close();
+    await db.sql`
+      SELECT pg_sleep_until(expires_at + interval '50 milliseconds')
+      FROM keepers WHERE id = ${keeper.id}::uuid`;
+    const result = await runCli([...runOn(key), "--keeper", "--", process.execPath, "-e", ""]);
+    expect(result.code).toBe(75);
+    expect(result.stderr).toMatch(/is in its lock-delay until \d{4}-\d\d-\d\dT/);
+  });
+});

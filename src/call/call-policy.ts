@@ -84,6 +84,13 @@ export interface PolicyStep {
 
 export interface PolicyCall extends PolicyCallInfo {
   readonly ended: boolean;
+  /**
+   * The handler checks each request message itself (`message`), and answers
+   * a refused one in that request's answer instead of ending the stream (a
+   * Keep stream: CallPolicyOptions.checkedByHandler). The adapters then pass
+   * its messages on unchecked and give the handler the check.
+   */
+  readonly checkedByHandler: boolean;
   /** Authenticates the caller and runs the steps' admission; a stream's token expiry is scheduled. */
   admit(): Promise<void>;
   /**
@@ -142,6 +149,11 @@ export interface CallPolicyOptions {
   watchSlots?: AccountSlots;
   /** Steps run after the built-in ones, in order. */
   steps?: readonly PolicyStep[];
+  /**
+   * Streaming methods ("package.Service/Method") whose handler runs the
+   * message check on each request itself (PolicyCall.checkedByHandler).
+   */
+  checkedByHandler?: ReadonlySet<string>;
 }
 
 export interface CallPolicy {
@@ -179,6 +191,8 @@ export function createCallPolicy(options: CallPolicyOptions): CallPolicy {
       init.header(requestIdHeader),
     );
     const call = new Call(init, observed, access, watchSlots, steps);
+    call.checkedByHandler =
+      options.checkedByHandler?.has(`${init.service.typeName}/${init.method.name}`) ?? false;
     for (const step of steps.begin) step.begin?.(call);
     return call;
   };
@@ -202,6 +216,7 @@ class Call implements PolicyCall {
   readonly service: string;
   readonly method: string;
   readonly protocol: string;
+  checkedByHandler = false;
   private readonly streaming: boolean;
   private readonly input: DescMessage;
   readonly header: (name: string) => string | null;

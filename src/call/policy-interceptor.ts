@@ -36,6 +36,14 @@ function protocolOf(contentType: string | null): string {
   return "connect";
 }
 
+/**
+ * The call policy's message check, for a handler that checks each request
+ * itself (PolicyCall.checkedByHandler); undefined for every other call.
+ */
+export const requestCheckKey = createContextKey<
+  ((message: object) => void | Promise<void>) | undefined
+>(undefined, { description: "leasehold request check" });
+
 const admissionKey = createContextKey<Admission | undefined>(undefined, {
   description: "leasehold call admission",
 });
@@ -111,6 +119,10 @@ export function policyInterceptor(policy: CallPolicy): Interceptor {
         res = await call.run(() =>
           next({ ...req, message: createAsyncIterable(messages) } as StreamRequest),
         );
+      } else if (call.checkedByHandler) {
+        // The handler checks each message and answers a refused one itself.
+        req.contextValues.set(requestCheckKey, (m: object) => call.message(m));
+        res = await call.run(() => next(req));
       } else {
         // Client and bidi streams: every message is checked as it arrives; a
         // refused one ends the stream with its code.

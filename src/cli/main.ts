@@ -17,6 +17,8 @@ Commands:
   history         print a session's audit trail
   revoke          end a session's lease, whatever its run (admin)
   run             hold a session's lease while a command runs: run ... -- CMD
+  elect           run a command while leading an election: elect ... -- CMD;
+                  elect --observe prints every change of its leader
 
 Run "leasehold <command> --help" for the flags of a command.
 `;
@@ -38,6 +40,7 @@ const commands: Record<string, () => Promise<Command>> = {
   history: async () => (await import("./history.js")).history,
   revoke: async () => (await import("./revoke.js")).revoke,
   run: async () => (await import("./run.js")).run,
+  elect: async () => (await import("./elect.js")).elect,
 };
 
 async function main(argv: string[]): Promise<number> {

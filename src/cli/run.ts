@@ -1,9 +1,8 @@
 // `leasehold run -- CMD`: holds a session's lease while CMD runs, and stops
 // CMD when the lease is lost (L2): SIGTERM, then SIGKILL after a grace.
 
-import { type ChildProcess, spawn } from "node:child_process";
-import os from "node:os";
-import { LeaseLostError, NotAcquiredError } from "../client/index.js";
+import type { ChildProcess } from "node:child_process";
+import { type Keeper, type LeaseContext, NotAcquiredError } from "../client/index.js";
 import {
   clientFor,
   commonFlags,
@@ -20,8 +19,9 @@ import {
   UsageError,
 } from "./common.js";
 import { keyText, leaseText } from "./format.js";
+import { checkSignal, forwardedSignals, SpawnError, superviseCommand } from "./supervise.js";
 
-export const runHelp = `Usage: leasehold run --account A --session S [--ttl 10s] [flags] -- CMD [ARGS...]
+export const runHelp = `Usage: leasehold run --account A --session S [--ttl 10s] [--keeper | --lock-delay 5s] [flags] -- CMD [ARGS...]
 
 Acquires the session's lease, runs CMD while keeping the lease alive, and
 releases it when CMD ends; exits with CMD's exit code (128+N when CMD was
@@ -35,6 +35,13 @@ has not exited after --grace. When the session is held by another run, it
 says by whom and exits 75 without running CMD. SIGINT, SIGTERM and SIGHUP
 are passed on to CMD.
 
+With --keeper (or --lock-delay) the lease is held on a keeper opened for
+this run (docs/keepers.md): its heartbeat keeps the lease, its stream
+carries the acquire and the release, and it is closed when CMD ends. A
+keeper's lock-delay keeps the session from every other run for that long
+after the keeper expires (this process died or was cut off), not after a
+clean end; a run refused by it says until when.
+
 Flags:
 ${flagHelp.account}
 ${flagHelp.session}
@@ -42,6 +49,10 @@ ${flagHelp.ttl}
 ${flagHelp.holder}
   --wait DURATION     wait up to this long for the session to become free
   --grace DURATION    time between SIGTERM and SIGKILL (default 10s)
+  --keeper            hold the lease on a keeper of its own (TTL --ttl)
+  --lock-delay DURATION
+                      the keeper's lock-delay (0 to the server's maximum,
+                      default 0); implies --keeper
   --on-handoff SIG    send CMD this signal (e.g. SIGUSR1) when another holder
                       asks for the session; by default only a message is printed
   --verbose           report the lease and stream reconnects on stderr
@@ -51,30 +62,6 @@ ${commonHelp}
 Example:
   leasehold run --account acme --session s2 --ttl 5s -- sh -c 'echo token=$LEASEHOLD_FENCING_TOKEN'
 `;
-
-const forwarded = ["SIGINT", "SIGTERM", "SIGHUP"] as const;
-
-function signalExitCode(signal: NodeJS.Signals): number {
-  return 128 + (os.constants.signals[signal] ?? 0);
-}
-
-function checkSignal(name: string, value: string | undefined): NodeJS.Signals | undefined {
-  if (value === undefined) return undefined;
-  const signal = value.toUpperCase().startsWith("SIG")
-    ? value.toUpperCase()
-    : `SIG${value.toUpperCase()}`;
-  if (!(signal in os.constants.signals)) {
-    throw new UsageError(
-      `--${name} must be a signal name such as SIGUSR1, got ${JSON.stringify(value)}`,
-    );
-  }
-  return signal as NodeJS.Signals;
-}
-
-/** CMD could not be started at all (not found, not executable). */
-class SpawnError extends Error {
-  override readonly name = "SpawnError";
-}
 
 export function run(argv: string[]): Promise<number> {
   return runCommand("run", runHelp, argv, async () => {
@@ -87,6 +74,8 @@ export function run(argv: string[]): Promise<number> {
       wait: { type: "string" },
       grace: { type: "string" },
       "on-handoff": { type: "string" },
+      keeper: { type: "boolean" },
+      "lock-delay": { type: "string" },
       verbose: { type: "boolean" },
     });
     const [file, ...args] = command;
@@ -97,12 +86,16 @@ export function run(argv: string[]): Promise<number> {
     const graceMs = durationFlag("grace", values.grace, 10_000);
     const handoffSignal = checkSignal("on-handoff", values["on-handoff"]);
     const verbose = values.verbose === true;
+    const lockDelayMs = durationFlag("lock-delay", values["lock-delay"], 0);
+    const onKeeper = values.keeper === true || values["lock-delay"] !== undefined;
     const say = (line: string) => process.stderr.write(`leasehold run: ${line}\n`);
 
     const client = clientFor(flags, (event) => {
       if (!verbose) return;
       if (event.type === "keepalive-failed") {
         say(`keep-alive stream to ${event.baseUrl} failed (${event.error.message}); reconnecting`);
+      } else if (event.type === "keeper-failed" && event.retryInMs !== undefined) {
+        say(`keeper stream to ${event.baseUrl} failed (${event.error.message}); re-attaching`);
       } else if (event.type === "release-failed") {
         say(`release failed (${event.error.message}); the lease ends at its deadline`);
       }
@@ -113,69 +106,59 @@ export function run(argv: string[]): Promise<number> {
       if (child) child.kill(signal);
       else acquiring.abort(new Error(`interrupted by ${signal}`));
     };
-    for (const s of forwarded) process.on(s, onSignal);
+    for (const s of forwardedSignals) process.on(s, onSignal);
+    let keeper: Keeper | undefined;
     try {
-      return await client.runExclusive(
-        key,
-        (ctx) =>
-          new Promise<number>((resolve, reject) => {
-            if (verbose) say(`holding ${keyText(key)}: ${leaseText(ctx.lease)}`);
-            const started = spawn(file, args, {
-              stdio: "inherit",
-              env: {
-                ...process.env,
-                LEASEHOLD_FENCING_TOKEN: ctx.fencingToken.toString(),
-                LEASEHOLD_RUN_ID: ctx.runId,
-                LEASEHOLD_ACCOUNT_ID: key.accountId,
-                LEASEHOLD_SESSION_ID: key.sessionId,
-                LEASEHOLD_SERVER: flags.servers.join(","),
-              },
-            });
-            child = started;
-            let killTimer: NodeJS.Timeout | undefined;
-            started.once("error", (error) => {
-              reject(new SpawnError(`cannot start ${JSON.stringify(file)}: ${error.message}`));
-            });
-            started.once("exit", (code, signal) => {
-              clearTimeout(killTimer);
-              resolve(code ?? (signal ? signalExitCode(signal) : ExitCode.failure));
-            });
-            ctx.signal.addEventListener("abort", () => {
-              if (started.exitCode !== null || started.signalCode !== null) return;
-              const reason: unknown = ctx.signal.reason;
-              const why =
-                reason instanceof LeaseLostError ? reason.message : "the run was interrupted";
-              say(`lease on ${keyText(key)} lost: ${why}; stopping ${file} (SIGTERM)`);
-              started.kill("SIGTERM");
-              killTimer = setTimeout(() => {
-                if (started.exitCode !== null || started.signalCode !== null) return;
-                say(`${file} did not exit within ${graceMs}ms of SIGTERM; sending SIGKILL`);
-                started.kill("SIGKILL");
-              }, graceMs);
-            });
-            ctx.onHandoffRequested((request) => {
-              const by =
-                request.requesterHolder === ""
-                  ? "another holder"
-                  : JSON.stringify(request.requesterHolder);
-              const why = request.reason === "" ? "" : `: ${request.reason}`;
-              say(`handoff requested by ${by}${why}`);
-              if (handoffSignal) started.kill(handoffSignal);
-            });
-          }),
-        {
+      const work = (ctx: LeaseContext) => {
+        if (verbose) say(`holding ${keyText(key)}: ${leaseText(ctx.lease)}`);
+        return superviseCommand(ctx, {
+          file,
+          args,
+          env: {
+            LEASEHOLD_FENCING_TOKEN: ctx.fencingToken.toString(),
+            LEASEHOLD_RUN_ID: ctx.runId,
+            LEASEHOLD_ACCOUNT_ID: key.accountId,
+            LEASEHOLD_SESSION_ID: key.sessionId,
+            LEASEHOLD_SERVER: flags.servers.join(","),
+          },
+          graceMs,
+          handoffSignal,
+          what: `lease on ${keyText(key)}`,
+          say,
+          onSpawn: (spawned) => {
+            child = spawned;
+          },
+        });
+      };
+      if (!onKeeper) {
+        return await client.runExclusive(key, work, {
           ttlMs: flags.ttlMs,
           waitMs,
           holder: flags.holder,
           signal: acquiring.signal,
-        },
-      );
+        });
+      }
+      keeper = await client.openKeeper({
+        accountId: key.accountId,
+        ttlMs: flags.ttlMs,
+        lockDelayMs,
+        holder: flags.holder,
+        signal: acquiring.signal,
+      });
+      if (verbose) say(`keeper ${keeper.id} open (lock-delay ${lockDelayMs}ms)`);
+      return await keeper.runExclusive(key, work, {
+        waitMs,
+        holder: flags.holder,
+        signal: acquiring.signal,
+      });
     } catch (error) {
       if (error instanceof NotAcquiredError) {
         say(
           error.current
             ? `${keyText(key)} is held by ${leaseText(error.current)}`
-            : `${keyText(key)} was not acquired: ${error.message}`,
+            : error.lockDelayUntil
+              ? `${keyText(key)} is in its lock-delay until ${error.lockDelayUntil.toISOString()}`
+              : `${keyText(key)} was not acquired: ${error.message}`,
         );
         return ExitCode.held;
       }
@@ -189,7 +172,8 @@ export function run(argv: string[]): Promise<number> {
       }
       throw error;
     } finally {
-      for (const s of forwarded) process.off(s, onSignal);
+      for (const s of forwardedSignals) process.off(s, onSignal);
+      await keeper?.close();
       client.close();
     }
   });

@@ -46,6 +46,14 @@ import { msFromDuration } from "./durations.js";
 import { type LeaseholdError, toLeaseholdError } from "./errors.js";
 import { KeepAliveChannel, type KeepAliveEvent } from "./keepalive.js";
 import {
+  abandonKeeper,
+  type Keeper,
+  type KeeperEvent,
+  type KeeperRunOptions,
+  type OpenKeeperOptions,
+  openKeeper,
+} from "./keeper.js";
+import {
   type LeaseContext,
   type RunExclusiveOptions,
   runExclusive,
@@ -61,6 +69,7 @@ import {
 /** Something the client did in the background, for logs and diagnostics. */
 export type ClientEvent =
   | KeepAliveEvent
+  | KeeperEvent
   | FailoverEvent
   | { type: "release-failed"; key: SessionKeyInit; runId: string; error: LeaseholdError };
 
@@ -182,9 +191,26 @@ export interface LeaseClient {
   runExclusive<T>(
     key: SessionKeyInit,
     work: (ctx: LeaseContext) => Promise<T> | T,
-    options?: RunExclusiveOptions,
+    options?: RunExclusiveOptions | (KeeperRunOptions & { keeper: Keeper }),
   ): Promise<T>;
-  /** Ends the KeepAlive stream and every connection. Runs in progress then stop at their local deadline. */
+  /**
+   * Opens a keeper (docs/keepers.md): one Keep stream whose heartbeat, every
+   * TTL/3 or so, keeps every lease acquired on it, with one row written per
+   * heartbeat whatever their number. Resolves once the server opened it (or
+   * re-attached to the keeper `keeperId`, keeping its leases). Its local
+   * deadline (L2) is each heartbeat's send time + the answer's `remaining` −
+   * the margin: when heartbeats stall, `keeper.signal` and every run on it
+   * abort before the database deadline. A cut stream or a stopped instance
+   * re-attaches to the same keeper on any configured instance. Leases are
+   * held with `keeper.runExclusive` (or `runExclusive(key, work, { keeper })`)
+   * or `keeper.acquire`; `keeper.close()` releases them all.
+   */
+  openKeeper(options: OpenKeeperOptions): Promise<Keeper>;
+  /**
+   * Ends the KeepAlive stream, every keeper's stream and every connection.
+   * Runs in progress then stop at their local deadline; keepers are not
+   * closed on the server (they expire), so close them first.
+   */
   close(): void;
 }
 
@@ -270,6 +296,8 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     maxLeasesPerStream: options.maxLeasesPerStream,
   });
 
+  const keepers = new Set<Keeper>();
+
   const unary =
     <I, O>(call: (request: I, options?: CallOptions) => Promise<O>) =>
     async (request: I, callOptions?: CallOptions): Promise<O> => {
@@ -304,8 +332,23 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
     history: unary(rpc.history),
     checkFence: unary(rpc.checkFence),
     revoke: unary(rpc.revoke),
-    runExclusive: (key, work, runOptions) =>
-      runExclusive(
+    runExclusive: (key, work, runOptions) => {
+      if (runOptions && "keeper" in runOptions && runOptions.keeper !== undefined) {
+        const { keeper, ...keeperOptions } = runOptions;
+        // A keeper's lease lives as long as its keeper: a TTL, a margin or
+        // a renewal interval of the run's own would mean nothing there.
+        for (const own of ["ttlMs", "safetyMarginMs", "renewIntervalMs"]) {
+          if (own in keeperOptions) {
+            return Promise.reject(
+              new RangeError(
+                `${own} is the keeper's with keeper set: leave it out of runExclusive's options`,
+              ),
+            );
+          }
+        }
+        return keeper.runExclusive(key, work, keeperOptions);
+      }
+      return runExclusive(
         {
           acquire: client.acquire,
           release: client.release,
@@ -318,9 +361,29 @@ export function createLeaseClient(options: LeaseClientOptions): LeaseClient {
         key,
         work,
         runOptions,
-      ),
+      );
+    },
+    openKeeper: async (keeperOptions) => {
+      const keeper = await openKeeper(
+        {
+          baseUrls,
+          transport: options,
+          defaultTimeoutMs,
+          backoffInitialMs: options.reconnectBackoff?.initialMs,
+          backoffMaxMs: options.reconnectBackoff?.maxMs,
+          onEvent: options.onEvent,
+          onReleaseError: (error, key, runId) =>
+            options.onEvent?.({ type: "release-failed", key, runId, error }),
+        },
+        keeperOptions,
+      );
+      keepers.add(keeper);
+      keeper.signal.addEventListener("abort", () => keepers.delete(keeper), { once: true });
+      return keeper;
+    },
     close: () => {
       keepAlive.close();
+      for (const keeper of keepers) abandonKeeper(keeper);
       for (const endpoint of endpoints) endpoint.close();
     },
   };

@@ -127,16 +127,28 @@ export class StaleFencingTokenError extends LeaseholdError {
 
 /**
  * The session is held by another run (`acquired = false`). `current` is the
- * lease that blocked the grant, so a UI can say "running on desktop, 12 s left".
+ * lease that blocked the grant, so a UI can say "running on desktop, 12 s left";
+ * `lockDelayUntil` says until when a lock-delay keeps the key from everyone.
  */
 export class NotAcquiredError extends LeaseholdError {
   override readonly name: string = "NotAcquiredError";
   /** The valid lease that blocked the grant, when the server sent it. */
   readonly current: Lease | undefined;
+  /**
+   * When no valid lease blocked the grant but a lock-delay did (the key's
+   * last lease was on a keeper that expired, K2): when the delay ends, on
+   * the database clock. Undefined otherwise.
+   */
+  readonly lockDelayUntil: Date | undefined;
 
-  constructor(message: string, current: Lease | undefined, options: { cause?: unknown } = {}) {
-    super(message, Code.FailedPrecondition, options);
+  constructor(
+    message: string,
+    current: Lease | undefined,
+    options: { cause?: unknown; lockDelayUntil?: Date | undefined } = {},
+  ) {
+    super(message, Code.FailedPrecondition, { cause: options.cause });
     this.current = current;
+    this.lockDelayUntil = options.lockDelayUntil;
   }
 
   /** The holder label of the blocking lease ("" when it has none or is unknown). */

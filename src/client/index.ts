@@ -20,6 +20,21 @@ export {
 export { type ClientTls, type ClientTlsOptions, clientTlsOptions } from "./client-tls.js";
 export { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
 export {
+  type CampaignOptions,
+  campaign,
+  type ElectionCallbacks,
+  type ElectionChange,
+  type ElectionKey,
+  type Leader,
+  type Leadership,
+  leader,
+  maxElectionValueLength,
+  observe,
+  type RunElectionOptions,
+  runElection,
+  type StopReason,
+} from "./election.js";
+export {
   type AuthFailure,
   CanceledError,
   DeadlineExceededError,
@@ -53,6 +68,13 @@ export {
   type GrpcTransportOptions,
 } from "./grpc-transport.js";
 export type { KeepAliveEvent } from "./keepalive.js";
+export type {
+  Keeper,
+  KeeperAcquireInit,
+  KeeperEvent,
+  KeeperRunOptions,
+  OpenKeeperOptions,
+} from "./keeper.js";
 export type { LeaseContext, RunExclusiveOptions, SessionKeyInit } from "./run-exclusive.js";
 export {
   bearerTokenInterceptor,

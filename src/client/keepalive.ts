@@ -23,7 +23,12 @@
 // without connect's client wrappers (an async generator per stream that
 // costs a few promises per message).
 
-import type { MessageInitShape } from "@bufbuild/protobuf";
+import type {
+  DescMessage,
+  DescMethodBiDiStreaming,
+  MessageInitShape,
+  MessageShape,
+} from "@bufbuild/protobuf";
 import { Code } from "@connectrpc/connect";
 import {
   type HandoffRequested,
@@ -255,6 +260,94 @@ function leasesPerStreamLimit(error: LeaseholdError): number | undefined {
   return Number.isInteger(max) && max >= 1 ? max : undefined;
 }
 
+/**
+ * The error that ends every lease of a stream (a KeepAlive lane, a
+ * keeper's Keep stream), or undefined when the stream is worth reopening.
+ * The server ends a stream when its token expires: with a token function
+ * the reopened stream carries a fresh token, and the leases go on; a fixed
+ * token cannot be renewed, so they are lost, with the reason
+ * `token_expired` and an error that says why.
+ */
+export function finalStreamError(
+  error: LeaseholdError,
+  transport: TransportOptions,
+): { error: LeaseholdError; reason: "token_expired" | "renewal_failed" } | undefined {
+  if (!definitiveCodes.has(error.code)) return undefined;
+  // The connection's client certificate expired: the stream reopens over
+  // a fresh connection, which presents the certificate files as they are
+  // now (a rotation tool has written the next one by then).
+  if (
+    error instanceof UnauthenticatedError &&
+    error.failure === "certificate_expired" &&
+    transport.tls?.certFile !== undefined
+  ) {
+    return undefined;
+  }
+  if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") {
+    return { error, reason: "renewal_failed" };
+  }
+  if (typeof transport.token === "function") return undefined;
+  return {
+    error: new UnauthenticatedError(
+      "the token expired, and a fixed token cannot be renewed: pass a token function (token: () => …) to keep leases past a token's expiry",
+      error.code,
+      { cause: error, reason: error.reason, metadata: { ...error.metadata } },
+    ),
+    reason: "token_expired",
+  };
+}
+
+/**
+ * The delay before reconnecting after `failures` failures in a row: full
+ * jitter under an exponential bound, so that many clients cut off by one
+ * instance's death do not all land on the next instance at the same instant.
+ */
+export function reconnectDelay(
+  failures: number,
+  options: { backoffInitialMs?: number | undefined; backoffMaxMs?: number | undefined },
+): number {
+  const initial = options.backoffInitialMs ?? 100;
+  const max = options.backoffMaxMs ?? 2_000;
+  return Math.random() * Math.min(max, initial * 2 ** Math.min(failures, 20));
+}
+
+/**
+ * Reads one bidirectional stream's answers in one loop, straight off the
+ * transport. `current` says whether the stream is still the owner's (a
+ * stream replaced by a reconnect is read no more); an error or an end of
+ * the current stream is reported to `fail`, an end as UNAVAILABLE.
+ */
+export function readStream<I extends DescMessage, O extends DescMessage>(
+  endpoint: Endpoint,
+  method: DescMethodBiDiStreaming<I, O>,
+  signal: AbortSignal,
+  requests: AsyncIterable<MessageInitShape<I>>,
+  handlers: {
+    current(): boolean;
+    message(message: MessageShape<O>): void;
+    fail(error: LeaseholdError): void;
+  },
+): void {
+  void (async () => {
+    try {
+      const response = await endpoint.transport.stream(method, signal, 0, undefined, requests);
+      for await (const message of response.message) {
+        if (!handlers.current()) return;
+        handlers.message(message);
+      }
+      if (handlers.current()) {
+        handlers.fail(
+          new UnavailableError(`the server ended the ${method.name} stream`, Code.Unavailable),
+        );
+      }
+    } catch (error) {
+      if (handlers.current()) handlers.fail(toLeaseholdError(error));
+    } finally {
+      endpoint.close();
+    }
+  })();
+}
+
 /** One self-reconnecting KeepAlive stream and the leases it carries. */
 class KeepAliveLane {
   private readonly entries = new Map<string, Entry>();
@@ -391,31 +484,11 @@ class KeepAliveLane {
       entry.sent = 0;
       this.send(entry);
     }
-    void (async () => {
-      try {
-        const response = await endpoint.transport.stream(
-          LeaseService.method.keepAlive,
-          stream.abort.signal,
-          0,
-          undefined,
-          stream.queue,
-        );
-        for await (const message of response.message) {
-          if (this.stream !== stream) return;
-          this.dispatch(message);
-        }
-        if (this.stream === stream) {
-          this.fail(
-            stream.generation,
-            new UnavailableError("the server ended the KeepAlive stream", Code.Unavailable),
-          );
-        }
-      } catch (error) {
-        if (this.stream === stream) this.fail(stream.generation, toLeaseholdError(error));
-      } finally {
-        endpoint.close();
-      }
-    })();
+    readStream(endpoint, LeaseService.method.keepAlive, stream.abort.signal, stream.queue, {
+      current: () => this.stream === stream,
+      message: (message) => this.dispatch(message),
+      fail: (error) => this.fail(stream.generation, error),
+    });
   }
 
   private dispatch(response: KeepAliveResponse): void {
@@ -459,7 +532,7 @@ class KeepAliveLane {
     for (const entry of this.entries.values()) settle(entry);
     stream.queue.end();
     stream.endpoint.close();
-    const final = this.finalError(error);
+    const final = finalStreamError(error, this.options.transport);
     if (final) {
       error = final.error;
       const failed = [...this.entries.values()];
@@ -473,12 +546,7 @@ class KeepAliveLane {
       });
       return;
     }
-    // Full jitter: many clients cut off by one instance's death do not all
-    // land on the next instance at the same instant.
-    const initial = this.options.backoffInitialMs ?? 100;
-    const max = this.options.backoffMaxMs ?? 2_000;
-    const bound = Math.min(max, initial * 2 ** Math.min(this.failures, 20));
-    const delay = Math.random() * bound;
+    const delay = reconnectDelay(this.failures, this.options);
     this.failures += 1;
     this.urlIndex += 1;
     // The timer first: a lease registered on this lane from here on (by the
@@ -499,41 +567,6 @@ class KeepAliveLane {
     // one reconnects, so that it is not refused again.
     const limit = leasesPerStreamLimit(error);
     if (limit !== undefined) this.onStreamLimit(this, limit);
-  }
-
-  /**
-   * The error that ends every lease of the lane, or undefined when the
-   * stream is worth reopening. The server ends a stream when its token
-   * expires: with a token function the reopened stream carries a fresh
-   * token, and the leases go on; a fixed token cannot be renewed, so they
-   * are lost, with the reason `token_expired` and an error that says why.
-   */
-  private finalError(
-    error: LeaseholdError,
-  ): { error: LeaseholdError; reason: "token_expired" | "renewal_failed" } | undefined {
-    if (!definitiveCodes.has(error.code)) return undefined;
-    // The connection's client certificate expired: the stream reopens over
-    // a fresh connection, which presents the certificate files as they are
-    // now (a rotation tool has written the next one by then).
-    if (
-      error instanceof UnauthenticatedError &&
-      error.failure === "certificate_expired" &&
-      this.options.transport.tls?.certFile !== undefined
-    ) {
-      return undefined;
-    }
-    if (!(error instanceof UnauthenticatedError) || error.failure !== "expired") {
-      return { error, reason: "renewal_failed" };
-    }
-    if (typeof this.options.transport.token === "function") return undefined;
-    return {
-      error: new UnauthenticatedError(
-        "the token expired, and a fixed token cannot be renewed: pass a token function (token: () => …) to keep leases past a token's expiry",
-        error.code,
-        { cause: error, reason: error.reason, metadata: { ...error.metadata } },
-      ),
-      reason: "token_expired",
-    };
   }
 
   private shutdown(): void {

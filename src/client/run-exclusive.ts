@@ -14,7 +14,7 @@ import type {
   ReleaseRequestSchema,
   ReleaseResponse,
 } from "../gen/leasehold/v1/lease_pb.js";
-import { durationFromMs, msFromDuration } from "./durations.js";
+import { dateFromTimestamp, durationFromMs, msFromDuration } from "./durations.js";
 import {
   LateGrantError,
   type LeaseholdError,
@@ -126,6 +126,27 @@ function describeHolder(lease: Lease | undefined): string {
 }
 
 /**
+ * The NotAcquiredError of a refused grant: who holds the session, or until
+ * when a lock-delay (K2) keeps it from everyone.
+ */
+export function notAcquired(key: SessionKeyInit, response: AcquireResponse): NotAcquiredError {
+  const lockDelayUntil = dateFromTimestamp(response.lockDelayUntil);
+  const session = `session ${key.accountId}/${key.sessionId}`;
+  if (lockDelayUntil && !response.current) {
+    return new NotAcquiredError(
+      `${session} is in its lock-delay until ${lockDelayUntil.toISOString()} (the keeper of its last lease expired)`,
+      undefined,
+      { lockDelayUntil },
+    );
+  }
+  return new NotAcquiredError(
+    `${session} is held by ${describeHolder(response.current)}`,
+    response.current,
+    { lockDelayUntil },
+  );
+}
+
+/**
  * Runs `work` while holding the session's lease. See `LeaseClient.runExclusive`.
  */
 export async function runExclusive<T>(
@@ -175,10 +196,7 @@ export async function runExclusive<T>(
     );
     const arrivedAt = now();
     if (!response.acquired || !response.lease) {
-      throw new NotAcquiredError(
-        `session ${key.accountId}/${key.sessionId} is held by ${describeHolder(response.current)}`,
-        response.current,
-      );
+      throw notAcquired(key, response);
     }
     const deadline = localDeadline(sentAt, response.lease, timing.marginMs);
     return {
@@ -217,8 +235,7 @@ export async function runExclusive<T>(
   let lease = grant.lease;
   let deadline = grant.deadline;
   const controller = new AbortController();
-  const handoffs: HandoffRequested[] = [];
-  const handoffListeners = new Set<(request: HandoffRequested) => void>();
+  const handoffs = new HandoffRelay();
 
   // Set once the run can no longer vouch for its lease. From then on nothing
   // is sent for it, not even a Release (DESIGN.md §6, docs/clients.md): a
@@ -271,10 +288,7 @@ export async function runExclusive<T>(
         cause ?? "renewal_failed",
         `the server reports the lease lost (${cause?.replace("_", " ") ?? "no reason given"})`,
       ),
-    onHandoffRequested: (request) => {
-      handoffs.push(request);
-      for (const listener of handoffListeners) listener(request);
-    },
+    onHandoffRequested: (request) => handoffs.push(request),
     onFailed: (error, reason) => lose(reason, `renewals failed: ${error.message}`, error),
   });
   const renewTimer = setInterval(() => registration.renew(), timing.renewIntervalMs);
@@ -292,38 +306,23 @@ export async function runExclusive<T>(
   };
   options.signal?.addEventListener("abort", onCallerAbort, { once: true });
 
-  const ctx: LeaseContext = {
+  const ctx = createLeaseContext({
     signal: controller.signal,
     fencingToken: grant.lease.fencingToken,
     key: sessionKey,
     runId,
-    get lease() {
-      return lease;
-    },
+    lease: () => lease,
     remainingMs: () => Math.max(0, deadline - now()),
-    onHandoffRequested: (listener) => {
-      handoffListeners.add(listener);
-      for (const request of handoffs) queueMicrotask(() => listener(request));
-      return () => handoffListeners.delete(listener);
-    },
-    throwIfLost: () => {
-      // L2 by the clock, not only by the timer: the deadline timer cannot
-      // fire while the event loop is busy, and a call made meanwhile would
-      // present a lease that may already be gone from the database.
+    handoffs,
+    // L2 by the clock, not only by the timer: the deadline timer cannot
+    // fire while the event loop is busy, and a call made meanwhile would
+    // present a lease that may already be gone from the database.
+    checkDeadline: () => {
       if (now() >= deadline) {
         lose("deadline", "the local deadline passed without a confirmed renewal");
       }
-      if (controller.signal.aborted) throw refusalOf(controller.signal.reason);
     },
-    callOptions: () => {
-      ctx.throwIfLost();
-      return {
-        signal: controller.signal,
-        contextValues: createContextValues().set(fencingContextKey, ctx),
-      };
-    },
-    headers: () => fencingHeaders(ctx),
-  };
+  });
 
   try {
     return await work(ctx);
@@ -342,4 +341,69 @@ export async function runExclusive<T>(
     }
     if (!lost) await release();
   }
+}
+
+/**
+ * Handoff requests of one run: kept, so that a listener added late still
+ * hears the ones that came before it, and passed to every listener.
+ */
+export class HandoffRelay {
+  private readonly seen: HandoffRequested[] = [];
+  private readonly listeners = new Set<(request: HandoffRequested) => void>();
+
+  push(request: HandoffRequested): void {
+    this.seen.push(request);
+    for (const listener of this.listeners) listener(request);
+  }
+
+  listen(listener: (request: HandoffRequested) => void): () => void {
+    this.listeners.add(listener);
+    for (const request of this.seen) queueMicrotask(() => listener(request));
+    return () => this.listeners.delete(listener);
+  }
+}
+
+/** What a LeaseContext is made of: the run's state, read through functions. */
+export interface LeaseContextParts {
+  signal: AbortSignal;
+  fencingToken: bigint;
+  key: SessionKeyInit;
+  runId: string;
+  lease: () => Lease;
+  remainingMs: () => number;
+  handoffs: HandoffRelay;
+  /** Ends the run (aborts `signal`) when its local deadline has passed by the clock. */
+  checkDeadline: () => void;
+}
+
+/**
+ * The context `work` receives, for a lease kept alive on its own
+ * (runExclusive) or on a keeper (keeper.ts): the same shape and rules.
+ */
+export function createLeaseContext(parts: LeaseContextParts): LeaseContext {
+  const { signal } = parts;
+  const ctx: LeaseContext = {
+    signal,
+    fencingToken: parts.fencingToken,
+    key: parts.key,
+    runId: parts.runId,
+    get lease() {
+      return parts.lease();
+    },
+    remainingMs: parts.remainingMs,
+    onHandoffRequested: (listener) => parts.handoffs.listen(listener),
+    throwIfLost: () => {
+      parts.checkDeadline();
+      if (signal.aborted) throw refusalOf(signal.reason);
+    },
+    callOptions: () => {
+      ctx.throwIfLost();
+      return {
+        signal,
+        contextValues: createContextValues().set(fencingContextKey, ctx),
+      };
+    },
+    headers: () => fencingHeaders(ctx),
+  };
+  return ctx;
 }

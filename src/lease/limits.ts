@@ -22,6 +22,14 @@ export interface Limits {
   maxStreamBacklog: number;
   /** Changes buffered per watcher before it gets a fresh snapshot instead. */
   watchBufferLength: number;
+  /** Open keepers one account may hold at once; 0 means no limit. */
+  maxKeepersPerAccount: number;
+  /** Open leases one keeper may hold at once; 0 means no limit. */
+  maxLeasesPerKeeper: number;
+  /** Requests one Keep stream may have in flight (unanswered) at once. */
+  maxKeeperOpsInFlight: number;
+  /** The longest lock-delay a keeper may ask for (K2). */
+  maxLockDelayMs: number;
 }
 
 export const defaultLimits: Limits = {
@@ -39,6 +47,10 @@ export const defaultLimits: Limits = {
   maxLeasesPerAccount: 10_000,
   maxStreamBacklog: 4_096,
   watchBufferLength: 1_024,
+  maxKeepersPerAccount: 0,
+  maxLeasesPerKeeper: 0,
+  maxKeeperOpsInFlight: 256,
+  maxLockDelayMs: 60_000,
 };
 
 /** Formats milliseconds the way durations are written in flags: 1s, 250ms, 1h. */

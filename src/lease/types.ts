@@ -22,6 +22,8 @@ export interface LeaseRecord {
   expiresAtUs: bigint;
   /** expires_at minus the statement's clock reading, never negative. */
   remainingUs: bigint;
+  /** The keeper the lease was acquired on (K1); absent for a lease of its own. */
+  keeperId?: string;
 }
 
 /** The lease a grant replaced because it had run past its deadline. */

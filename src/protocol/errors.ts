@@ -56,6 +56,8 @@ export const LimitName = {
   leasesPerKeeper: "max-leases-per-keeper",
   /** Open keepers of one account. */
   keepersPerAccount: "max-keepers-per-account",
+  /** Requests one Keep stream has in flight. */
+  keeperOpsInFlight: "max-keeper-ops-in-flight",
   /** Answers a KeepAlive stream's client has not read (no flag). */
   streamBacklog: "stream-backlog",
   /** Documents of one session in the guarded store (no flag). */

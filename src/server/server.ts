@@ -37,6 +37,7 @@ import { openDatabase, type Sql } from "../postgres/pool.js";
 import { LimitName } from "../protocol/errors.js";
 import type { ServerConfig } from "./config/server-config.js";
 import { createEventStore } from "./db/event-store.js";
+import { createKeeperStore } from "./db/keeper-store.js";
 import { createLeaseCounts } from "./db/lease-counts.js";
 import { createLeaseStore, type LeaseStoreStats } from "./db/lease-store.js";
 import { createRetention, startMaintenance } from "./db/retention.js";
@@ -60,7 +61,7 @@ import { type ChangeFeed, createChangeFeed } from "./streams/change-feed.js";
 import { createExpiryTracker, type ExpiryTracker } from "./streams/expiry-tracker.js";
 import { createKeepAliveHub, type KeepAliveHub } from "./streams/keepalive.js";
 import { createNotifier, type Notifier } from "./streams/notifier.js";
-import { withPublishing } from "./streams/publishing-store.js";
+import { withKeeperPublishing, withPublishing } from "./streams/publishing-store.js";
 import { createRenewalBatcher, type RenewalBatcher } from "./streams/renewal-batcher.js";
 import { createWaiters, type Waiters } from "./streams/waiters.js";
 import { createWatchHub, type WatchHub } from "./streams/watch-hub.js";
@@ -214,12 +215,18 @@ async function buildLeaseServer(
   // for /metrics. Waiting acquires and batched renewals go through all of it.
   const sqlStore = createLeaseStore(sql, {
     maxLeasesPerAccount: limits.maxLeasesPerAccount,
+    maxLeasesPerKeeper: limits.maxLeasesPerKeeper,
     // Twice the statement timeout: a statement the database runs (lock
     // waits included) has answered by then, one on a dead connection has not.
     unansweredAfterMs: 2 * config.statementTimeoutMs,
     tracer: tracing?.statements,
   });
   const store = withMetrics(withPublishing(sqlStore, feed), metrics);
+  // Keepers (docs/keepers.md): a close or revoke published like a release or revoke.
+  const keepers = withKeeperPublishing(
+    createKeeperStore(sql, { maxKeepersPerAccount: limits.maxKeepersPerAccount }),
+    feed,
+  );
 
   const tracker = createExpiryTracker({ store, feed, logger });
   const batcher = createRenewalBatcher({
@@ -320,6 +327,8 @@ async function buildLeaseServer(
     observer,
     access,
     watchSlots,
+    // A Keep stream answers a refused request in that request's answer.
+    checkedByHandler: new Set([`${LeaseService.typeName}/Keep`]),
     steps: [
       ...(tracing ? [tracingStep(tracing, { sessionKeys: config.tracing.sessionKeys })] : []),
       ...(extensions.policySteps ?? []),
@@ -338,6 +347,7 @@ async function buildLeaseServer(
     waiters,
     keepAlive,
     watch,
+    keepers,
   });
 
   const maintenance = startMaintenance(
@@ -377,7 +387,12 @@ async function buildLeaseServer(
                 {
                   desc: LeaseService,
                   impl,
-                  streams: nativeStreams({ keepAlive, watch, limits }),
+                  streams: nativeStreams({
+                    keepAlive,
+                    watch,
+                    limits,
+                    keep: { store, keepers, limits, waiters },
+                  }),
                 },
               ],
               policy,

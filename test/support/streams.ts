@@ -10,6 +10,8 @@ import { ConnectError } from "@connectrpc/connect";
 import type {
   KeepAliveRequestSchema,
   KeepAliveResponse,
+  KeepRequestSchema,
+  KeepResponse,
   WatchResponse,
 } from "../../src/gen/leasehold/v1/lease_pb.js";
 import type { LeaseClient } from "./server.js";
@@ -209,4 +211,31 @@ export function logLine(child: ChildProcess, pattern: RegExp, timeoutMs = 20_000
 function kindOf(message: unknown): string {
   const kind = (message as { kind?: { case?: unknown } } | undefined)?.kind?.case;
   return typeof kind === "string" ? kind : typeof message;
+}
+
+export type KeepInit = MessageInitShape<typeof KeepRequestSchema>;
+
+export interface KeepStream {
+  send(request: KeepInit): void;
+  reader: StreamReader<KeepResponse>;
+  /** The answer to request `id` (answers to others stay queued). */
+  answer(id: bigint, timeoutMs?: number): Promise<KeepResponse>;
+  /** Ends the request side (half-close). */
+  end(): void;
+  /** Cancels the call. */
+  abort(): void;
+}
+
+/** A Keep stream (docs/keepers.md): requests pushed by the test, answers read in the background. */
+export function openKeep(client: LeaseClient): KeepStream {
+  const requests = new Pushable<KeepInit>();
+  const controller = new AbortController();
+  const reader = new StreamReader(client.keep(requests, { signal: controller.signal }));
+  return {
+    send: (r) => requests.push(r),
+    reader,
+    answer: (id, timeoutMs) => reader.take((m) => m.id === id, timeoutMs),
+    end: () => requests.end(),
+    abort: () => controller.abort(),
+  };
 }

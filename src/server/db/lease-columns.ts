@@ -26,7 +26,7 @@ export function leaseColumns(
     ${sql(t)}.run_id AS ${c("run_id")},`;
   return sql`
     ${withKey ? key : sql``} ${sql(t)}.fencing_token AS ${c("fencing_token")},
-    ${sql(t)}.holder AS ${c("holder")},
+    ${sql(t)}.holder AS ${c("holder")}, ${sql(t)}.keeper_id::text AS ${c("keeper_id")},
     (extract(epoch FROM ${sql(t)}.ttl) * 1000)::bigint AS ${c("ttl_ms")},
     (extract(epoch FROM ${sql(t)}.acquired_at) * 1000000)::bigint AS ${c("acquired_at_us")},
     (extract(epoch FROM ${leaseDeadline(sql, t)}) * 1000000)::bigint AS ${c("expires_at_us")},
@@ -67,6 +67,7 @@ export function leaseOf(row: object, prefix = ""): LeaseRecord {
     (row as Record<string, unknown>)[
       prefix === "" ? name : `${prefix}${name.charAt(0).toUpperCase()}${name.slice(1)}`
     ];
+  const keeperId = get("keeperId") as string | null | undefined;
   return {
     accountId: get("accountId") as string,
     sessionId: get("sessionId") as string,
@@ -77,5 +78,7 @@ export function leaseOf(row: object, prefix = ""): LeaseRecord {
     acquiredAtUs: get("acquiredAtUs") as bigint,
     expiresAtUs: get("expiresAtUs") as bigint,
     remainingUs: get("remainingUs") as bigint,
+    // Only a keeper's lease carries it (K1): a lease of its own stays as it was.
+    ...(keeperId ? { keeperId } : {}),
   };
 }

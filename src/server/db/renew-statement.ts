@@ -26,6 +26,7 @@ interface RenewManyRow
     "fencingToken" | "holder" | "ttlMs" | "acquiredAtUs" | "expiresAtUs" | "remainingUs"
   > {
   renewed: boolean;
+  keeperId: string | null;
   currentExists: boolean;
   currentRunId: string | null;
   currentEnded: string | null;
@@ -146,6 +147,7 @@ export async function renewMany(
         acquiredAtUs: row.acquiredAtUs,
         expiresAtUs: row.expiresAtUs,
         remainingUs: row.remainingUs,
+        ...(row.keeperId ? { keeperId: row.keeperId } : {}),
       };
       return { outcome: "renewed", lease, handoff };
     }

@@ -32,6 +32,10 @@ const actions: Record<string, SessionAction> = {
   Watch: "watch",
   RequestHandoff: "handoff",
   Revoke: "revoke",
+  // A Keep stream's own action is decided per request (keepTarget below);
+  // this one is only what the method's scope check sees.
+  Keep: "renew",
+  RevokeKeeper: "revoke",
 };
 
 // Methods whose request may name every session of an account at once.
@@ -73,8 +77,20 @@ export function createAccess(options: AccessOptions): Access {
     },
 
     check(methodName, input, message, caller, decided) {
-      const action = actions[methodName] as SessionAction;
-      const target = targetOf(message, input);
+      let action = actions[methodName] as SessionAction;
+      let target: Target | undefined;
+      if (methodName === "Keep") {
+        // Each request of a Keep stream names its account its own way: the
+        // open's account_id, an acquire's, release's or get's key (K1: all
+        // of the keeper's account, which the open checked). A heartbeat or
+        // a close names none: it acts on the keeper the open admitted.
+        const keep = keepTarget(message);
+        if (keep === undefined) return caller;
+        action = keep.action;
+        target = keep.target;
+      } else {
+        target = targetOf(message, input);
+      }
       if (target === undefined || target.accountId === "") return caller;
       checkId(target.accountField, target.accountId, limits);
       if (caller && methodName === "CheckFence" && caller.scopes.has(fenceScope)) {
@@ -94,7 +110,10 @@ export function createAccess(options: AccessOptions): Access {
       // it; elsewhere the handler rejects it as INVALID_ARGUMENT.
       if (sessionId === "" && !accountWide.has(methodName)) return principal;
       if (sessionId !== "") checkId(target.sessionField, sessionId, limits);
-      const until = decided?.get(sessionId);
+      // A stream's decisions are remembered per action and session (a Keep
+      // stream asks for several actions; a read allowed is no acquire allowed).
+      const decision = methodName === "Keep" ? `${action}\u0000${sessionId}` : sessionId;
+      const until = decided?.get(decision);
       if (until !== undefined && until > performance.now()) return principal;
       return authorizer.allows(principal, sessionId, action).then((allowed) => {
         if (!allowed) {
@@ -107,8 +126,8 @@ export function createAccess(options: AccessOptions): Access {
         if (decided) {
           // Newest last; at most as many as the leases a stream may carry,
           // the oldest forgotten first (asked again if it comes back).
-          decided.delete(sessionId);
-          decided.set(sessionId, performance.now() + streamDecisionMs);
+          decided.delete(decision);
+          decided.set(decision, performance.now() + streamDecisionMs);
           if (decided.size > limits.maxLeasesPerStream) {
             const oldest = decided.keys().next().value;
             if (oldest !== undefined) decided.delete(oldest);
@@ -164,6 +183,43 @@ function targetOf(message: object, input: DescMessage): Target | undefined {
     };
   }
   return undefined;
+}
+
+/** What one request of a Keep stream names, and the session action it performs. */
+function keepTarget(message: object): { target: Target; action: SessionAction } | undefined {
+  const op = (message as { op?: { case?: string; value?: unknown } }).op;
+  const value = op?.value as
+    | { accountId?: string; key?: { accountId?: string; sessionId?: string } }
+    | undefined;
+  if (op?.case === "open") {
+    return {
+      action: "renew",
+      target: {
+        accountId: value?.accountId ?? "",
+        accountField: "open.account_id",
+        sessionId: "",
+        sessionField: "",
+      },
+    };
+  }
+  const action: SessionAction | undefined =
+    op?.case === "acquire"
+      ? "acquire"
+      : op?.case === "release"
+        ? "release"
+        : op?.case === "get"
+          ? "read"
+          : undefined;
+  if (action === undefined || op?.case === undefined) return undefined;
+  return {
+    action,
+    target: {
+      accountId: value?.key?.accountId ?? "",
+      accountField: `${op.case}.key.account_id`,
+      sessionId: value?.key?.sessionId ?? "",
+      sessionField: `${op.case}.key.session_id`,
+    },
+  };
 }
 
 function anonymous(account: string): Principal {

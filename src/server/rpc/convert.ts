@@ -39,6 +39,7 @@ export function leaseToProto(r: LeaseRecord): Lease {
     acquiredAt: timestampFromMicros(r.acquiredAtUs),
     expiresAt: timestampFromMicros(r.expiresAtUs),
     remaining: durationFromMicros(r.remainingUs),
+    keeperId: r.keeperId ?? "",
   });
 }
 

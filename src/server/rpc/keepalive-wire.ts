@@ -40,6 +40,7 @@ const leaseTtl = tag(5, lengthDelimited);
 const leaseAcquiredAt = tag(6, lengthDelimited);
 const leaseExpiresAt = tag(7, lengthDelimited);
 const leaseRemaining = tag(8, lengthDelimited);
+const leaseKeeperId = tag(9, lengthDelimited);
 const secondsTag = tag(1, varintType);
 const nanosTag = tag(2, varintType);
 
@@ -128,6 +129,7 @@ class LeaseLayout {
   readonly session: number;
   readonly runId: number;
   readonly holder: number;
+  readonly keeperId: number;
   readonly key: number;
   readonly token: number | bigint;
   readonly ttlSeconds: number | bigint;
@@ -150,6 +152,7 @@ class LeaseLayout {
     this.session = utf8Length(lease.sessionId);
     this.runId = utf8Length(lease.runId);
     this.holder = utf8Length(lease.holder);
+    this.keeperId = lease.keeperId === undefined ? 0 : utf8Length(lease.keeperId);
     this.key = stringFieldSize(this.account) + stringFieldSize(this.session);
     this.token = int64(lease.fencingToken);
     splitMicros(lease.ttlMs * 1000n, false);
@@ -176,7 +179,8 @@ class LeaseLayout {
       messageFieldSize(this.ttlSize) +
       messageFieldSize(this.acquiredAtSize) +
       messageFieldSize(this.expiresAtSize) +
-      messageFieldSize(this.remainingSize);
+      messageFieldSize(this.remainingSize) +
+      stringFieldSize(this.keeperId);
     this.answerSize =
       messageFieldSize(this.key) + stringFieldSize(this.runId) + messageFieldSize(this.leaseSize);
   }
@@ -266,6 +270,7 @@ class Writer {
     this.secondsNanos(leaseAcquiredAt, l.acquiredAtSeconds, l.acquiredAtNanos, l.acquiredAtSize);
     this.secondsNanos(leaseExpiresAt, l.expiresAtSeconds, l.expiresAtNanos, l.expiresAtSize);
     this.secondsNanos(leaseRemaining, l.remainingSeconds, l.remainingNanos, l.remainingSize);
+    if (l.keeperId !== 0) this.string(leaseKeeperId, l.lease.keeperId as string, l.keeperId);
   }
 }
 

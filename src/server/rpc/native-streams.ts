@@ -21,6 +21,9 @@ import { Code, ConnectError } from "@connectrpc/connect";
 import { policyText } from "../../call/error-texts.js";
 import {
   type KeepAliveRequest,
+  type KeepRequest,
+  type KeepResponse,
+  KeepResponseSchema,
   type WatchRequest,
   WatchResponseSchema,
 } from "../../gen/leasehold/v1/lease_pb.js";
@@ -32,6 +35,7 @@ import type { Outlet } from "../streams/outlet.js";
 import type { WatchHub, WatchMessage } from "../streams/watch-hub.js";
 import type { NativeCall, NativeStreamHandler } from "./grpc-native.js";
 import { encodeFrame } from "./grpc-wire.js";
+import { type KeepServiceDeps, KeepSession } from "./keep-service.js";
 import { encodeKeepAliveAnswers } from "./keepalive-wire.js";
 import { keepAliveRequest, watchMessage, watchScope } from "./stream-service.js";
 
@@ -39,11 +43,14 @@ export interface NativeStreamsOptions {
   keepAlive: KeepAliveHub;
   watch: WatchHub;
   limits: Limits;
+  /** The Keep stream's dependencies (keep-service.ts). */
+  keep: KeepServiceDeps;
 }
 
 export function nativeStreams(options: NativeStreamsOptions): {
   KeepAlive: NativeStreamHandler;
   Watch: NativeStreamHandler;
+  Keep: NativeStreamHandler;
 } {
   // Events are shared by every watcher of their scope: encoded once, kept as
   // long as some watcher still has the change queued.
@@ -60,7 +67,45 @@ export function nativeStreams(options: NativeStreamsOptions): {
   return {
     KeepAlive: (call) => serveKeepAlive(call, options),
     Watch: (call) => serveWatch(call, options, frameOf),
+    Keep: (call) => serveKeep(call, options.keep),
   };
+}
+
+const encodeKeepResponses = (messages: readonly KeepResponse[]): Buffer =>
+  messages.length === 1
+    ? encodeFrame(KeepResponseSchema, messages[0] as KeepResponse)
+    : Buffer.concat(messages.map((m) => encodeFrame(KeepResponseSchema, m)));
+
+/**
+ * Keep: each request is handed to the session as it arrives, which checks it
+ * through the call's policy and answers a refused one in its own `error`
+ * (keep-service.ts). A heartbeat every few seconds per keeper is far from
+ * KeepAlive's load: the messages are decoded and encoded by the generated code.
+ */
+function serveKeep(call: NativeCall, deps: KeepServiceDeps): void {
+  const session = new KeepSession(deps, (message) => call.check(message));
+  const reader = call.reader<KeepRequest>();
+  session.pipe(callOutlet<KeepResponse>(call, encodeKeepResponses));
+  call.onData((chunk) => {
+    if (call.ended) return;
+    let messages: KeepRequest[];
+    try {
+      messages = reader.push(chunk);
+    } catch (error) {
+      session.fail(error);
+      return;
+    }
+    for (const message of messages) session.submit(message);
+  });
+  call.onEnd(() => {
+    if (reader.incomplete) {
+      session.fail(new ConnectError(policyText.endedInsideMessage, Code.InvalidArgument));
+    } else {
+      session.endRequests();
+    }
+  });
+  // The keeper is not closed: its client re-attaches, or it runs to its deadline.
+  call.onCancel(() => session.close());
 }
 
 /** The outlet of a native call: frames written to its stream, its end the call's. */

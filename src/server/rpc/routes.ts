@@ -5,10 +5,14 @@ import { Code, ConnectError, type ConnectRouter, type ServiceImpl } from "@conne
 import { LeaseService } from "../../gen/leasehold/v1/lease_pb.js";
 import { type AuditServiceDeps, createAuditService } from "./audit-service.js";
 import { createFenceService } from "./fence-service.js";
+import { createKeepService, type KeepServiceDeps } from "./keep-service.js";
 import { createLeaseService, type LeaseServiceDeps } from "./lease-service.js";
 import { createStreamService, type StreamServiceDeps } from "./stream-service.js";
 
-export type LeaseServiceImplDeps = LeaseServiceDeps & AuditServiceDeps & StreamServiceDeps;
+export type LeaseServiceImplDeps = LeaseServiceDeps &
+  AuditServiceDeps &
+  StreamServiceDeps &
+  KeepServiceDeps;
 
 /** The one implementation of LeaseService, behind the Connect adapter and the native gRPC path. */
 export function leaseServiceImpl(deps: LeaseServiceImplDeps): ServiceImpl<typeof LeaseService> {
@@ -17,12 +21,7 @@ export function leaseServiceImpl(deps: LeaseServiceImplDeps): ServiceImpl<typeof
     ...createFenceService(deps),
     ...createAuditService(deps),
     ...createStreamService(deps),
-    // Keepers are in the store (docs/keepers.md); their stream and RevokeKeeper
-    // are not served by this release.
-    // biome-ignore lint/correctness/useYield: answers UNIMPLEMENTED before any message
-    keep: async function* () {
-      throw new ConnectError("Keep is not served by this server", Code.Unimplemented);
-    },
+    ...createKeepService(deps),
     revokeKeeper: async () => {
       throw new ConnectError("RevokeKeeper is not served by this server", Code.Unimplemented);
     },

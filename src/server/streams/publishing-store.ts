@@ -4,7 +4,7 @@
 // forget it.
 
 import { changeFromLease } from "../../lease/lease-change.js";
-import type { LeaseStore } from "../../lease/types.js";
+import type { KeeperStore, LeaseStore } from "../../lease/types.js";
 import type { ChangeFeed } from "./change-feed.js";
 
 export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore {
@@ -66,6 +66,28 @@ export function withPublishing(store: LeaseStore, feed: ChangeFeed): LeaseStore 
             requesterHolder,
           }),
         );
+      }
+      return result;
+    },
+  };
+}
+
+/**
+ * The keepers as the services use them: a close or a revoke of a keeper,
+ * once its statements have committed, hands one change per lease it ended to
+ * the change feed (RELEASED for a close, REVOKED with the reason for a
+ * revoke), so that watchers, waiting acquirers and KeepAlive streams learn of
+ * it then, not at the keeper's deadline.
+ */
+export function withKeeperPublishing(keepers: KeeperStore, feed: ChangeFeed): KeeperStore {
+  return {
+    ...keepers,
+    async end(accountId, id, how) {
+      const result = await keepers.end(accountId, id, how);
+      const type = how.ended === "closed" ? "released" : "revoked";
+      const reason = how.ended === "revoked" ? how.reason : "";
+      for (const lease of result.leases) {
+        feed.emit(changeFromLease(type, lease, { eventId: lease.eventId, reason }));
       }
       return result;
     },
