@@ -371,9 +371,9 @@ function noteLost(
  * with its old token, the fencing story on a keeper). The suite's faults cut
  * its stream and stop instances meanwhile: it re-attaches on another one.
  */
-async function keeperRun() {
-  const lockDelayMs = rng.chance(0.5) ? rng.int(200, config.ttlMs) : 0;
-  const fate = rng.next();
+async function keeperRun(forced?: { lockDelayMs: number; fate: number }): Promise<string[]> {
+  const lockDelayMs = forced?.lockDelayMs ?? (rng.chance(0.5) ? rng.int(200, config.ttlMs) : 0);
+  const fate = forced?.fate ?? rng.next();
   const sessions = Array.from({ length: rng.int(1, 2) }, () => rng.pick(config.sessionIds));
   const waits = sessions.map(() => (rng.chance(0.5) ? rng.int(200, 2 * config.ttlMs) : 0));
   const holds = sessions.map(() => rng.int(50, config.ttlMs) * (config.holdScale ?? 1));
@@ -407,7 +407,7 @@ async function keeperRun() {
     count("keeper-open");
   } catch (error) {
     count(`keeper-open-${codeName(error)}`);
-    return;
+    return [];
   }
   const frozen = fate < 0.15;
   const pendingAborts: Promise<void>[] = [];
@@ -461,10 +461,24 @@ async function keeperRun() {
   await Promise.all(pendingAborts);
   if (frozen || fate < 0.35) {
     // Frozen (already expired) or abandoned: no close; the keeper expires
-    // at its deadline on the server and its lock-delay holds its keys.
+    // at its deadline on the server and its lock-delay holds its keys. An
+    // abandoned keeper first takes a lease it keeps (its runs released
+    // theirs), so that a key is held when it expires.
+    const held = sessions[sessions.length - 1];
+    if (!frozen && held !== undefined && !keeper.signal.aborted) {
+      try {
+        const answer = await keeper.acquire({
+          key: { accountId: config.accountId, sessionId: held },
+          runId: randomUUID(),
+        });
+        count(answer.acquired ? "keeper-held-at-abandon" : "keeper-abandon-not-acquired");
+      } catch (error) {
+        count(`keeper-abandon-acquire-${codeName(error)}`);
+      }
+    }
     abandonKeeper(keeper);
     count(frozen ? "keeper-frozen" : "keeper-abandoned");
-    return;
+    return sessions;
   }
   if (fate < 0.5) {
     operation("revoke");
@@ -479,17 +493,58 @@ async function keeperRun() {
       count(`keeper-revoke-${codeName(error)}`);
     }
     abandonKeeper(keeper);
+    return sessions;
+  }
+  operation("release");
+  await recorder
+    .run(
+      "keeper-close",
+      { key: keeperKey(keeper.id), value: { keeperId: keeper.id } },
+      () => keeper.close(),
+      () => ({ type: "ok" }),
+      errorOutcome,
+    )
+    .then(() => count("keeper-closed"))
+    .catch((error) => count(`keeper-close-${codeName(error)}`));
+  return sessions;
+}
+
+/**
+ * The beat's lock-delay: a keeper with a lock-delay holds a key and is
+ * abandoned (it expires), and this client then waits for that key with a
+ * run of its own, long enough for the delay to pass; K2 judges when the
+ * key was granted again. A short run would otherwise often have no
+ * expired lock-delayed lease whose key was taken again.
+ */
+async function lockDelayedKeeper() {
+  const lockDelayMs = rng.int(200, config.ttlMs);
+  const sessions = await keeperRun({ lockDelayMs, fate: 0.3 });
+  const sessionId = sessions[0];
+  if (sessionId === undefined) return;
+  const runId = randomUUID();
+  const sessionKey = { accountId: config.accountId, sessionId };
+  operation("acquire");
+  try {
+    const answer = await calls.acquire({
+      key: sessionKey,
+      runId,
+      ttl: durationFromMs(config.ttlMs),
+      wait: durationFromMs(2 * config.ttlMs + lockDelayMs),
+      holder: `client-${config.client}`,
+    });
+    if (!answer.acquired) {
+      count("lock-delay-follow-up-not-acquired");
+      return;
+    }
+    count("lock-delay-follow-up-acquired");
+  } catch (error) {
+    count(`lock-delay-follow-up-${codeName(error)}`);
     return;
   }
   operation("release");
-  await recorder.run(
-    "keeper-close",
-    { key: keeperKey(keeper.id), value: { keeperId: keeper.id } },
-    () => keeper.close(),
-    () => ({ type: "ok" }),
-    errorOutcome,
-  );
-  count("keeper-closed");
+  await calls.release({ key: sessionKey, runId }).catch(() => undefined);
+  endedRuns.push({ sessionId, runId });
+  if (endedRuns.length > maxEndedRuns) endedRuns.shift();
 }
 
 /**
@@ -822,6 +877,7 @@ while (!stopping && performance.now() < stopAt) {
   const beat = iteration++ % scheduledEvery;
   count("iterations");
   if (beat === 5) await heldRevoke(sessionId);
+  else if (beat === 8) await lockDelayedKeeper();
   else if (beat === 11 && endedRuns.length > 0) await lateReacquire();
   else if (op < 0.35) await exclusiveRun(sessionId);
   else if (op < 0.7) await rawRun(sessionId);
