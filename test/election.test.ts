@@ -106,6 +106,25 @@ describe("campaign", () => {
     expect(await leader(client(), e)).toBeUndefined();
   });
 
+  it("E1: candidates waiting on one instance lead in their arrival order (waiters.ts: one FIFO per key)", async () => {
+    const e = election("fifo");
+    const first = await campaign(client(), { ...e, value: "first", ttlMs: 60_000 });
+    const names = ["b", "c", "d"];
+    const wins: Promise<Leadership>[] = [];
+    for (const [i, name] of names.entries()) {
+      wins.push(campaign(client(), { ...e, value: name, ttlMs: 60_000 }));
+      await waitFor(() => waiting() >= i + 1, { what: `${name} waiting` });
+    }
+    await first.resign();
+    const order: string[] = [];
+    for (const win of wins) {
+      const leadership = await within(win, { what: "the next in line to lead", timeoutMs: 5_000 });
+      order.push(leadership.value);
+      await leadership.resign();
+    }
+    expect(order).toEqual(names);
+  });
+
   it("E1: resign hands over at once to the waiting candidate", async () => {
     const e = election("resign");
     const first = await campaign(client(), { ...e, value: "first", ttlMs: 60_000 });
@@ -352,6 +371,82 @@ describe("onStoppedLeading", () => {
     expect(stopped).toEqual(started);
     expect(started[0]).toBeLessThan(started[1] ?? 0n);
     expect(await leader(c, e)).toBeUndefined();
+  });
+});
+
+describe("campaign on a keeper", () => {
+  it("E1, K1: the leader's lease is on the keeper, proclaim keeps the term there, and the keeper's stall ends the term once", async () => {
+    const e = election("keeper-leader");
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const keeper = await c.openKeeper({ accountId, ttlMs: 2_000 });
+    const stopped: [bigint, StopReason][] = [];
+    const leadership = await campaign(c, {
+      ...e,
+      value: "on-keeper",
+      keeper,
+      onStoppedLeading: (term, reason) => stopped.push([term, reason]),
+    });
+    const [row] = await db.sql<{ keeperId: string | null }[]>`
+      SELECT keeper_id::text FROM leases
+      WHERE account_id = ${accountId} AND session_id = ${e.election}`;
+    expect(row?.keeperId).toBe(keeper.id);
+    await leadership.proclaim("on-keeper-2");
+    expect(await leader(client(), e)).toMatchObject({
+      value: "on-keeper-2",
+      term: leadership.term,
+    });
+    proxy.stall();
+    const why = await leadership.ended;
+    expect(why.kind).toBe("lost");
+    expect(keeper.signal.aborted).toBe(true);
+    await leadership.resign();
+    proxy.pass();
+    expect(stopped.length).toBe(1);
+    expect(stopped[0]?.[0]).toBe(leadership.term);
+  });
+
+  it("E1: a waiting candidate whose keeper is lost aborts and leaves no candidate behind", async () => {
+    const e = election("keeper-waiter");
+    const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const keeper = await c.openKeeper({ accountId, ttlMs: 1_500 });
+    const lost = campaign(c, { ...e, value: "lost", keeper }).catch((error: unknown) => error);
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting on its keeper" });
+    proxy.drop();
+    expect(await within(lost, { what: "the campaign to fail" })).toBeInstanceOf(LeaseLostError);
+    await waitFor(() => waiting() === 0, { what: "no waiter left on the server" });
+    const third = campaign(client(), { ...e, value: "third", ttlMs: 60_000 });
+    await waitFor(() => waiting() >= 1, { what: "the third candidate waiting" });
+    await holder.resign();
+    const won = await within(third, { what: "the third candidate to lead", timeoutMs: 5_000 });
+    expect(won.value).toBe("third");
+    expect(micros(won.lease.acquiredAt)).toBeLessThan(micros(holder.lease.expiresAt) - 50_000_000n);
+    await won.resign();
+  });
+  it("E1, K1: a waiting candidate whose keeper stalls aborts; the server refuses its stale waiter once the keeper expired, and the next candidate is granted at once", async () => {
+    const e = election("keeper-waiter-stall");
+    const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });
+    const proxy = await proxyTo(server.url);
+    const c = client({ baseUrl: proxy.url });
+    const keeper = await c.openKeeper({ accountId, ttlMs: 1_500 });
+    const lost = campaign(c, { ...e, value: "lost", keeper }).catch((error: unknown) => error);
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting on its keeper" });
+    proxy.stall();
+    expect(await within(lost, { what: "the campaign to fail" })).toBeInstanceOf(LeaseLostError);
+    // The server has not seen the stall: the waiter stays queued until the
+    // keeper's deadline passes on the database clock, and can never be
+    // granted after it (K1).
+    await db.sql`SELECT pg_sleep_until(expires_at) FROM keepers WHERE id = ${keeper.id}::uuid`;
+    const third = campaign(client(), { ...e, value: "third", ttlMs: 60_000 });
+    await waitFor(() => waiting() >= 2, { what: "the third candidate waiting behind it" });
+    await holder.resign();
+    const won = await within(third, { what: "the third candidate to lead", timeoutMs: 5_000 });
+    expect(won.value).toBe("third");
+    expect(micros(won.lease.acquiredAt)).toBeLessThan(micros(holder.lease.expiresAt) - 50_000_000n);
+    await waitFor(() => waiting() === 0, { what: "the stale waiter refused" });
+    await won.resign();
   });
 });
 

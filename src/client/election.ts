@@ -11,7 +11,8 @@
 // release-unless-lost are runExclusive's, unchanged. What this file adds is
 // the waiting loop (a waiting Acquire is bounded by the server's --max-wait),
 // the one-call-per-term callbacks, proclaim, and observe's gap-free change
-// stream over Watch and History.
+// stream over Watch and History. With a keeper, runExclusive's keeper form
+// holds the lease instead: the same context and rules, the keeper's timing.
 
 import { type CallOptions, Code } from "@connectrpc/connect";
 import {
@@ -33,6 +34,7 @@ import {
   UnavailableError,
 } from "./errors.js";
 import type { FencingSource } from "./fencing.js";
+import type { Keeper } from "./keeper.js";
 import type { LeaseContext } from "./run-exclusive.js";
 
 /** The longest label the server keeps (its `holder` limit), and so the longest value. */
@@ -92,6 +94,15 @@ export interface CampaignOptions extends ElectionKey, ElectionCallbacks {
   readonly renewIntervalMs?: number;
   /** Give up campaigning after this long, in ms (NotAcquiredError); default: never. */
   readonly timeoutMs?: number;
+  /**
+   * Campaign on this keeper (docs/keepers.md): the waiting Acquire and the
+   * leader's lease ride the keeper's stream, its heartbeat keeps the lease,
+   * and the keeper's TTL, margin and lock-delay apply (leave `ttlMs`,
+   * `safetyMarginMs` and `renewIntervalMs` out). The keeper lost while
+   * waiting ends the campaign (its LeaseLostError); lost while leading, it
+   * ends the term (`lost`).
+   */
+  readonly keeper?: Keeper;
   /**
    * Longest single waiting Acquire, in ms; the campaign asks again when it
    * runs out. Keep it at or below the server's --max-wait (default 5m).
@@ -235,14 +246,16 @@ export async function campaign(
           granted.resolve({ ctx, stop: () => finished.resolve() });
           await Promise.race([over, finished.promise]);
         },
-        {
-          ttlMs,
-          waitMs,
-          holder: options.value,
-          safetyMarginMs: options.safetyMarginMs,
-          renewIntervalMs: options.renewIntervalMs,
-          signal: run.signal,
-        },
+        options.keeper
+          ? { keeper: options.keeper, waitMs, holder: options.value, signal: run.signal }
+          : {
+              ttlMs,
+              waitMs,
+              holder: options.value,
+              safetyMarginMs: options.safetyMarginMs,
+              renewIntervalMs: options.renewIntervalMs,
+              signal: run.signal,
+            },
       )
       .then(
         () => undefined,
@@ -323,7 +336,6 @@ function startTerm(
       // A callback's own failure must not keep the term from ending.
     }
   };
-  ctx.signal.addEventListener("abort", onAbort, { once: true });
 
   const leadership: Leadership = {
     term,
@@ -346,10 +358,18 @@ function startTerm(
     async proclaim(next) {
       checkValue(next);
       ctx.throwIfLost();
-      const response = await client.acquire(
-        { key: ctx.key, runId: ctx.runId, ttl: durationFromMs(extra.ttlMs), holder: next },
-        { signal: ctx.signal },
-      );
+      // The same run again: the server keeps the token and takes the label.
+      // A lease on a keeper is re-acquired on that keeper (a plain Acquire
+      // names no keeper, and the server refuses it the lease).
+      const response = options.keeper
+        ? await options.keeper.acquire(
+            { key: ctx.key, runId: ctx.runId, holder: next },
+            { signal: ctx.signal },
+          )
+        : await client.acquire(
+            { key: ctx.key, runId: ctx.runId, ttl: durationFromMs(extra.ttlMs), holder: next },
+            { signal: ctx.signal },
+          );
       ctx.throwIfLost();
       if (!response.acquired || response.lease?.fencingToken !== term) {
         throw new NotAcquiredError(
@@ -370,6 +390,11 @@ function startTerm(
   } catch {
     // As onStoppedLeading: the callback's failure is the caller's.
   }
+  // A term lost between the grant and here (or in onStartedLeading) still
+  // gets its one onStoppedLeading: a listener added to an aborted signal
+  // would never run.
+  if (ctx.signal.aborted) onAbort();
+  else ctx.signal.addEventListener("abort", onAbort, { once: true });
   return leadership;
 }
 

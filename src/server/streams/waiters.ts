@@ -11,7 +11,7 @@
 // conditional UPSERT picks exactly one winner per release (S2). Losers keep
 // their place and wait for the next end of the lease.
 
-import { LeaseNotHeldError } from "../../lease/errors.js";
+import { KeeperNotHeldError, LeaseNotHeldError } from "../../lease/errors.js";
 import { endsLease, keyString } from "../../lease/lease-change.js";
 import type { AcquireInput, AcquireResult, LeaseRecord, LeaseStore } from "../../lease/types.js";
 import type { Logger } from "../../log/logger.js";
@@ -140,11 +140,21 @@ export function createWaiters(options: WaitersOptions): Waiters {
           result = await store.acquire(head.input);
         } catch (error) {
           head.attempting = false;
-          // The waiter's own run had its lease end (S4): no later attempt
-          // can grant it, so that is the answer now.
-          if (head.waitOver || error instanceof LeaseNotHeldError) {
+          // The waiter's own run had its lease end (S4), or the keeper it
+          // asked for is over (K1: expired, closed, revoked): no later
+          // attempt can grant it, so that is the answer now, and the next
+          // waiter goes on. (A waiter whose keeper's stream stalled stays
+          // queued until then: the server has not seen the stall.)
+          if (
+            head.waitOver ||
+            error instanceof LeaseNotHeldError ||
+            error instanceof KeeperNotHeldError
+          ) {
             finish(k, head);
             head.reject(error);
+            // The next waiter tries now (a bare `continue` would leave the
+            // loop: `again` was cleared for this round).
+            q.again = true;
             continue;
           }
           // The database could not decide; the next trigger (a change, the
