@@ -276,4 +276,35 @@ describe("history checker: keepers and elections", () => {
     });
     expect(ofR1(released.history, releasedEvents(released.events))).toEqual([]);
   });
+
+  it("E1: a term held on a keeper lasts to the keeper's confirmed deadline", () => {
+    const { history, op, events } = scenario();
+    const e2 = "acct/e2";
+    op("campaign", [t0, t0 + 1000], { key: e2, runId: "c3", token: 40, client: 3 }, "ok", {
+      acquiredAtUs: t0,
+      expiresAtUs: t0 + s,
+    });
+    op(
+      "keeper-acquire",
+      [t0, t0 + 500],
+      { key: e2, runId: "c3", token: 40, client: 3 },
+      "ok",
+      { keeperId: keeper, acquiredAtUs: t0, expiresAtUs: t0 + s },
+      { keeperId: keeper },
+    );
+    // The keeper's heartbeat confirmed t0+2.5 s: a term granted at t0+2 s overlaps c3's.
+    op(
+      "campaign",
+      [t0 + 0.5 * s, t0 + 2 * s],
+      { key: e2, runId: "c4", token: 41, client: 2 },
+      "ok",
+      {
+        acquiredAtUs: t0 + 2 * s,
+        expiresAtUs: t0 + 4 * s,
+      },
+    );
+    expect(flagged(history, events, "E1").map((v) => v.message)).toEqual([
+      expect.stringContaining("term 41 (run c4) began at"),
+    ]);
+  });
 });

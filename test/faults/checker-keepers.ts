@@ -228,6 +228,13 @@ export function checkKeepersAndElections(
       t.endUs = Math.max(t.endUs, done.value?.expiresAtUs ?? 0);
     }
   }
+  // A term held on a keeper is renewed by the keeper's heartbeats: its
+  // confirmed deadline is the keeper's too.
+  for (const t of terms.values()) {
+    const run = keeperRuns.get(t.runId);
+    const k = run ? keepers.get(run.keeperId) : undefined;
+    if (k) t.endUs = Math.max(t.endUs, k.deadlineUs);
+  }
   const stops = new Map<string, number>();
   for (const { invoke } of completions) {
     if (invoke.f === "resign" && invoke.runId) {

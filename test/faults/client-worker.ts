@@ -562,6 +562,9 @@ async function electionRun() {
   const frozen = rng.chance(0.1);
   const pauseMs = rng.int(config.ttlMs + 200, 2 * config.ttlMs);
   const marginMs = config.ttlMs / 4;
+  // Half the candidates campaign on a keeper of their own (the waiting
+  // Acquire and the leader's lease ride its stream), closed after the term.
+  const keeper = rng.chance(0.5) ? await openCampaignKeeper() : undefined;
   operation("campaign");
   let leadership: Awaited<ReturnType<typeof campaign>>;
   try {
@@ -577,6 +580,7 @@ async function electionRun() {
           safetyMarginMs: marginMs,
           timeoutMs: 2 * config.ttlMs,
           waitChunkMs: config.ttlMs,
+          ...(keeper ? { keeper } : {}),
         }),
       (l) => ({
         type: "ok",
@@ -593,6 +597,7 @@ async function electionRun() {
     count("campaign-won");
   } catch (error) {
     count(error instanceof NotAcquiredError ? "campaign-lost" : `campaign-${codeName(error)}`);
+    await closeKeeper(keeper);
     return;
   }
   let lostNote: Promise<void> | undefined;
@@ -630,6 +635,48 @@ async function electionRun() {
     .then(() => count("resign"))
     .catch((error) => count(`resign-${codeName(error)}`));
   await lostNote;
+  await closeKeeper(keeper);
+}
+
+/** A keeper for one campaign (no lock-delay), recorded as keeper-open; undefined when it could not open. */
+async function openCampaignKeeper() {
+  operation("keeper");
+  try {
+    return await recorder.run(
+      "keeper-open",
+      { key: keeperKey(""), value: { ttlMs: config.ttlMs, lockDelayMs: 0 } },
+      () =>
+        client.openKeeper({
+          accountId: config.accountId,
+          ttlMs: config.ttlMs,
+          holder: `client-${config.client}`,
+        }),
+      (k) => ({
+        type: "ok",
+        key: keeperKey(k.id),
+        value: { keeperId: k.id, expiresAtUs: usOf(k.state.expiresAt), ttlMs: config.ttlMs },
+      }),
+      errorOutcome,
+    );
+  } catch (error) {
+    count(`campaign-keeper-open-${codeName(error)}`);
+    return undefined;
+  }
+}
+
+/** Closes a campaign's keeper (recorded as keeper-close); a failure is counted. */
+async function closeKeeper(keeper: Awaited<ReturnType<typeof openCampaignKeeper>>) {
+  if (!keeper) return;
+  await recorder
+    .run(
+      "keeper-close",
+      { key: keeperKey(keeper.id), value: { keeperId: keeper.id } },
+      () => keeper.close(),
+      () => ({ type: "ok" }),
+      errorOutcome,
+    )
+    .then(() => count("campaign-keeper-closed"))
+    .catch((error) => count(`campaign-keeper-close-${codeName(error)}`));
 }
 
 /** Runs whose lease ended, for late releases (S5). */
