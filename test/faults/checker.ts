@@ -21,6 +21,7 @@
 // order two writes in real time) and the `wallUs` of an abort (the same
 // host's clock as the database's, used only when the database was down).
 
+import { checkKeepersAndElections, type KeeperCheckResult } from "./checker-keepers.js";
 import type { HistoryEvent, LostNote, OpEvent } from "./op-history.js";
 
 export type HistoryRecord =
@@ -149,7 +150,19 @@ export interface LeaseEvent {
   atUs: number;
 }
 
-export type Invariant = "S1" | "S4" | "S5" | "S6" | "S7" | "L2" | "audit" | "get" | "history";
+export type Invariant =
+  | "S1"
+  | "S4"
+  | "S5"
+  | "S6"
+  | "S7"
+  | "L2"
+  | "K1"
+  | "K2"
+  | "E1"
+  | "audit"
+  | "get"
+  | "history";
 
 export interface Violation {
   invariant: Invariant;
@@ -635,6 +648,8 @@ export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRec
   const unknownDeadline = new Set<string>();
   const underWay = new Map<string, number>();
   const lease = new Set(["acquire", "renew", "keepalive"]);
+  // The runs acquired on each keeper (its close releases them all), by run id with their key.
+  const keeperRuns = new Map<string, Map<string, string>>();
   for (const e of ops) {
     const run = e.runId ?? "";
     if (e.type === "invoke") {
@@ -642,9 +657,19 @@ export function recordsFromHistory(history: readonly HistoryEvent[]): HistoryRec
       const deadlineKnown = !unknownDeadline.has(run) && (underWay.get(run) ?? 0) === 0;
       if (lease.has(e.f) && run) underWay.set(run, (underWay.get(run) ?? 0) + 1);
       invoked.set(e.process, { op: e, deadlineKnown });
-      if (e.f === "release") {
+      if (e.f === "release" || e.f === "keeper-release") {
         records.push({ type: "release", client: e.client, key: e.key, runId: run });
       } else if (e.f === "revoke") records.push({ type: "revoke", client: e.client, key: e.key });
+      else if (e.f === "keeper-acquire" && e.value?.keeperId) {
+        const runs = keeperRuns.get(e.value.keeperId) ?? new Map<string, string>();
+        runs.set(run, e.key);
+        keeperRuns.set(e.value.keeperId, runs);
+      } else if (e.f === "keeper-close-request" && e.value?.keeperId) {
+        // A keeper's close releases every lease on it: each of its runs asked.
+        for (const [runId, key] of keeperRuns.get(e.value.keeperId) ?? []) {
+          records.push({ type: "release", client: e.client, key, runId });
+        }
+      }
       continue;
     }
     const call = invoked.get(e.process);
@@ -777,6 +802,8 @@ function abortRecord(note: LostNote): AbortRecord {
 export interface OperationsCheckResult extends CheckResult {
   /** Gets answered with a held lease, checked against the grants completed before they began. */
   getsChecked: number;
+  /** The keeper and election rules' figures (K1, K2, E1). */
+  keepers: KeeperCheckResult;
 }
 
 /**
@@ -857,5 +884,8 @@ export function checkOperations(
       }
     }
   }
-  return { ...result, getsChecked };
+  // K1, K2 and E1 (checker-keepers.ts).
+  const keepers = checkKeepersAndElections(history, events);
+  result.violations.push(...keepers.violations);
+  return { ...result, getsChecked, keepers };
 }

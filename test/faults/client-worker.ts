@@ -30,6 +30,7 @@ import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createConnectTransport } from "@connectrpc/connect-node";
 import postgres from "postgres";
 import {
+  campaign,
   createLeaseClient,
   durationFromMs,
   LateGrantError,
@@ -39,9 +40,16 @@ import {
   LeaseNotHeldError,
   NotAcquiredError,
 } from "../../src/client/index.js";
+import { abandonKeeper } from "../../src/client/keeper.js";
 import { GuardedStoreService } from "../../src/gen/leasehold/guarded/v1/guarded_pb.js";
-import type { Lease } from "../../src/gen/leasehold/v1/lease_pb.js";
-import { errorOutcome, recordCall, recordingInterceptor, usOf } from "./lease-recording.js";
+import { type Lease, LeaseService } from "../../src/gen/leasehold/v1/lease_pb.js";
+import {
+  errorOutcome,
+  keeperKey,
+  recordCall,
+  recordingInterceptor,
+  usOf,
+} from "./lease-recording.js";
 import { createRecorder, type HistoryEvent } from "./op-history.js";
 import { createPrng } from "./prng.js";
 
@@ -69,13 +77,30 @@ export interface WorkerConfig {
    * draws stay the same, so a seed still replays the same choices.
    */
   holdScale?: number;
+  /** The elections the clients campaign in (session ids of the account); default two. */
+  electionIds?: string[];
 }
 
 /** The operations counted towards a soak's target (see the header). */
-export type OperationKind = "acquire" | "renew" | "release" | "write" | "revoke";
+export type OperationKind =
+  | "acquire"
+  | "renew"
+  | "release"
+  | "write"
+  | "revoke"
+  | "keeper"
+  | "campaign";
 
 // Not exported: importing this module runs the worker.
-const operationKinds: readonly OperationKind[] = ["acquire", "renew", "release", "write", "revoke"];
+const operationKinds: readonly OperationKind[] = [
+  "acquire",
+  "renew",
+  "release",
+  "write",
+  "revoke",
+  "keeper",
+  "campaign",
+];
 
 /** A worker's counts line: every outcome by name, and its operations by kind. */
 export interface CountsLine {
@@ -131,6 +156,19 @@ const calls = {
     recordCall(recorder, "Get", r, (o) => client.get(r, o)),
   checkFence: (r: Parameters<typeof client.checkFence>[0]) =>
     recordCall(recorder, "CheckFence", r, (o) => client.checkFence(r, o)),
+};
+// RevokeKeeper is an admin call the client library does not wrap: a plain
+// service client on one instance (picked per call) makes it.
+const revokeKeeperCall = (r: { accountId: string; keeperId: string; reason: string }) => {
+  const service = createClient(
+    LeaseService,
+    createConnectTransport({
+      baseUrl: rng.pick(config.baseUrls),
+      httpVersion: "2",
+      defaultTimeoutMs: 2_000,
+    }),
+  );
+  return recordCall(recorder, "RevokeKeeper", r, (o) => service.revokeKeeper(r, o));
 };
 const guarded = createClient(
   GuardedStoreService,
@@ -294,6 +332,351 @@ async function exclusiveRun(sessionId: string) {
     else count(`exclusive-${codeName(error)}`);
   }
   await Promise.all(pendingAborts);
+}
+
+/** Emits the `lost` note of a run whose signal aborted, with the database clock read right after. */
+function noteLost(
+  key: string,
+  runId: string,
+  signal: AbortSignal,
+  deadlineUs: number,
+  marginMs: number,
+): Promise<void> {
+  const at = recorder.now();
+  const reason = signal.reason instanceof LeaseLostError ? signal.reason.lossReason : "other";
+  count(`abort-${reason}`);
+  return databaseClock().then((clock) => {
+    emit({
+      type: "info",
+      process: "signal",
+      f: "lost",
+      client: config.client,
+      key,
+      runId,
+      ...at,
+      reason,
+      deadlineUs,
+      marginUs: Math.round(marginMs * 1000),
+      ...clock,
+    });
+  });
+}
+
+/**
+ * A keeper holding one or two of the shared sessions in turn. Its fate is
+ * drawn: closed (its leases released, no lock-delay), revoked by the admin
+ * (RevokeKeeper), abandoned (the client stops heartbeating without closing:
+ * it expires and its lock-delay applies), or frozen past its TTL by a busy
+ * pause inside a run's work (it expires under the run, which then writes
+ * with its old token, the fencing story on a keeper). The suite's faults cut
+ * its stream and stop instances meanwhile: it re-attaches on another one.
+ */
+async function keeperRun(forced?: { lockDelayMs: number; fate: number }): Promise<string[]> {
+  const lockDelayMs = forced?.lockDelayMs ?? (rng.chance(0.5) ? rng.int(200, config.ttlMs) : 0);
+  const fate = forced?.fate ?? rng.next();
+  const sessions = Array.from({ length: rng.int(1, 2) }, () => rng.pick(config.sessionIds));
+  const waits = sessions.map(() => (rng.chance(0.5) ? rng.int(200, 2 * config.ttlMs) : 0));
+  const holds = sessions.map(() => rng.int(50, config.ttlMs) * (config.holdScale ?? 1));
+  const pauseMs = rng.int(config.ttlMs + 200, 2 * config.ttlMs);
+  const marginMs = config.ttlMs / 10;
+  operation("keeper");
+  let keeper: Awaited<ReturnType<typeof client.openKeeper>>;
+  try {
+    keeper = await recorder.run(
+      "keeper-open",
+      { key: keeperKey(""), value: { ttlMs: config.ttlMs, lockDelayMs } },
+      () =>
+        client.openKeeper({
+          accountId: config.accountId,
+          ttlMs: config.ttlMs,
+          lockDelayMs,
+          holder: `client-${config.client}`,
+        }),
+      (k) => ({
+        type: "ok",
+        key: keeperKey(k.id),
+        value: {
+          keeperId: k.id,
+          expiresAtUs: usOf(k.state.expiresAt),
+          lockDelayMs,
+          ttlMs: config.ttlMs,
+        },
+      }),
+      errorOutcome,
+    );
+    count("keeper-open");
+  } catch (error) {
+    count(`keeper-open-${codeName(error)}`);
+    return [];
+  }
+  const frozen = fate < 0.15;
+  const pendingAborts: Promise<void>[] = [];
+  for (const [i, sessionId] of sessions.entries()) {
+    const key = `${config.accountId}/${sessionId}`;
+    const runId = randomUUID();
+    operation("acquire");
+    let workDone = false;
+    try {
+      await recorder.run(
+        "keeper-run",
+        { key, runId, value: { keeperId: keeper.id, waitMs: waits[i] } },
+        () =>
+          keeper.runExclusive(
+            { accountId: config.accountId, sessionId },
+            async (ctx) => {
+              ctx.signal.addEventListener("abort", () => {
+                if (workDone) return;
+                pendingAborts.push(
+                  noteLost(key, runId, ctx.signal, usOf(keeper.state.expiresAt), marginMs),
+                );
+              });
+              try {
+                await write(key, sessionId, runId, ctx.fencingToken);
+                if (frozen && i === 0) {
+                  // The keeper's heartbeat cannot run: it expires under the run.
+                  busyPause(pauseMs);
+                  await write(key, sessionId, runId, ctx.fencingToken);
+                  return;
+                }
+                await sleep(holds[i] ?? 0, undefined, { signal: ctx.signal }).catch(() => {});
+                if (!ctx.signal.aborted) await write(key, sessionId, runId, ctx.fencingToken);
+              } finally {
+                workDone = true;
+              }
+            },
+            { runId, waitMs: waits[i] },
+          ),
+        () => ({ type: "ok" }),
+        errorOutcome,
+      );
+      count("keeper-run-ran");
+      operation("release");
+    } catch (error) {
+      if (error instanceof NotAcquiredError) {
+        count(error.lockDelayUntil ? "keeper-run-lock-delayed" : "keeper-run-not-acquired");
+      } else count(`keeper-run-${codeName(error)}`);
+    }
+    if (keeper.signal.aborted) break;
+  }
+  await Promise.all(pendingAborts);
+  if (frozen || fate < 0.35) {
+    // Frozen (already expired) or abandoned: no close; the keeper expires
+    // at its deadline on the server and its lock-delay holds its keys. An
+    // abandoned keeper first takes a lease it keeps (its runs released
+    // theirs), so that a key is held when it expires.
+    const held = sessions[sessions.length - 1];
+    if (!frozen && held !== undefined && !keeper.signal.aborted) {
+      try {
+        const answer = await keeper.acquire({
+          key: { accountId: config.accountId, sessionId: held },
+          runId: randomUUID(),
+        });
+        count(answer.acquired ? "keeper-held-at-abandon" : "keeper-abandon-not-acquired");
+      } catch (error) {
+        count(`keeper-abandon-acquire-${codeName(error)}`);
+      }
+    }
+    abandonKeeper(keeper);
+    count(frozen ? "keeper-frozen" : "keeper-abandoned");
+    return sessions;
+  }
+  if (fate < 0.5) {
+    operation("revoke");
+    try {
+      const answer = await revokeKeeperCall({
+        accountId: config.accountId,
+        keeperId: keeper.id,
+        reason: `fault suite client ${config.client}`,
+      });
+      count(answer.revoked ? "keeper-revoked" : "keeper-revoke-nothing");
+    } catch (error) {
+      count(`keeper-revoke-${codeName(error)}`);
+    }
+    abandonKeeper(keeper);
+    return sessions;
+  }
+  operation("release");
+  await recorder
+    .run(
+      "keeper-close",
+      { key: keeperKey(keeper.id), value: { keeperId: keeper.id } },
+      () => keeper.close(),
+      () => ({ type: "ok" }),
+      errorOutcome,
+    )
+    .then(() => count("keeper-closed"))
+    .catch((error) => count(`keeper-close-${codeName(error)}`));
+  return sessions;
+}
+
+/**
+ * The beat's lock-delay: a keeper with a lock-delay holds a key and is
+ * abandoned (it expires), and this client then waits for that key with a
+ * run of its own, long enough for the delay to pass; K2 judges when the
+ * key was granted again. A short run would otherwise often have no
+ * expired lock-delayed lease whose key was taken again.
+ */
+async function lockDelayedKeeper() {
+  const lockDelayMs = rng.int(200, config.ttlMs);
+  const sessions = await keeperRun({ lockDelayMs, fate: 0.3 });
+  const sessionId = sessions[0];
+  if (sessionId === undefined) return;
+  const runId = randomUUID();
+  const sessionKey = { accountId: config.accountId, sessionId };
+  operation("acquire");
+  try {
+    const answer = await calls.acquire({
+      key: sessionKey,
+      runId,
+      ttl: durationFromMs(config.ttlMs),
+      wait: durationFromMs(2 * config.ttlMs + lockDelayMs),
+      holder: `client-${config.client}`,
+    });
+    if (!answer.acquired) {
+      count("lock-delay-follow-up-not-acquired");
+      return;
+    }
+    count("lock-delay-follow-up-acquired");
+  } catch (error) {
+    count(`lock-delay-follow-up-${codeName(error)}`);
+    return;
+  }
+  operation("release");
+  await calls.release({ key: sessionKey, runId }).catch(() => undefined);
+  endedRuns.push({ sessionId, runId });
+  if (endedRuns.length > maxEndedRuns) endedRuns.shift();
+}
+
+/**
+ * A candidate of one of the elections: campaigns (waiting up to two TTLs),
+ * and while it leads writes with its term through the guarded store, as a
+ * raw run writes with its token; then resigns, or (drawn) is frozen past
+ * its TTL and loses the term. Losing the campaign (not elected in time) is
+ * an answer like any other.
+ */
+async function electionRun() {
+  const election = rng.pick(config.electionIds ?? ["election-0", "election-1"]);
+  const key = `${config.accountId}/${election}`;
+  const steps = rng.int(1, 3);
+  const holdMs = rng.int(50, config.ttlMs) * (config.holdScale ?? 1);
+  const frozen = rng.chance(0.1);
+  const pauseMs = rng.int(config.ttlMs + 200, 2 * config.ttlMs);
+  const marginMs = config.ttlMs / 4;
+  // Half the candidates campaign on a keeper of their own (the waiting
+  // Acquire and the leader's lease ride its stream), closed after the term.
+  const keeper = rng.chance(0.5) ? await openCampaignKeeper() : undefined;
+  operation("campaign");
+  let leadership: Awaited<ReturnType<typeof campaign>>;
+  try {
+    leadership = await recorder.run(
+      "campaign",
+      { key, value: { ttlMs: config.ttlMs, holder: `client-${config.client}` } },
+      () =>
+        campaign(client, {
+          accountId: config.accountId,
+          election,
+          value: `client-${config.client}`,
+          ttlMs: config.ttlMs,
+          safetyMarginMs: marginMs,
+          timeoutMs: 2 * config.ttlMs,
+          waitChunkMs: config.ttlMs,
+          ...(keeper ? { keeper } : {}),
+        }),
+      (l) => ({
+        type: "ok",
+        runId: l.runId,
+        token: Number(l.term),
+        value: {
+          acquiredAtUs: usOf(l.lease.acquiredAt),
+          expiresAtUs: usOf(l.lease.expiresAt),
+          ttlUs: config.ttlMs * 1000,
+        },
+      }),
+      (error) => (error instanceof NotAcquiredError ? { type: "fail" } : errorOutcome(error)),
+    );
+    count("campaign-won");
+  } catch (error) {
+    count(error instanceof NotAcquiredError ? "campaign-lost" : `campaign-${codeName(error)}`);
+    await closeKeeper(keeper);
+    return;
+  }
+  let lostNote: Promise<void> | undefined;
+  let resigning = false;
+  leadership.signal.addEventListener("abort", () => {
+    if (resigning) return;
+    lostNote = noteLost(
+      key,
+      leadership.runId,
+      leadership.signal,
+      usOf(leadership.lease.expiresAt),
+      marginMs,
+    );
+  });
+  for (let i = 0; i < steps; i++) {
+    if (frozen && i === 0) {
+      busyPause(pauseMs);
+      await write(key, election, leadership.runId, leadership.term);
+      break;
+    }
+    if (leadership.signal.aborted) break;
+    await write(key, election, leadership.runId, leadership.term);
+    await sleep(holdMs, undefined, { signal: leadership.signal }).catch(() => {});
+  }
+  resigning = !leadership.signal.aborted;
+  operation("release");
+  await recorder
+    .run(
+      "resign",
+      { key, runId: leadership.runId, token: Number(leadership.term) },
+      () => leadership.resign(),
+      () => ({ type: "ok" }),
+      errorOutcome,
+    )
+    .then(() => count("resign"))
+    .catch((error) => count(`resign-${codeName(error)}`));
+  await lostNote;
+  await closeKeeper(keeper);
+}
+
+/** A keeper for one campaign (no lock-delay), recorded as keeper-open; undefined when it could not open. */
+async function openCampaignKeeper() {
+  operation("keeper");
+  try {
+    return await recorder.run(
+      "keeper-open",
+      { key: keeperKey(""), value: { ttlMs: config.ttlMs, lockDelayMs: 0 } },
+      () =>
+        client.openKeeper({
+          accountId: config.accountId,
+          ttlMs: config.ttlMs,
+          holder: `client-${config.client}`,
+        }),
+      (k) => ({
+        type: "ok",
+        key: keeperKey(k.id),
+        value: { keeperId: k.id, expiresAtUs: usOf(k.state.expiresAt), ttlMs: config.ttlMs },
+      }),
+      errorOutcome,
+    );
+  } catch (error) {
+    count(`campaign-keeper-open-${codeName(error)}`);
+    return undefined;
+  }
+}
+
+/** Closes a campaign's keeper (recorded as keeper-close); a failure is counted. */
+async function closeKeeper(keeper: Awaited<ReturnType<typeof openCampaignKeeper>>) {
+  if (!keeper) return;
+  await recorder
+    .run(
+      "keeper-close",
+      { key: keeperKey(keeper.id), value: { keeperId: keeper.id } },
+      () => keeper.close(),
+      () => ({ type: "ok" }),
+      errorOutcome,
+    )
+    .then(() => count("campaign-keeper-closed"))
+    .catch((error) => count(`campaign-keeper-close-${codeName(error)}`));
 }
 
 /** Runs whose lease ended, for late releases (S5). */
@@ -541,9 +924,12 @@ while (!stopping && performance.now() < stopAt) {
   const beat = iteration++ % scheduledEvery;
   count("iterations");
   if (beat === 5) await heldRevoke(sessionId);
+  else if (beat === 8) await lockDelayedKeeper();
   else if (beat === 11 && endedRuns.length > 0) await lateReacquire();
-  else if (op < 0.45) await exclusiveRun(sessionId);
-  else if (op < 0.88) await rawRun(sessionId);
+  else if (op < 0.35) await exclusiveRun(sessionId);
+  else if (op < 0.7) await rawRun(sessionId);
+  else if (op < 0.8) await keeperRun();
+  else if (op < 0.88) await electionRun();
   else if (op < 0.92) await lateRelease();
   else if (op < 0.94) await lateReacquire();
   else if (op < 0.96) await revoke(sessionId);

@@ -32,6 +32,7 @@ import {
   recordsFromHistory,
   type Violation,
 } from "./checker.js";
+import type { KeeperCheckResult } from "./checker-keepers.js";
 import type { CountsLine, OperationKind, WorkerConfig } from "./client-worker.js";
 import { type Cluster, startCluster } from "./cluster.js";
 import { countOperations, type HistoryEvent } from "./op-history.js";
@@ -116,6 +117,18 @@ const invariantChecks: [Invariant, string][] = [
   ["S6", "monotonic fencing: per key, tokens strictly increase in grant order"],
   ["S7", "fenced writes: no accepted write carries a lower token than one accepted before it"],
   ["L2", "stop on loss: every run stopped its work before its last confirmed deadline"],
+  [
+    "K1",
+    "keepers: no keeper is renewed nor granted a lease after its leases expired or its close or revoke was answered; no keeper run writes after its keeper's confirmed deadline unless paused",
+  ],
+  [
+    "K2",
+    "lock-delay: a key whose keeper lease expired is granted to no other run before the keeper's deadline plus its lock-delay",
+  ],
+  [
+    "E1",
+    "one leader: per election, leadership intervals do not overlap and terms strictly increase",
+  ],
   ["audit", "every grant a client saw is in lease_events exactly once, with its token and time"],
   ["get", "reads: no Get shows a token older than one granted and answered before the Get began"],
   [
@@ -157,7 +170,7 @@ function startWorker(
     index,
     child,
     counts: {},
-    operations: { acquire: 0, renew: 0, release: 0, write: 0, revoke: 0 },
+    operations: { acquire: 0, renew: 0, release: 0, write: 0, revoke: 0, keeper: 0, campaign: 0 },
     // "close", not "exit": only then has every line of its stdout been read.
     exited: once(child, "close").then(([code]) => code as number | null),
   };
@@ -171,7 +184,15 @@ function startWorker(
   return worker;
 }
 
-const operationKinds: OperationKind[] = ["acquire", "renew", "release", "write", "revoke"];
+const operationKinds: OperationKind[] = [
+  "acquire",
+  "renew",
+  "release",
+  "write",
+  "revoke",
+  "keeper",
+  "campaign",
+];
 
 /** The clients' operations so far, by kind and in total. */
 function operationsOf(workers: readonly Worker[]) {
@@ -819,6 +840,7 @@ describe.sequential("fault injection under a checked history", () => {
       historyOperations,
       faultsByKind,
       violationsByInvariant: byInvariant,
+      keeperRules: { ...checked.keepers, violations: checked.keepers.violations.length },
       faults,
       counts,
     };
@@ -826,6 +848,15 @@ describe.sequential("fault injection under a checked history", () => {
 
     expect(grants, "the clients were granted leases").toBeGreaterThan(0);
     expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
+    // The keeper and election rules had something to judge: keepers kept
+    // leases that wrote, heartbeats were answered, candidates led.
+    expect(checked.keepers.keepers, "keepers were opened").toBeGreaterThan(0);
+    expect(checked.keepers.heartbeatsChecked, "keeper heartbeats were answered").toBeGreaterThan(0);
+    expect(
+      checked.keepers.keeperWritesChecked,
+      "runs on keepers wrote to the guarded store",
+    ).toBeGreaterThan(0);
+    expect(checked.keepers.leaderships, "candidates were elected").toBeGreaterThan(0);
     // Revokes that ended a lease, not attempts (a Revoke that finds the key
     // free ends nothing): the beat's revoke holds the key first. Each must be
     // matched by the checker to the REVOKED row of the lease it ended.
@@ -879,6 +910,7 @@ interface Summary extends Record<string, unknown> {
   historyOperations: Record<string, Record<string, number>>;
   faultsByKind: Record<string, { injected: number; failed: number }>;
   violationsByInvariant: Record<Invariant, number>;
+  keeperRules: Omit<KeeperCheckResult, "violations"> & { violations: number };
   faults: FaultOutcome[];
   counts: Record<string, number>;
 }

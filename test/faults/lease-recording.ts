@@ -25,11 +25,16 @@ import type {
   GetResponse,
   KeepAliveRequest,
   KeepAliveResponse,
+  Keeper,
+  KeepRequest,
+  KeepResponse,
   Lease,
   ReleaseRequest,
   ReleaseResponse,
   RenewRequest,
   RenewResponse,
+  RevokeKeeperRequest,
+  RevokeKeeperResponse,
   RevokeRequest,
   RevokeResponse,
   SessionKey,
@@ -66,6 +71,7 @@ const refusals = new Set([
   Code.Unauthenticated,
   Code.ResourceExhausted,
   Code.NotFound,
+  Code.Unimplemented,
 ]);
 
 /** A failed call's completion: `fail` for a refusal, else `info`, with its code and LEASE_NOT_HELD cause. */
@@ -95,6 +101,45 @@ interface UnaryRecording {
 // One entry per LeaseService method the workload calls: its operation's
 // name, what its request records, and what its answer does. A new kind of
 // call (a keeper's, an election's) is recorded by adding its entry.
+/** An Acquire's answer (unary, or on a keeper's stream): `ok` granted, else `fail` with what blocked it. */
+function acquireAnswer(m: AcquireResponse): Outcome {
+  if (m.acquired && m.lease) {
+    const fields = leaseFields(m.lease);
+    const keeperId = m.lease.keeperId || undefined;
+    return { type: "ok", ...fields, value: { ...fields.value, keeperId } };
+  }
+  const current = m.current;
+  return {
+    type: "fail",
+    value: {
+      ...(current
+        ? {
+            current: {
+              runId: current.runId,
+              token: Number(current.fencingToken),
+              holder: current.holder,
+              expiresAtUs: usOf(current.expiresAt),
+            },
+          }
+        : {}),
+      ...(m.lockDelayUntil ? { lockDelayUntilUs: usOf(m.lockDelayUntil) } : {}),
+    },
+  };
+}
+
+/** The key a keeper's own operations are recorded under: it is no session's. */
+export const keeperKey = (keeperId: string) => `keeper:${keeperId}`;
+
+/** A keeper's state in an answer (open, re-attach, heartbeat): its id and database deadline. */
+function keeperValue(k: Keeper): OpValue {
+  return {
+    keeperId: k.keeperId,
+    expiresAtUs: usOf(k.expiresAt),
+    ttlUs: usOfDuration(k.ttl),
+    lockDelayMs: msOf(k.lockDelay),
+  };
+}
+
 const unaryRecordings: Record<string, UnaryRecording> = {
   Acquire: {
     f: "acquire",
@@ -103,23 +148,15 @@ const unaryRecordings: Record<string, UnaryRecording> = {
       runId: m.runId,
       value: { ttlMs: msOf(m.ttl), waitMs: msOf(m.wait), holder: m.holder },
     }),
-    answer: (m: AcquireResponse) => {
-      if (m.acquired && m.lease) return { type: "ok", ...leaseFields(m.lease) };
-      const current = m.current;
-      return {
-        type: "fail",
-        value: current
-          ? {
-              current: {
-                runId: current.runId,
-                token: Number(current.fencingToken),
-                holder: current.holder,
-                expiresAtUs: usOf(current.expiresAt),
-              },
-            }
-          : {},
-      };
-    },
+    answer: acquireAnswer,
+  },
+  RevokeKeeper: {
+    f: "keeper-revoke",
+    invoke: (m: RevokeKeeperRequest) => ({
+      key: keeperKey(m.keeperId),
+      value: { keeperId: m.keeperId, reason: m.reason },
+    }),
+    answer: (m: RevokeKeeperResponse) => ({ type: "ok", value: { revoked: m.revoked } }),
   },
   Renew: {
     f: "renew",
@@ -169,7 +206,7 @@ const recordedCall = createContextKey<{ unanswered: number } | undefined>(undefi
  */
 export async function recordCall<T>(
   recorder: Recorder,
-  method: "Acquire" | "Renew" | "Release" | "Revoke" | "Get" | "CheckFence",
+  method: "Acquire" | "Renew" | "Release" | "Revoke" | "Get" | "CheckFence" | "RevokeKeeper",
   request: unknown,
   call: (options: CallOptions) => Promise<T>,
 ): Promise<T> {
@@ -204,6 +241,7 @@ export function recordingInterceptor(recorder: Recorder): Interceptor {
   const retried = new Map<string, { op: PendingOp; unanswered: number }>();
   return (next) => async (req) => {
     if (req.stream) {
+      if (req.method.name === "Keep") return recordKeep(recorder, req, next);
       if (req.method.name !== "KeepAlive") return next(req);
       return recordKeepAlive(recorder, req, next);
     }
@@ -299,6 +337,147 @@ async function recordKeepAlive(
           ops.length = 0;
         }
         if (ops.length === 0) unanswered.delete(id);
+        yield m;
+      }
+    } catch (error) {
+      ended = unknownOutcome(error);
+      throw error;
+    } finally {
+      endAll(ended);
+    }
+  }
+  return { ...res, message: received() };
+}
+
+/** How a Keep request is recorded: its operation and fields, or undefined (a Get: not a keeper operation). */
+function keepInvocation(
+  m: KeepRequest,
+  keeperId: string,
+): { f: string; fields: OpFields } | undefined {
+  const op = m.op;
+  switch (op.case) {
+    case "open":
+      return {
+        f: "keeper-attach",
+        fields: {
+          key: keeperKey(op.value.keeperId),
+          value: {
+            keeperId: op.value.keeperId,
+            ttlMs: msOf(op.value.ttl),
+            lockDelayMs: msOf(op.value.lockDelay),
+            holder: op.value.holder,
+          },
+        },
+      };
+    case "heartbeat":
+      return {
+        f: "keeper-heartbeat",
+        fields: { key: keeperKey(keeperId), value: { keeperId, ttlMs: msOf(op.value.ttl) } },
+      };
+    case "acquire":
+      return {
+        f: "keeper-acquire",
+        fields: {
+          key: keyOf(op.value.key),
+          runId: op.value.runId,
+          value: { keeperId, waitMs: msOf(op.value.wait), holder: op.value.holder },
+        },
+      };
+    case "release":
+      return {
+        f: "keeper-release",
+        fields: { key: keyOf(op.value.key), runId: op.value.runId, value: { keeperId } },
+      };
+    case "close":
+      return {
+        f: "keeper-close-request",
+        fields: { key: keeperKey(keeperId), value: { keeperId } },
+      };
+    default:
+      return undefined;
+  }
+}
+
+/** An answer to a Keep request, for the operation it completes. */
+function keepOutcome(result: KeepResponse["result"]): Outcome | undefined {
+  switch (result.case) {
+    case "keeper":
+      return { type: "ok", value: keeperValue(result.value) };
+    case "acquire":
+      return acquireAnswer(result.value);
+    case "release":
+      return { type: "ok", value: { released: result.value.released } };
+    case "error": {
+      const code = result.value.code as Code;
+      return {
+        type: refusals.has(code) ? "fail" : "info",
+        error: { code: Code[code] ?? String(code) },
+      };
+    }
+    case "lost":
+      // The keeper is gone (expired, revoked): the server renewed nothing for this request.
+      return {
+        type: "fail",
+        error: { code: "Lost", cause: lossCauseFromReason(result.value.reason) },
+      };
+    default:
+      return undefined;
+  }
+}
+
+/**
+ * A keeper's Keep stream: every request the client sends on it (open or
+ * re-attach, heartbeat, acquire, release, close) is invoked as it goes out,
+ * and completed by the answer carrying its id (`ok`; a refusal `fail`; a
+ * `lost` answering it `fail`, the keeper being gone). Requests still
+ * unanswered when the stream ends complete `info`: the client sends them
+ * again on the next stream, where they are new operations. Gets on the
+ * stream are not recorded.
+ */
+async function recordKeep(
+  recorder: Recorder,
+  req: Parameters<Parameters<Interceptor>[0]>[0],
+  next: Parameters<Interceptor>[0],
+) {
+  if (!req.stream) return next(req);
+  const unanswered = new Map<string, PendingOp>();
+  let keeperId = "";
+  const endAll = (outcome: Outcome) => {
+    for (const op of unanswered.values()) op.complete(outcome);
+    unanswered.clear();
+  };
+  const requests = req.message as AsyncIterable<KeepRequest>;
+  async function* sent() {
+    for await (const m of requests) {
+      if (m.op.case === "open" && m.op.value.keeperId) keeperId = m.op.value.keeperId;
+      const invocation = keepInvocation(m, keeperId);
+      if (invocation) {
+        unanswered.get(String(m.id))?.complete({ type: "info" });
+        unanswered.set(String(m.id), recorder.invoke(invocation.f, invocation.fields));
+      }
+      yield m;
+    }
+  }
+  let res: Awaited<ReturnType<typeof next>>;
+  try {
+    res = await next({ ...req, message: sent() });
+  } catch (error) {
+    endAll(unknownOutcome(error));
+    throw error;
+  }
+  if (!res.stream) return res;
+  const answers = res.message as AsyncIterable<KeepResponse>;
+  async function* received() {
+    let ended: Outcome = { type: "info", error: { code: "Unavailable", cause: "stream ended" } };
+    try {
+      for await (const m of answers) {
+        const id = String(m.id);
+        const op = unanswered.get(id);
+        const outcome = keepOutcome(m.result);
+        if (op && outcome && m.id !== 0n) {
+          unanswered.delete(id);
+          op.complete(outcome);
+        }
         yield m;
       }
     } catch (error) {

@@ -29,6 +29,11 @@ export interface OpValue {
   /** CheckFence: the token is the valid lease's. */
   fenceCurrent?: boolean;
   highestToken?: number;
+  /** Keeper operations: the keeper's id, and its lock-delay as opened. */
+  keeperId?: string;
+  lockDelayMs?: number;
+  /** A refused Acquire (keeper stream or unary) kept out by a lock-delay until then. */
+  lockDelayUntilUs?: number;
   /**
    * Attempts of the call that ended without an answer (the client library
    * failed over to the next instance, or gave up): each may still take
@@ -40,7 +45,13 @@ export interface OpValue {
 /** One event of a client operation. */
 export interface OpEvent {
   type: "invoke" | Completion;
-  /** acquire, renew, keepalive, release, revoke, get, check-fence, write. */
+  /**
+   * acquire, renew, keepalive, release, revoke, get, check-fence, write;
+   * keepers: keeper-open, keeper-run, keeper-close, keeper-revoke (the
+   * workload's calls) and keeper-attach, keeper-heartbeat, keeper-acquire,
+   * keeper-release (the Keep stream's requests, recorded on the wire);
+   * elections: campaign, resign.
+   */
   f: string;
   process: number;
   /** Nanoseconds on the host's monotonic clock since the suite's origin (comparable across clients). */

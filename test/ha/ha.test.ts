@@ -782,6 +782,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
       automaticFailovers,
       clientExitCodes: exitCodes,
       violationsByInvariant: byInvariant,
+      keeperRules: { ...checked.keepers, violations: checked.keepers.violations.length },
       violationList: checked.violations,
     };
     const dir = path.join(repoRoot, "test-results");
@@ -796,7 +797,7 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     ].join("\n");
     await writeFile(path.join(dir, "ha-summary.md"), `${table}\n`);
     log(
-      `\n${table}\n\nseed ${seed}, ${summary.durationS} s, ${operations.total} operations, ${grants.length} grants, history operations ${JSON.stringify(historyOperations)}, ${checked.getsChecked} Gets checked, ${writesAccepted} guarded writes accepted, ${automaticFailovers.length} automatic failovers, violations ${JSON.stringify(byInvariant)}`,
+      `\n${table}\n\nseed ${seed}, ${summary.durationS} s, ${operations.total} operations, ${grants.length} grants, history operations ${JSON.stringify(historyOperations)}, ${checked.getsChecked} Gets checked, ${writesAccepted} guarded writes accepted, keeper and election rules ${JSON.stringify({ ...checked.keepers, violations: checked.keepers.violations.length })}, ${automaticFailovers.length} automatic failovers, violations ${JSON.stringify(byInvariant)}`,
     );
     expect(grants.length, "the clients were granted leases").toBeGreaterThan(0);
     expect(writesAccepted, "the clients wrote to the guarded store").toBeGreaterThan(0);
@@ -813,6 +814,18 @@ describe.sequential("Leasehold on Patroni, etcd and HAProxy, faults under a chec
     ["S6", "monotonic fencing: per key, tokens strictly increase in grant order"],
     ["S7", "fenced writes: no accepted write carries a lower token than one accepted before it"],
     ["L2", "stop on loss: every run stopped its work before its last confirmed deadline"],
+    [
+      "K1",
+      "keepers: no keeper is renewed nor granted a lease after its end; no keeper run writes after its keeper's deadline unless paused",
+    ],
+    [
+      "K2",
+      "lock-delay: a key whose keeper lease expired is granted to no other run before the delay passed",
+    ],
+    [
+      "E1",
+      "one leader: per election, leadership intervals do not overlap and terms strictly increase",
+    ],
     ["audit", "every grant a client saw is in lease_events exactly once, with its token and time"],
     ["get", "reads: no Get shows a token older than one granted and answered before the Get began"],
     [

@@ -46,7 +46,7 @@ export function startWorker(
     index: config.client,
     child,
     counts: {},
-    operations: { acquire: 0, renew: 0, release: 0, write: 0, revoke: 0 },
+    operations: { acquire: 0, renew: 0, release: 0, write: 0, revoke: 0, keeper: 0, campaign: 0 },
     // "close", not "exit": only then has every line of its stdout been read.
     exited: once(child, "close").then(([code]) => code as number | null),
   };
@@ -63,7 +63,15 @@ export function startWorker(
   return worker;
 }
 
-const operationKinds: OperationKind[] = ["acquire", "renew", "release", "write", "revoke"];
+const operationKinds: OperationKind[] = [
+  "acquire",
+  "renew",
+  "release",
+  "write",
+  "revoke",
+  "keeper",
+  "campaign",
+];
 
 /** The clients' operations so far, by kind and in total. */
 export function operationsOf(workers: readonly Worker[]) {
