@@ -604,11 +604,13 @@ async function electionRun() {
   let resigning = false;
   leadership.signal.addEventListener("abort", () => {
     if (resigning) return;
+    // A term on a keeper ends at the keeper's deadline, which its heartbeats
+    // move (the lease keeps the deadline of its grant), as keeperRun reads it.
     lostNote = noteLost(
       key,
       leadership.runId,
       leadership.signal,
-      usOf(leadership.lease.expiresAt),
+      usOf(keeper ? keeper.state.expiresAt : leadership.lease.expiresAt),
       marginMs,
     );
   });
