@@ -124,10 +124,50 @@ describe("leasehold elect", () => {
     expect((await watch.exited).code).toBe(0);
   });
 
+  it("E1, K1: with --lock-delay it campaigns on a keeper of its own: the term's lease is on the keeper (its lock-delay set), resigned and the keeper closed when CMD ends", async () => {
+    const e = election("keeper");
+    const result = await runCli([
+      ...electOn(e),
+      ...["--value", "kept", "--ttl", "3s", "--lock-delay", "5s", "--"],
+      process.execPath,
+      "-e",
+      "console.log('term=' + process.env.LEASEHOLD_FENCING_TOKEN); process.exit(4)",
+    ]);
+    expect(result.code).toBe(4);
+    const rows = await db.sql<
+      {
+        fencingToken: bigint;
+        holder: string;
+        ended: string | null;
+        keeperEnded: string | null;
+        lockDelayMs: number;
+      }[]
+    >`
+      SELECT l.fencing_token, l.holder, l.ended, k.ended AS keeper_ended,
+        (extract(epoch FROM k.lock_delay) * 1000)::int AS lock_delay_ms
+      FROM leases l JOIN keepers k ON k.id = l.keeper_id
+      WHERE l.account_id = ${e.accountId} AND l.session_id = ${e.election}`;
+    expect(rows).toHaveLength(1);
+    const [row] = rows;
+    expect(result.stdout).toBe(`term=${row?.fencingToken}\n`);
+    expect(row?.holder).toBe("kept");
+    expect(row?.ended).toBe("released");
+    expect(row?.keeperEnded).toBe("closed");
+    expect(row?.lockDelayMs).toBe(5_000);
+  });
+
+  it("--observe with --keeper is refused, naming the flags", async () => {
+    const e = election("observe-keeper");
+    const result = await runCli([...electOn(e), "--observe", "--keeper"]);
+    expect(result.code).toBe(2);
+    expect(result.stderr).toContain("--observe campaigns on no keeper");
+  });
+
   it("--help describes the command and --observe", async () => {
     const result = await runCli(["elect", "--help"]);
     expect(result.code).toBe(0);
     expect(result.stdout).toContain("leasehold elect --observe");
     expect(result.stdout).toContain("LEASEHOLD_FENCING_TOKEN (the term)");
+    expect(result.stdout).toContain("--lock-delay DURATION");
   });
 });

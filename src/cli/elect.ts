@@ -6,6 +6,7 @@ import os from "node:os";
 import {
   campaign,
   type ElectionChange,
+  type Keeper,
   type Leader,
   type Leadership,
   NotAcquiredError,
@@ -27,7 +28,7 @@ import {
 } from "./common.js";
 import { checkSignal, forwardedSignals, SpawnError, superviseCommand } from "./supervise.js";
 
-export const electHelp = `Usage: leasehold elect --account A --election E [--value V] [--ttl 10s] [flags] -- CMD [ARGS...]
+export const electHelp = `Usage: leasehold elect --account A --election E [--value V] [--ttl 10s] [--keeper | --lock-delay 5s] [flags] -- CMD [ARGS...]
        leasehold elect --observe --account A --election E [--json] [flags]
 
 An election is a session of the account: its leader is the run that holds
@@ -49,6 +50,14 @@ With --timeout, gives up campaigning after that long, says who leads and
 exits 75 without running CMD. SIGINT, SIGTERM and SIGHUP end the campaign,
 or are passed on to CMD.
 
+With --keeper (or --lock-delay) the campaign runs on a keeper opened for
+this process (docs/keepers.md): the waiting Acquire and the leader's lease
+ride its stream and its heartbeat keeps the lease (TTL --ttl). The keeper
+lost while waiting ends the campaign; lost while leading, it ends the term.
+A lock-delay keeps the election from every other candidate for that long
+after the keeper expires (this process died or was cut off), not after a
+resignation.
+
 With --observe, prints the current leader, then one line per change (a new
 term, a proclaimed value, a term ended with no successor: resigned, expired,
 revoked) until interrupted; with --json one JSON object per line. It
@@ -65,6 +74,10 @@ ${flagHelp.ttl}
   --grace DURATION    time between SIGTERM and SIGKILL (default 10s)
   --on-handoff SIG    send CMD this signal (e.g. SIGUSR1) when someone asks the
                       leader to hand over; by default only a message is printed
+  --keeper            campaign on a keeper of its own (TTL --ttl)
+  --lock-delay DURATION
+                      the keeper's lock-delay (0 to the server's maximum,
+                      default 0); implies --keeper
   --observe           print every change of the leader instead of campaigning
   --verbose           report the term and stream reconnects on stderr
 
@@ -125,6 +138,8 @@ export function elect(argv: string[]): Promise<number> {
       timeout: { type: "string" },
       grace: { type: "string" },
       "on-handoff": { type: "string" },
+      keeper: { type: "boolean" },
+      "lock-delay": { type: "string" },
       observe: { type: "boolean" },
       verbose: { type: "boolean" },
     });
@@ -137,6 +152,11 @@ export function elect(argv: string[]): Promise<number> {
 
     if (values.observe === true) {
       if (command.length > 0) throw new UsageError("--observe runs no command");
+      if (values.keeper === true || values["lock-delay"] !== undefined) {
+        throw new UsageError(
+          "--observe campaigns on no keeper: leave out --keeper and --lock-delay",
+        );
+      }
       const client = clientFor(flags);
       const stop = new AbortController();
       const onSignal = () => stop.abort();
@@ -162,11 +182,15 @@ export function elect(argv: string[]): Promise<number> {
     const handoffSignal = checkSignal("on-handoff", values["on-handoff"]);
     const verbose = values.verbose === true;
     const value = values.value ?? [...os.hostname()].slice(0, 64).join("");
+    const lockDelayMs = durationFlag("lock-delay", values["lock-delay"], 0);
+    const onKeeper = values.keeper === true || values["lock-delay"] !== undefined;
 
     const client = clientFor(flags, (event) => {
       if (!verbose) return;
       if (event.type === "keepalive-failed") {
         say(`keep-alive stream to ${event.baseUrl} failed (${event.error.message}); reconnecting`);
+      } else if (event.type === "keeper-failed" && event.retryInMs !== undefined) {
+        say(`keeper stream to ${event.baseUrl} failed (${event.error.message}); re-attaching`);
       } else if (event.type === "release-failed") {
         say(`release failed (${event.error.message}); the term ends at its deadline`);
       }
@@ -179,11 +203,24 @@ export function elect(argv: string[]): Promise<number> {
     };
     for (const s of forwardedSignals) process.on(s, onSignal);
     let leadership: Leadership | undefined;
+    let keeper: Keeper | undefined;
     try {
+      if (onKeeper) {
+        keeper = await client.openKeeper({
+          accountId,
+          ttlMs: flags.ttlMs,
+          lockDelayMs,
+          holder: value,
+          signal: cancel.signal,
+        });
+        if (verbose) say(`keeper ${keeper.id} open (lock-delay ${lockDelayMs}ms)`);
+      }
       if (verbose) say(`campaigning in ${name} with value ${JSON.stringify(value)}`);
       leadership = await campaign(
         client,
-        { ...key, value, ttlMs: flags.ttlMs, timeoutMs },
+        keeper
+          ? { ...key, value, timeoutMs, keeper }
+          : { ...key, value, ttlMs: flags.ttlMs, timeoutMs },
         { signal: cancel.signal },
       );
       if (verbose) say(`leading ${name}, term ${leadership.term}`);
@@ -212,7 +249,9 @@ export function elect(argv: string[]): Promise<number> {
         say(
           current
             ? `${name} not won within ${values.timeout}: led by ${JSON.stringify(current.holder)} (term ${current.fencingToken})`
-            : `${name} not won: ${error.message}`,
+            : error.lockDelayUntil
+              ? `${name} is in its lock-delay until ${error.lockDelayUntil.toISOString()}`
+              : `${name} not won: ${error.message}`,
         );
         return ExitCode.held;
       }
@@ -229,6 +268,7 @@ export function elect(argv: string[]): Promise<number> {
       for (const s of forwardedSignals) process.off(s, onSignal);
       // Resigns (Release) unless leadership was lost: nothing is sent then.
       await leadership?.resign();
+      await keeper?.close();
       client.close();
     }
   });
