@@ -22,6 +22,7 @@ import { clientTlsOptions, createLeaseClient } from "../src/client/index.js";
 import { ConfigError } from "../src/config/settings.js";
 import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { LeaseService } from "../src/gen/leasehold/v1/lease_pb.js";
+import { createTlsCredentials } from "../src/host/tls-credentials.js";
 import { createLogger } from "../src/log/logger.js";
 import { parseServerConfig } from "../src/server/config/server-config.js";
 import type { RunningServer } from "../src/server/server.js";
@@ -568,6 +569,35 @@ describe("rotation", () => {
     }
     expect(cycles).toBeGreaterThan(0);
     expect(failures).toEqual([]);
+  });
+  it("a file rewritten between the start's read and the first check is still reloaded", async () => {
+    const file = path.join(certs.dir, "early-ca.pem");
+    writeFileSync(file, readFileSync(ca.certFile));
+    const lines: { msg?: string }[] = [];
+    const logger = createLogger({
+      level: "info",
+      destination: { write: (l: string) => void lines.push(JSON.parse(l) as { msg?: string }) },
+    });
+    const credentials = createTlsCredentials(
+      {
+        certFile: serverCert.certFile,
+        keyFile: serverCert.keyFile,
+        clients: { caFile: file, identityMapFile: identityMap, mode: "require" },
+      },
+      logger,
+    );
+    // Rewritten before anything looks at it: a change judged against the
+    // previous check instead of the read would never be seen.
+    writeFileSync(file, readFileSync(otherCa.certFile));
+    const stop = credentials.watch();
+    try {
+      await waitFor(() => lines.some((l) => l.msg?.startsWith("TLS files reloaded")), {
+        what: "the rewritten CA bundle to be reloaded",
+      });
+      expect(credentials.files().clientCa?.equals(readFileSync(file))).toBe(true);
+    } finally {
+      stop();
+    }
   });
   it("a half-written or empty CA bundle is not taken: the previous bundle stays in force", async () => {
     const { files, server, logged: count } = await serverOnLiveFiles("half");

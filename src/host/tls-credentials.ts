@@ -15,7 +15,7 @@
 // they were verified with, so a rotation loses no call and no stream.
 
 import { X509Certificate } from "node:crypto";
-import { readFileSync, type Stats, unwatchFile, watchFile } from "node:fs";
+import { readFileSync, statSync } from "node:fs";
 import type tls from "node:tls";
 import type { TlsConfig } from "../config/host-config.js";
 import type { Logger } from "../log/logger.js";
@@ -94,7 +94,24 @@ export function createTlsCredentials(config: TlsConfig, logger: Logger): TlsCred
     ["--identity-map", config.clients?.identityMapFile],
   ];
   const paths = named.flatMap(([, file]) => (file === undefined ? [] : [file]));
+  // What each file looked like when it was last read: a change is judged
+  // against it, not against the previous check, so a file rewritten between
+  // a read and the first check (a rotation during the start) is still seen.
+  let seen = "";
+  const signature = () =>
+    paths
+      .map((path) => {
+        try {
+          const { ino, size, mtimeMs, ctimeMs } = statSync(path);
+          return `${ino}:${size}:${mtimeMs}:${ctimeMs}`;
+        } catch {
+          return "missing";
+        }
+      })
+      .join("|");
   const read = (): TlsFiles => {
+    // Looked at before reading: a write after this is a change to the next check.
+    seen = signature();
     const file = (i: number) => {
       const [name, path] = named[i] as [string, string | undefined];
       if (path === undefined) return undefined;
@@ -139,18 +156,21 @@ export function createTlsCredentials(config: TlsConfig, logger: Logger): TlsCred
     },
     reload,
     watch: () => {
-      // One reload for a burst of changes (a rotation writes several files).
+      // One reload for a burst of changes (a rotation writes several files):
+      // it runs once the files have stayed as they are for 100 ms.
       let pending: NodeJS.Timeout | undefined;
-      const onChange = (current: Stats, previous: Stats) => {
-        if (current.mtimeMs === previous.mtimeMs && current.ino === previous.ino) return;
+      let last = seen;
+      const check = () => {
+        const now = signature();
+        if (now === seen || now === last) return;
+        last = now;
         clearTimeout(pending);
         pending = setTimeout(reload, 100);
         pending.unref();
       };
-      for (const path of paths) {
-        // Polled by path; the watcher keeps no process alive on its own.
-        watchFile(path, { interval: checkIntervalMs, persistent: false }, onChange);
-      }
+      // Looked at by path; the timer keeps no process alive on its own.
+      const checking = setInterval(check, checkIntervalMs);
+      checking.unref();
       const onHangup = () => {
         clearTimeout(pending);
         reload();
@@ -158,7 +178,7 @@ export function createTlsCredentials(config: TlsConfig, logger: Logger): TlsCred
       process.on("SIGHUP", onHangup);
       return () => {
         clearTimeout(pending);
-        for (const path of paths) unwatchFile(path, onChange);
+        clearInterval(checking);
         process.off("SIGHUP", onHangup);
       };
     },
