@@ -71,6 +71,9 @@ var (
 	// ErrKeeperClosed is the context.Cause of a keeper's Context after its
 	// own Close: the process ended it, nothing was lost.
 	ErrKeeperClosed = errors.New("leasehold: keeper closed by its process")
+	// ErrResigned is the context.Cause of a Leadership's Context after its
+	// own Resign: the leader ended its term, nothing was lost.
+	ErrResigned = errors.New("leasehold: leadership resigned")
 	// ErrKeeperNotHeld: the server says the keeper named has ended
 	// (FAILED_PRECONDITION, reason KEEPER_NOT_HELD); see *KeeperNotHeldError.
 	ErrKeeperNotHeld = errors.New("leasehold: keeper not held")

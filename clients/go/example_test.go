@@ -143,3 +143,61 @@ func ExampleClient_NewKeeper() {
 	// a lease: leasehold: lease released by its run
 	// held after Close: false
 }
+
+// Campaign waits until this candidate leads an election (a session key of
+// the account), then hands it a term: the grant's fencing token, and a
+// Context that ends before the database deadline when leadership is lost.
+// A second candidate is granted the moment the first resigns, with a
+// higher term.
+func ExampleClient_Campaign() {
+	ctx := context.Background()
+	client, err := leasehold.Dial(ctx, []string{shared.Addr}, leasehold.WithToken(token(time.Hour)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	election := leasehold.SessionKey{AccountID: account, SessionID: "example-scheduler-" + leasehold.NewRunID()}
+	o := leasehold.CampaignOptions{
+		TTL: 10 * time.Second,
+		// Called exactly once per term, whatever ended it.
+		OnStoppedLeading: func(term int64, why leasehold.StopReason) { fmt.Println("stopped leading:", why.Kind) },
+	}
+	first, err := client.Campaign(ctx, election, "replica-1", o)
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Lead under first.Context(); present first.Term() to fences
+	// (leasehold.WithLease(ctx, first.Lease()) with the interceptors).
+	if err := first.Proclaim(ctx, "replica-1, v2"); err != nil {
+		log.Fatal(err)
+	}
+	leader, err := client.Leader(ctx, election)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("leader:", leader.Value, "same term:", leader.Term == first.Term())
+
+	next := make(chan *leasehold.Leadership)
+	go func() {
+		second, err := client.Campaign(ctx, election, "replica-2", leasehold.CampaignOptions{TTL: 10 * time.Second})
+		if err != nil {
+			log.Fatal(err)
+		}
+		next <- second
+	}()
+	// The second candidate waits in line (or, arriving after the
+	// resignation, is granted at once).
+	if err := first.Resign(ctx); err != nil {
+		log.Fatal(err)
+	}
+	second := <-next
+	fmt.Println("next leader:", second.Value(), "higher term:", second.Term() > first.Term())
+	if err := second.Resign(ctx); err != nil {
+		log.Fatal(err)
+	}
+	// Output:
+	// leader: replica-1, v2 same term: true
+	// stopped leading: resigned
+	// next leader: replica-2 higher term: true
+}

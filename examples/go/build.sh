@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Go example worker on the Go client module (clients/go, through
 # the replace directive of go.mod) into examples/go/gen/bin/worker, the
-# binary test/polyglot/ runs. Dependencies come from the Go module proxy (or
+# binary test/polyglot/ runs, and the election example (election/) into
+# examples/go/gen/bin/election. Dependencies come from the Go module proxy (or
 # the module cache), checked against go.sum.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -12,6 +13,7 @@ if [ -n "$unformatted" ]; then
   echo "not gofmt'ed: $unformatted" >&2
   exit 1
 fi
-go vet .
+go vet ./...
 go build -o gen/bin/worker .
-echo "built ${here#"$root"/}/gen/bin/worker ($(go version | cut -d' ' -f3))"
+go build -o gen/bin/election ./election
+echo "built ${here#"$root"/}/gen/bin/worker and election ($(go version | cut -d' ' -f3))"

@@ -12,7 +12,9 @@ import (
 // connections open and to come; Cut closes every open connection (a cut
 // stream: the peer learns at once); DropAnswers swallows what the target
 // sends back; Delay holds each answer chunk for a while; DropNextRequest
-// resets the connection that carries the next call before the target sees it.
+// resets the connection that carries the next call before the target sees it;
+// Refuse cuts every connection and closes each new one at once (an
+// instance out of reach), until Admit.
 type Proxy struct {
 	Addr     string
 	target   string
@@ -27,6 +29,7 @@ type Proxy struct {
 	accepted int
 	dropped  int
 	closed   bool
+	refusing bool
 	wg       sync.WaitGroup
 
 	// Requests still to drop (DropNextRequest), and how many were.
@@ -68,6 +71,13 @@ func (p *Proxy) accept() {
 			return
 		}
 		p.accepted++
+		if p.refusing {
+			p.mu.Unlock()
+			resetOnClose(in)
+			in.Close()
+			out.Close()
+			continue
+		}
 		p.conns[in], p.conns[out] = struct{}{}, struct{}{}
 		p.mu.Unlock()
 		p.wg.Add(2)
@@ -214,6 +224,23 @@ func (p *Proxy) Cut() {
 	for _, c := range conns {
 		c.Close()
 	}
+}
+
+// Refuse cuts every open connection and, until Admit, closes every new one
+// as soon as it is accepted (counted in Accepted): the client's calls and
+// streams through the proxy fail at once.
+func (p *Proxy) Refuse() {
+	p.mu.Lock()
+	p.refusing = true
+	p.mu.Unlock()
+	p.Cut()
+}
+
+// Admit forwards new connections again after Refuse.
+func (p *Proxy) Admit() {
+	p.mu.Lock()
+	p.refusing = false
+	p.mu.Unlock()
 }
 
 // Close stops the proxy and its connections and waits for its goroutines.

@@ -99,12 +99,28 @@ func start(argv []string, extraEnv ...string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd.Stdout = io.Discard
+	// The JSON log (pino) goes to stdout: kept with stderr in Log.
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %v: %w", argv, err)
 	}
 	s := &Server{cmd: cmd, done: make(chan struct{})}
 	addr := make(chan string, 1)
+	logged := make(chan struct{})
+	go func() {
+		defer close(logged)
+		sc := bufio.NewScanner(stdout)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			s.mu.Lock()
+			s.log.WriteString(sc.Text() + "\n")
+			s.mu.Unlock()
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+	}()
 	go func() {
 		sc := bufio.NewScanner(stderr)
 		for sc.Scan() {
@@ -119,6 +135,7 @@ func start(argv []string, extraEnv ...string) (*Server, error) {
 				}
 			}
 		}
+		<-logged // Wait closes the pipes: every read of them first
 		_ = cmd.Wait()
 		close(s.done)
 	}()
@@ -176,6 +193,14 @@ func StartServer(tb testing.TB, args ...string) *Server {
 	return started(tb, s, err)
 }
 
+// StartDebugServer is StartServer logging at debug level, so that a test
+// can read in Log what the server did that no answer shows (a waiting
+// Acquire queued: "acquire waiting", with its session id).
+func StartDebugServer(tb testing.TB, args ...string) *Server {
+	s, err := start(serverArgs(args), "LEASEHOLD_LOG_LEVEL=debug")
+	return started(tb, s, err)
+}
+
 // StartGuarded runs `leasehold guarded serve` (monotonic mode) on the store
 // database, its fence confirmed by the lease server at leaseAddr.
 func StartGuarded(tb testing.TB, leaseAddr string, args ...string) *Server {
@@ -183,7 +208,7 @@ func StartGuarded(tb testing.TB, leaseAddr string, args ...string) *Server {
 	return started(tb, s, err)
 }
 
-// Log is what the server wrote on stderr.
+// Log is what the server wrote on stderr and stdout (its JSON log).
 func (s *Server) Log() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
