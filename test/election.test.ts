@@ -425,6 +425,29 @@ describe("campaign on a keeper", () => {
     expect(micros(won.lease.acquiredAt)).toBeLessThan(micros(holder.lease.expiresAt) - 50_000_000n);
     await won.resign();
   });
+  it("E1: a campaign on a keeper cancelled while waiting leaves no waiter (its run released on the stream); the keeper goes on", async () => {
+    const e = election("keeper-cancel");
+    const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });
+    const c = client();
+    const keeper = await c.openKeeper({ accountId, ttlMs: 30_000 });
+    const cancel = new AbortController();
+    const cancelled = campaign(
+      c,
+      { ...e, value: "cancelled", keeper },
+      { signal: cancel.signal },
+    ).catch((error: unknown) => error);
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting on its keeper" });
+    cancel.abort();
+    expect(await cancelled).toBeInstanceOf(CanceledError);
+    // Given up on the server at once, not when its wait (60 s) runs out.
+    await waitFor(() => waiting() === 0, { what: "no waiter left on the server" });
+    await holder.resign();
+    expect(await leader(client(), e)).toBeUndefined();
+    expect(keeper.signal.aborted).toBe(false);
+    const other = { accountId, sessionId: `other-${randomUUID()}` };
+    expect((await keeper.acquire({ key: other })).acquired).toBe(true);
+    await keeper.close();
+  });
   it("E1, K1: a waiting candidate whose keeper stalls aborts; the server refuses its stale waiter once the keeper expired, and the next candidate is granted at once", async () => {
     const e = election("keeper-waiter-stall");
     const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });

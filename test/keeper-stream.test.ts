@@ -182,6 +182,34 @@ for (const mode of ["native", "connect"] as const) {
       expect((await client.get({ key })).held).toBe(false);
     });
 
+    it("a release of a run whose acquire waits on the stream gives that acquire up (CANCELLED) and leaves no waiter; the next candidate is granted at once", async () => {
+      const accountId = account("give-up");
+      const { keep } = await opened(accountId, 30_000);
+      const key = { accountId, sessionId: "contended" };
+      const blocker = await client.acquire({ key, ttl: ms(30_000) });
+      if (!blocker.lease) throw new Error("blocker not acquired");
+      const runId = randomUUID();
+      keep.send({ id: 9n, op: { case: "acquire", value: { key, runId, wait: ms(60_000) } } });
+      await waitFor(() => server.streaming.waiters.stats.waiting === 1, {
+        what: "the acquire waiting",
+      });
+      const released = await ask(keep, { case: "release", value: { key, runId } });
+      expect(released.result.case === "release" && released.result.value.released).toBe(false);
+      expect(errorOf(await keep.answer(9n)).code).toBe(Code.Canceled);
+      expect(server.streaming.waiters.stats.waiting).toBe(0);
+      // Nothing of the given-up run is left to be granted: the blocker's
+      // release lets the next run in, and the stream goes on.
+      await client.release({ key, runId: blocker.lease.runId });
+      const next = await client.acquire({ key, ttl: ms(5_000) });
+      expect(next.acquired).toBe(true);
+      const beat = await ask(keep, { case: "heartbeat", value: {} });
+      expect(beat.result.case).toBe("keeper");
+      const events = await db.sql<{ runId: string }[]>`
+        SELECT run_id FROM lease_events
+        WHERE account_id = ${accountId} AND session_id = ${key.sessionId} AND type = 'acquired'`;
+      expect(events.map((e) => e.runId)).not.toContain(runId);
+    });
+
     it("answers by id in any order: an acquire waiting on a held key does not hold up the heartbeat behind it", async () => {
       const accountId = account("order");
       const { keep } = await opened(accountId, 30_000);

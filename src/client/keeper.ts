@@ -141,7 +141,8 @@ export interface Keeper {
    * answer: `acquired = false` with the blocking lease in `current`, or
    * `lockDelayUntil` when a lock-delay refused it. The lease then lives as
    * long as the keeper, until `release` (or `close`); `onLeaseLost` tells of
-   * an admin Revoke of it. Cancelled by `options.signal`: a grant that
+   * an admin Revoke of it. Cancelled by `options.signal`: a waiting acquire
+   * is given up on the server too (a release of its run), and a grant that
    * arrives after that is released.
    */
   acquire(request: KeeperAcquireInit, options?: { signal?: AbortSignal }): Promise<AcquireResponse>;
@@ -365,6 +366,10 @@ class KeeperSession implements Keeper {
       let abandoned = false;
       const onAbort = () => {
         abandoned = true;
+        // A waiting acquire stays queued on the server until its wait runs
+        // out; a release of its run gives it up there (and ends a grant that
+        // raced the cancel), so a cancelled candidate leaves no waiter.
+        if (waitMs > 0) void this.release({ key, runId }).catch(() => {});
         reject(new CanceledError("the acquire was cancelled", Code.Canceled));
       };
       signal?.addEventListener("abort", onAbort, { once: true });

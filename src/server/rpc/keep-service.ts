@@ -60,6 +60,7 @@ import {
 import { keyString, type LeaseChange, runKey } from "../../lease/lease-change.js";
 import { formatDuration, type Limits } from "../../lease/limits.js";
 import type {
+  AcquireInput,
   KeeperEnd,
   KeeperLease,
   KeeperRecord,
@@ -245,6 +246,11 @@ export class KeepSession {
   private readonly inFlight = new Set<bigint>();
   /** Aborts the stream's waiting acquires when the stream or its keeper ends. */
   private readonly ops = new AbortController();
+  /**
+   * The waiting acquires of this stream by run key: a release of the same
+   * run gives them up (a candidate that stopped waiting leaves no waiter).
+   */
+  private readonly waiting = new Map<string, Set<AbortController>>();
   private queue: KeepResponse[] = [];
   private outlet: Outlet<KeepResponse> | undefined;
   private blocked = false;
@@ -620,7 +626,7 @@ export class KeepSession {
     const waiters = this.deps.waiters;
     const result =
       waiters && waitMs > 0
-        ? await waiters.acquire(input, waitMs, this.ops.signal)
+        ? await this.waitFor(input, waitMs, waiters)
         : await this.deps.store.acquire(input);
     if (result.acquired) this.follow(result.lease);
     return create(KeepResponseSchema, {
@@ -632,6 +638,37 @@ export class KeepSession {
     });
   }
 
+  /**
+   * A waiting acquire, given up when the stream or keeper ends or when a
+   * release of the same run arrives; a grant made as it was given up is
+   * ended again (by the waiters, or here when the first attempt made it).
+   */
+  private async waitFor(input: AcquireInput, waitMs: number, waiters: Waiters) {
+    const rk = runKey(input, input.runId);
+    const own = new AbortController();
+    let set = this.waiting.get(rk);
+    if (!set) {
+      set = new Set();
+      this.waiting.set(rk, set);
+    }
+    set.add(own);
+    try {
+      const result = await waiters.acquire(
+        input,
+        waitMs,
+        AbortSignal.any([this.ops.signal, own.signal]),
+      );
+      if (result.acquired && own.signal.aborted) {
+        await this.deps.store.release(input, input.runId);
+        throw own.signal.reason;
+      }
+      return result;
+    } finally {
+      set.delete(own);
+      if (set.size === 0 && this.waiting.get(rk) === set) this.waiting.delete(rk);
+    }
+  }
+
   private async release(
     id: bigint,
     keeper: KeeperRecord,
@@ -639,6 +676,14 @@ export class KeepSession {
   ): Promise<KeepResponse> {
     const key = this.keyOf("release", r.key, keeper);
     const runId = checkRunId("release.run_id", r.runId);
+    for (const given of this.waiting.get(runKey(key, runId)) ?? []) {
+      given.abort(
+        new ConnectError(
+          "the acquire was given up: its run was released while it waited",
+          Code.Canceled,
+        ),
+      );
+    }
     // Not followed from here: this stream's own release is no loss to report.
     this.unfollow(key, runId);
     const ended = await this.deps.store.release(key, runId);
