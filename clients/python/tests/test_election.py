@@ -1183,18 +1183,23 @@ def test_e1_k1_the_leaders_lease_is_on_the_keeper_proclaim_keeps_the_term_there_
     assert [(t, r.kind) for t, r in calls] == [(leadership.term, "lost")]
 
 
-def test_e1_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(
+def keeper_candidate_lost(
     eserver: Server,
     admin: LeaseClient,
     token: Callable[..., str],
     clients: Clients,
     proxies: Proxies,
     pool: ThreadPoolExecutor,
+    name: str,
+    *,
+    stalled_until: str | None = None,
 ) -> None:
-    """E1: the keeper's connections are reset and refused: the keeper is lost
-    at its local deadline, the campaign raises LeaseLostError, and the
-    server dropped the waiter with the Keep stream."""
-    name = election("keeper-waiter")
+    """A candidate waits on a keeper whose every route is then dropped (reset
+    and refused) or, given the database's URL in ``stalled_until``, stalled
+    (the server sees nothing, and the test waits on the database clock until
+    the keeper's deadline has passed). The keeper is lost at its local
+    deadline and the campaign raises LeaseLostError; nothing is left that
+    can be granted."""
     direct = clients(eserver.address, token=token())
     holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
     holder.__enter__()
@@ -1203,10 +1208,30 @@ def test_e1_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candid
     with client.keeper(ACCOUNT, ttl=1.5) as k:
         campaigning = pool.submit(client.campaign(ACCOUNT, name, value="lost", keeper=k).__enter__)
         wait_for("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
-        proxy.drop()
+        if stalled_until is None:
+            proxy.drop()
+        else:
+            proxy.stall()
         with pytest.raises(LeaseLostError):
             campaigning.result(timeout=20)
+        if stalled_until is not None:
+            sleep_until_keeper_expired(stalled_until, k.keeper_id)
     next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
+    proxy.pass_()
+
+
+def test_e1_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """E1: the keeper's connections are reset and refused; the server
+    dropped the waiter with the Keep stream."""
+    name = election("keeper-waiter")
+    keeper_candidate_lost(eserver, admin, token, clients, proxies, pool, name)
 
 
 def test_e1_k1_a_waiting_candidate_whose_keeper_stalls_aborts_and_the_server_refuses_its_stale_waiter_once_the_keeper_expired(  # noqa: E501
@@ -1218,26 +1243,14 @@ def test_e1_k1_a_waiting_candidate_whose_keeper_stalls_aborts_and_the_server_ref
     proxies: Proxies,
     pool: ThreadPoolExecutor,
 ) -> None:
-    """E1, K1: the keeper's stream stalls (the server sees nothing): the
-    campaign raises LeaseLostError at the keeper's local deadline. The
-    waiter stays queued on the server until the keeper's deadline passes on
-    the database clock, and is never granted after it: the next candidate
-    leads the moment the leader resigns."""
+    """E1, K1: the keeper's stream stalls: the waiter stays queued on the
+    server until the keeper's deadline passes on the database clock, and is
+    never granted after it: the next candidate leads the moment the leader
+    resigns."""
     name = election("keeper-waiter-stall")
-    direct = clients(eserver.address, token=token())
-    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
-    holder.__enter__()
-    proxy = proxies(eserver.address)
-    client = clients(proxy.address, token=token())
-    with client.keeper(ACCOUNT, ttl=1.5) as k:
-        campaigning = pool.submit(client.campaign(ACCOUNT, name, value="lost", keeper=k).__enter__)
-        wait_for("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
-        proxy.stall()
-        with pytest.raises(LeaseLostError):
-            campaigning.result(timeout=20)
-        sleep_until_keeper_expired(database_url, k.keeper_id)
-    next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
-    proxy.pass_()
+    keeper_candidate_lost(
+        eserver, admin, token, clients, proxies, pool, name, stalled_until=database_url
+    )
 
 
 async def test_e1_k1_async_the_leaders_lease_is_on_the_keeper_proclaim_keeps_the_term_there_and_the_keepers_stall_ends_the_term_once(  # noqa: E501
@@ -1273,14 +1286,17 @@ async def test_e1_k1_async_the_leaders_lease_is_on_the_keeper_proclaim_keeps_the
     assert [(t, r.kind) for t, r in calls] == [(leadership.term, "lost")]
 
 
-async def test_e1_async_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501
+async def keeper_candidate_lost_async(
     eserver: Server,
     admin: LeaseClient,
     token: Callable[..., str],
     aclients: AsyncClients,
     proxies: Proxies,
+    name: str,
+    *,
+    stalled_until: str | None = None,
 ) -> None:
-    name = election("akeeper-waiter")
+    """``keeper_candidate_lost`` with the asyncio client."""
     direct = aclients(eserver.address, token=token())
     holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
     await holder.__aenter__()
@@ -1291,10 +1307,27 @@ async def test_e1_async_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leav
             client.campaign(ACCOUNT, name, value="lost", keeper=k).__aenter__()
         )
         await until("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
-        proxy.drop()
+        if stalled_until is None:
+            proxy.drop()
+        else:
+            proxy.stall()
         with pytest.raises(LeaseLostError):
             await asyncio.wait_for(campaigning, 20)
+        if stalled_until is not None:
+            await asyncio.to_thread(sleep_until_keeper_expired, stalled_until, k.keeper_id)
     await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
+    proxy.pass_()
+
+
+async def test_e1_async_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    name = election("akeeper-waiter")
+    await keeper_candidate_lost_async(eserver, admin, token, aclients, proxies, name)
 
 
 async def test_e1_k1_async_a_waiting_candidate_whose_keeper_stalls_aborts_and_the_server_refuses_its_stale_waiter_once_the_keeper_expired(  # noqa: E501
@@ -1306,22 +1339,9 @@ async def test_e1_k1_async_a_waiting_candidate_whose_keeper_stalls_aborts_and_th
     proxies: Proxies,
 ) -> None:
     name = election("akeeper-waiter-stall")
-    direct = aclients(eserver.address, token=token())
-    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
-    await holder.__aenter__()
-    proxy = proxies(eserver.address)
-    client = aclients(proxy.address, token=token())
-    async with client.keeper(ACCOUNT, ttl=1.5) as k:
-        campaigning = asyncio.ensure_future(
-            client.campaign(ACCOUNT, name, value="lost", keeper=k).__aenter__()
-        )
-        await until("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
-        proxy.stall()
-        with pytest.raises(LeaseLostError):
-            await asyncio.wait_for(campaigning, 20)
-        await asyncio.to_thread(sleep_until_keeper_expired, database_url, k.keeper_id)
-    await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
-    proxy.pass_()
+    await keeper_candidate_lost_async(
+        eserver, admin, token, aclients, proxies, name, stalled_until=database_url
+    )
 
 
 def test_a_campaign_refuses_bad_settings_naming_them(

@@ -304,6 +304,10 @@ class BaseClient(Generic[HoldT, KeeperT, LeadershipT, ObserverT]):
         """The public method of an ``rpc``: sends the call ``describe`` makes."""
         raise NotImplementedError
 
+    def _stub(self, address: str) -> Any:
+        """The LeaseService stub of ``address`` (``grpc``'s, or ``grpc.aio``'s)."""
+        raise NotImplementedError
+
     def _make_channel(self, address: str, *, fresh: bool = False) -> Any:
         """A channel to ``address`` (``grpc``'s, or ``grpc.aio``'s)."""
         raise NotImplementedError
@@ -496,8 +500,22 @@ class BaseClient(Generic[HoldT, KeeperT, LeadershipT, ObserverT]):
         request = lease_pb2.GetRequest(key=SessionKey(account_id, election).to_proto())
         return Call("Get", lambda stub: stub.Get, request, leader_result, _limit(timeout))
 
-    def _watch_request(self, key: SessionKey, include_renewals: bool) -> lease_pb2.WatchRequest:
-        return lease_pb2.WatchRequest(key=as_key(key).to_proto(), include_renewals=include_renewals)
+    def _open_watch(
+        self,
+        key: SessionKey,
+        *,
+        include_renewals: bool,
+        timeout: timedelta | float | None = None,
+    ) -> Any:
+        """A Watch call to the instance that answered last (``grpc``'s can
+        be cancelled from any thread, ``grpc.aio``'s from the event loop)."""
+        request = lease_pb2.WatchRequest(
+            key=as_key(key).to_proto(), include_renewals=include_renewals
+        )
+        stub: Any = self._stub(self.addresses[self._preferred])
+        return stub.Watch(
+            request, timeout=seconds("timeout", timeout), metadata=self._auth.metadata()
+        )
 
     # Holding a lease
 

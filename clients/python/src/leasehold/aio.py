@@ -65,7 +65,6 @@ from .types import (
     ReleaseFailure,
     SessionKey,
     Snapshot,
-    seconds,
     watch_item,
 )
 
@@ -676,19 +675,6 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, Async
             raise from_rpc_error(e) from e
         finally:
             call.cancel()
-
-    def _open_watch(
-        self,
-        key: SessionKey,
-        *,
-        include_renewals: bool,
-        timeout: timedelta | float | None = None,
-    ) -> Any:
-        """A Watch call to the instance that answered last."""
-        request = self._watch_request(key, include_renewals)
-        stub: Any = self._stub(self.addresses[self._preferred])
-        timeout_s = seconds("timeout", timeout)
-        return stub.Watch(request, timeout=timeout_s, metadata=self._auth.metadata())
 
     async def keep_alive(
         self, requests: AsyncIterator[lease_pb2.KeepAliveRequest]

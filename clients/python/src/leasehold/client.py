@@ -64,7 +64,6 @@ from .types import (
     ReleaseFailure,
     SessionKey,
     Snapshot,
-    seconds,
     watch_item,
 )
 
@@ -777,20 +776,6 @@ class LeaseClient(BaseClient[Hold, Keeper, Leadership, ElectionObserver]):
             raise from_rpc_error(e) from e
         finally:
             call.cancel()
-
-    def _open_watch(
-        self,
-        key: SessionKey,
-        *,
-        include_renewals: bool,
-        timeout: timedelta | float | None = None,
-    ) -> Any:
-        """A Watch call to the instance that answered last (cancellable from any thread)."""
-        return self._stub(self.addresses[self._preferred]).Watch(
-            self._watch_request(key, include_renewals),
-            timeout=seconds("timeout", timeout),
-            metadata=self._auth.metadata(),
-        )
 
     def keep_alive(
         self, requests: Iterable[lease_pb2.KeepAliveRequest]
