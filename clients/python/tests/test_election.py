@@ -260,6 +260,55 @@ async def test_e1_async_candidates_waiting_on_one_instance_lead_in_their_arrival
     assert order == ["b", "c", "d"]
 
 
+def test_e1_a_campaign_asks_again_with_the_same_run_id_whenever_one_wait_runs_out(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """E1: one waiting Acquire is bounded (the server's --max-wait; here a
+    0.2 s ``wait_chunk``): the campaign asks again, with the same run id,
+    until the leader resigns, and then leads."""
+    name = election("chunks")
+    holder = clients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="holder", ttl=LONG
+    )
+    holder.__enter__()
+    patient = clients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="patient", ttl=LONG, wait_chunk=0.2
+    )
+    campaigning = pool.submit(patient.__enter__)
+    wait_for("three waits, one after another", lambda: waiting(eserver, name) >= 3)
+    holder.resign()
+    won = campaigning.result(timeout=5)
+    assert won.run_id == patient.run_id and won.term > holder.term
+    # One grant to the candidate, after the holder's: no wait left anything.
+    events = admin.history(won.key).events
+    grantees = [e.run_id for e in reversed(events) if e.type == "ACQUIRED"]
+    assert grantees == [holder.run_id, patient.run_id]
+    won.resign()
+
+
+async def test_e1_async_a_campaign_asks_again_with_the_same_run_id_whenever_one_wait_runs_out(
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    name = election("achunks")
+    holder = aclients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="holder", ttl=LONG
+    )
+    await holder.__aenter__()
+    patient = aclients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="patient", ttl=LONG, wait_chunk=0.2
+    )
+    campaigning = asyncio.ensure_future(patient.__aenter__())
+    await until("three waits, one after another", lambda: waiting(eserver, name) >= 3)
+    await holder.resign()
+    won = await asyncio.wait_for(campaigning, 5)
+    assert won.run_id == patient.run_id and won.term > holder.term
+    await won.resign()
+
+
 # Election: the leader's stream stalled stops leading before the next one is
 # granted; the new term passes a fence that then refuses the old term
 
