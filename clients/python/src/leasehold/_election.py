@@ -461,12 +461,17 @@ class BaseLeadership(Generic[HoldT]):
         own: KeeperLease | None = getattr(hold, "_lease", None)
 
         def answered(answer: Any) -> None:
-            if isinstance(answer, KeeperLease) and answer.lease.fencing_token == self.term:
+            if (
+                isinstance(answer, KeeperLease)
+                and answer.lease.fencing_token == self.term
+                and own is not None
+                and not own.ended
+                and own.loss is None
+            ):
                 # The keeper registered the answer as a lease of its own:
                 # the hold's lease stays the one the keeper tells of a loss.
-                if own is not None and not own.ended and own.loss is None:
-                    keeper.leases[own.id] = own
-                    own.lease = answer.lease
+                keeper.leases[own.id] = own
+                own.lease = answer.lease
                 answer = AcquireResult(True, lease_from(answer.lease), None, None)
             done(answer)
 
@@ -479,7 +484,8 @@ class BaseLeadership(Generic[HoldT]):
         new value; returns how to release a grant that came with another
         token (the term had ended and the same run id was granted afresh:
         on a keeper, a function; else the Release to send), for the caller
-        to do before it raises ``_term_over()``."""
+        to do before it raises (``check()``'s LeaseLostError, else
+        ``_term_over()``)."""
         if isinstance(answer, LeaseholdError):
             raise answer
         if isinstance(answer, KeeperLease):

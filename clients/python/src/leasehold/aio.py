@@ -439,6 +439,7 @@ class AsyncLeadership(BaseLeadership[AsyncHold]):
         elif release is not None:
             release()
         if release is not None:
+            self.check()
             raise self._term_over()
 
     async def resign(self) -> None:

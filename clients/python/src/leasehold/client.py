@@ -553,6 +553,7 @@ class Leadership(BaseLeadership[Hold]):
         elif release is not None:
             release()
         if release is not None:
+            self.check()
             raise self._term_over()
 
     def resign(self) -> None:
