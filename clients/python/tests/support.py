@@ -55,18 +55,32 @@ def jwt(secret: str, account: str, *, expires_in: float = 600, scope: str | None
 
 
 class Server:
-    """A `leasehold` server command as its own process, on port 0."""
+    """A `leasehold` server command as its own process, on port 0.
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+    ``waiters``: its log is read at debug level, and every waiting Acquire it
+    queues is counted per session (``waiting_acquires``), as the server's
+    waiters log them ("acquire waiting")."""
+
+    def __init__(
+        self, argv: list[str], env: dict[str, str] | None = None, *, waiters: bool = False
+    ) -> None:
         self.argv = argv
+        self._queued: dict[tuple[str, str], int] = {}
+        self._queued_lock = threading.Lock()
         self.process = subprocess.Popen(
             [NODE, str(CLI), *argv],
             cwd=ROOT,
-            env={**os.environ, "LEASEHOLD_LOG_LEVEL": "warn", **(env or {})},
+            env={
+                **os.environ,
+                "LEASEHOLD_LOG_LEVEL": "debug" if waiters else "warn",
+                **(env or {}),
+            },
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if waiters else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
+        if waiters:
+            threading.Thread(target=self._read_log, daemon=True).start()
         assert self.process.stderr is not None
         seen = b""
         deadline = time.monotonic() + 60
@@ -89,6 +103,25 @@ class Server:
         for _ in self.process.stderr:
             pass
 
+    def _read_log(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if b"acquire waiting" not in line:
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("msg") == "acquire waiting":
+                with self._queued_lock:
+                    k = (str(entry.get("accountId")), str(entry.get("sessionId")))
+                    self._queued[k] = self._queued.get(k, 0) + 1
+
+    def waiting_acquires(self, account_id: str, session_id: str) -> int:
+        """Waiting Acquires of the session this server has queued so far."""
+        with self._queued_lock:
+            return self._queued.get((account_id, session_id), 0)
+
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
@@ -103,7 +136,7 @@ class Server:
                 self.process.wait()
 
 
-def lease_server(database_url: str, secret: str, *args: str) -> Server:
+def lease_server(database_url: str, secret: str, *args: str, waiters: bool = False) -> Server:
     return Server(
         [
             "serve",
@@ -118,6 +151,7 @@ def lease_server(database_url: str, secret: str, *args: str) -> Server:
             *args,
         ],
         {"LEASEHOLD_JWT_SECRET": secret},
+        waiters=waiters,
     )
 
 

@@ -11,13 +11,17 @@ from typing import Any
 import pytest
 
 from leasehold import (
+    AsyncElectionObserver,
     AsyncHold,
     AsyncKeeper,
     AsyncKeeperHold,
+    AsyncLeadership,
     AsyncLeaseClient,
+    ElectionObserver,
     Hold,
     Keeper,
     KeeperHold,
+    Leadership,
     LeaseClient,
     SessionKey,
 )
@@ -51,6 +55,8 @@ def pairs() -> list[tuple[str, type[Any], type[Any]]]:
         ("hold", Hold, AsyncHold),
         ("keeper", Keeper, AsyncKeeper),
         ("keeper hold", KeeperHold, AsyncKeeperHold),
+        ("leadership", Leadership, AsyncLeadership),
+        ("election observer", ElectionObserver, AsyncElectionObserver),
     ]
 
 
@@ -70,6 +76,10 @@ def instances() -> dict[type[Any], object]:
         AsyncKeeper: akeeper,
         KeeperHold: keeper.hold(SessionKey("acct", "parity")),
         AsyncKeeperHold: akeeper.hold(SessionKey("acct", "parity")),
+        Leadership: client.campaign("acct", "parity", value="v"),
+        AsyncLeadership: aclient.campaign("acct", "parity", value="v"),
+        ElectionObserver: client.observe("acct", "parity"),
+        AsyncElectionObserver: aclient.observe("acct", "parity"),
     }
 
 

@@ -3,10 +3,18 @@ lost, fence every write. See clients/python/README.md and docs/clients.md."""
 
 from ._client import HoldOptions
 from ._core import KeepAliveEvent
+from ._election import CampaignOptions
 from ._metadata import ACCOUNT_ID_HEADER, FENCING_TOKEN_HEADER, SESSION_ID_HEADER
 from ._tls import ClientTls
-from .aio import AsyncHold, AsyncKeeper, AsyncKeeperHold, AsyncLeaseClient
-from .client import Hold, Keeper, KeeperHold, LeaseClient
+from .aio import (
+    AsyncElectionObserver,
+    AsyncHold,
+    AsyncKeeper,
+    AsyncKeeperHold,
+    AsyncLeadership,
+    AsyncLeaseClient,
+)
+from .client import ElectionObserver, Hold, Keeper, KeeperHold, Leadership, LeaseClient
 from .errors import (
     CanceledError,
     DeadlineExceededError,
@@ -26,11 +34,13 @@ from .errors import (
 from .types import (
     AcquireResult,
     CheckFenceResult,
+    ElectionChange,
     Event,
     GetResult,
     HandoffRequest,
     HandoffResult,
     HistoryResult,
+    Leader,
     Lease,
     ListResult,
     ReleaseFailure,
@@ -38,6 +48,7 @@ from .types import (
     RevokeResult,
     SessionKey,
     Snapshot,
+    StopReason,
 )
 
 __all__ = [
@@ -45,14 +56,19 @@ __all__ = [
     "FENCING_TOKEN_HEADER",
     "SESSION_ID_HEADER",
     "AcquireResult",
+    "AsyncElectionObserver",
     "AsyncHold",
     "AsyncKeeper",
     "AsyncKeeperHold",
+    "AsyncLeadership",
     "AsyncLeaseClient",
+    "CampaignOptions",
     "CanceledError",
     "CheckFenceResult",
     "ClientTls",
     "DeadlineExceededError",
+    "ElectionChange",
+    "ElectionObserver",
     "Event",
     "GetResult",
     "HandoffRequest",
@@ -65,6 +81,8 @@ __all__ = [
     "Keeper",
     "KeeperHold",
     "LateGrantError",
+    "Leader",
+    "Leadership",
     "Lease",
     "LeaseClient",
     "LeaseLostError",
@@ -80,6 +98,7 @@ __all__ = [
     "SessionKey",
     "Snapshot",
     "StaleFencingTokenError",
+    "StopReason",
     "UnauthenticatedError",
     "UnavailableError",
     "from_rpc_error",

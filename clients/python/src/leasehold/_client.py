@@ -87,9 +87,10 @@ from .types import (
 )
 
 if TYPE_CHECKING:
+    from ._election import BaseLeadership, BaseObserver
     from .aio import AsyncLeaseClient
     from .client import LeaseClient
-    from .types import AcquireResult
+    from .types import AcquireResult, Leader, StopReason
 
 log = logging.getLogger("leasehold")
 
@@ -107,6 +108,8 @@ P = ParamSpec("P")
 HoldT = TypeVar("HoldT", bound="BaseHold")
 KeeperT = TypeVar("KeeperT", bound="BaseKeeper[Any]")
 KeeperHoldT = TypeVar("KeeperHoldT", bound="BaseKeeperHold")
+LeadershipT = TypeVar("LeadershipT", bound="BaseLeadership[Any]")
+ObserverT = TypeVar("ObserverT", bound="BaseObserver")
 
 
 class HoldOptions(TypedDict, total=False):
@@ -206,7 +209,7 @@ class rpc(Generic[P, Result]):
         self.__doc__ = describe.__doc__
         self.__name__ = describe.__name__
 
-        def unbound(client: BaseClient[Any, Any], *args: Any, **kwargs: Any) -> Any:
+        def unbound(client: BaseClient[Any, Any, Any, Any], *args: Any, **kwargs: Any) -> Any:
             return client._bind(describe)(*args, **kwargs)
 
         # Read on the class (help(), inspect), an unbound method's parameters.
@@ -223,7 +226,7 @@ class rpc(Generic[P, Result]):
         self, client: AsyncLeaseClient, owner: type[Any]
     ) -> Callable[P, Coroutine[Any, Any, Result]]: ...
 
-    def __get__(self, client: BaseClient[Any, Any] | None, owner: type[Any]) -> Any:
+    def __get__(self, client: BaseClient[Any, Any, Any, Any] | None, owner: type[Any]) -> Any:
         if client is None:
             return self._unbound
         signature = inspect.signature(functools.partial(self.describe, client))
@@ -243,11 +246,13 @@ def _presented(
     return method
 
 
-class BaseClient(Generic[HoldT, KeeperT]):
+class BaseClient(Generic[HoldT, KeeperT, LeadershipT, ObserverT]):
     """The no-I/O half of ``LeaseClient`` and ``AsyncLeaseClient``."""
 
     _hold_type: type[HoldT]
     _keeper_type: type[KeeperT]
+    _leadership_type: type[LeadershipT]
+    _observer_type: type[ObserverT]
 
     def __init__(
         self,
@@ -297,6 +302,10 @@ class BaseClient(Generic[HoldT, KeeperT]):
 
     def _bind(self, describe: Callable[..., Call[Any, Any, Any]]) -> Callable[..., Any]:
         """The public method of an ``rpc``: sends the call ``describe`` makes."""
+        raise NotImplementedError
+
+    def _stub(self, address: str) -> Any:
+        """The LeaseService stub of ``address`` (``grpc``'s, or ``grpc.aio``'s)."""
         raise NotImplementedError
 
     def _make_channel(self, address: str, *, fresh: bool = False) -> Any:
@@ -480,8 +489,33 @@ class BaseClient(Generic[HoldT, KeeperT]):
             _limit(timeout),
         )
 
-    def _watch_request(self, key: SessionKey, include_renewals: bool) -> lease_pb2.WatchRequest:
-        return lease_pb2.WatchRequest(key=as_key(key).to_proto(), include_renewals=include_renewals)
+    @rpc
+    def leader(
+        self, account_id: str, election: str, *, timeout: timedelta | float | None = None
+    ) -> Call[lease_pb2.GetRequest, lease_pb2.GetResponse, Leader | None]:
+        """The current leader of an election (value, term, run id), or None
+        when nobody leads (a Get of the election's session)."""
+        from ._election import leader_result
+
+        request = lease_pb2.GetRequest(key=SessionKey(account_id, election).to_proto())
+        return Call("Get", lambda stub: stub.Get, request, leader_result, _limit(timeout))
+
+    def _open_watch(
+        self,
+        key: SessionKey,
+        *,
+        include_renewals: bool,
+        timeout: timedelta | float | None = None,
+    ) -> Any:
+        """A Watch call to the instance that answered last (``grpc``'s can
+        be cancelled from any thread, ``grpc.aio``'s from the event loop)."""
+        request = lease_pb2.WatchRequest(
+            key=as_key(key).to_proto(), include_renewals=include_renewals
+        )
+        stub: Any = self._stub(self.addresses[self._preferred])
+        return stub.Watch(
+            request, timeout=seconds("timeout", timeout), metadata=self._auth.metadata()
+        )
 
     # Holding a lease
 
@@ -540,6 +574,68 @@ class BaseClient(Generic[HoldT, KeeperT]):
             normalize_run_id(keeper_id),
         )
 
+    # Leader election (E1)
+
+    def campaign(
+        self,
+        account_id: str,
+        election: str,
+        *,
+        value: str,
+        ttl: timedelta | float | None = None,
+        safety_margin: timedelta | float | None = None,
+        renew_interval: timedelta | float | None = None,
+        keeper: KeeperT | None = None,
+        timeout: timedelta | float | None = None,
+        wait_chunk: timedelta | float = 60.0,
+        on_started_leading: Callable[[int], None] | None = None,
+        on_stopped_leading: Callable[[int, StopReason], None] | None = None,
+    ) -> LeadershipT:
+        """A campaign for a ``with`` block (``async with`` for the asyncio
+        client): entering waits (FIFO on the server) until this candidate
+        leads the election ``SessionKey(account_id, election)``; leaving
+        resigns. ``value`` (at most 64 characters) is advertised as the
+        lease's holder label. ``ttl`` (default 10 s), ``safety_margin`` and
+        ``renew_interval`` are the leader's lease's, as ``hold()`` takes
+        them; on a ``keeper`` the keeper's apply instead (leave them out).
+        ``timeout``: give up after this long (NotAcquiredError naming the
+        leader); default never. ``wait_chunk``: the longest single waiting
+        Acquire (keep it at or below the server's ``--max-wait``); the
+        campaign asks again, with the same run id, when one runs out.
+        ``on_started_leading(term)`` is called before entering returns;
+        ``on_stopped_leading(term, reason)`` exactly once per term, whatever
+        ended it. See :class:`Leadership`."""
+        return self._leadership_type(
+            self,
+            account_id,
+            election,
+            value=value,
+            ttl=ttl,
+            safety_margin=safety_margin,
+            renew_interval=renew_interval,
+            keeper=keeper,
+            timeout=timeout,
+            wait_chunk=wait_chunk,
+            run_id=normalize_run_id(None),
+            on_started_leading=on_started_leading,
+            on_stopped_leading=on_stopped_leading,
+        )
+
+    def observe(
+        self, account_id: str, election: str, *, reconnect_delay: timedelta | float = 0.1
+    ) -> ObserverT:
+        """The changes of an election, to iterate (``async for`` for the
+        asyncio client): the current leader first, then every change in
+        order (``ElectionChange``: elected, proclaimed, ended), without gaps
+        across a reconnect or a failover to another instance, until
+        ``close()`` (or leaving its ``with`` block). ``reconnect_delay``:
+        the first backoff before the Watch opens again (doubling to 2 s,
+        jittered). See :class:`ElectionObserver`."""
+        delay = seconds("reconnect_delay", reconnect_delay)
+        if delay is None or delay < 0:
+            raise ValueError(f"reconnect_delay must be at least 0, got {reconnect_delay!r}")
+        return self._observer_type(self, SessionKey(account_id, election), delay)
+
     @staticmethod
     def _release_failures(holds: Sequence[BaseHold]) -> builtins.list[ReleaseFailure]:
         """What ``close()`` returns: the holds whose release failed."""
@@ -595,7 +691,7 @@ class BaseHold:
 
     def __init__(
         self,
-        client: BaseClient[Any, Any],
+        client: BaseClient[Any, Any, Any, Any],
         key: SessionKey,
         timing: LeaseTiming,
         wait: float,
@@ -624,6 +720,9 @@ class BaseHold:
         #: True when a waited grant came too late to trust and was confirmed
         #: by an idempotent re-acquire (same run id, same token).
         self.confirmed = False
+        #: Told once when the lease is lost (reason, message), after ``lost``
+        #: is set: a leadership's term ends there. Called with the guard held.
+        self._on_loss: Callable[[str, str], None] | None = None
 
     def _new_flag(self) -> _Flag:
         raise NotImplementedError
@@ -704,6 +803,8 @@ class BaseHold:
 
     def _on_lost(self, reason: str, message: str) -> None:
         self.lost.set()
+        if self._on_loss is not None:
+            self._on_loss(reason, message)
 
     def _on_handoff(self, request: HandoffRequest) -> None:
         self.handoff_requests.append(request)
@@ -785,7 +886,7 @@ class BaseKeeper(Generic[KeeperHoldT]):
 
     def __init__(
         self,
-        client: BaseClient[Any, Any],
+        client: BaseClient[Any, Any, Any, Any],
         account_id: str,
         timing: LeaseTiming,
         lock_delay: float,

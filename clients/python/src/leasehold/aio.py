@@ -32,20 +32,41 @@ from ._client import (
     Call,
     ClientRuntime,
     HoldOptions,
+    log,
 )
 from ._core import Grant, OnEnd, SendAcquire, SendRelease, acquire_flow
+from ._election import (
+    BaseLeadership,
+    BaseObserver,
+    CampaignOptions,
+    ElectionView,
+    campaign_cancelled,
+    log_callback_failure,
+    reconnect_delay,
+)
 from ._failover import Pause, Send
 from ._flow import drive_async
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
 from ._tls import TlsCredentials
 from .errors import (
+    CanceledError,
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    NotAcquiredError,
     UnavailableError,
     from_rpc_error,
 )
-from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
+from .types import (
+    ElectionChange,
+    Event,
+    HistoryResult,
+    Leader,
+    ReleaseFailure,
+    SessionKey,
+    Snapshot,
+    watch_item,
+)
 
 if TYPE_CHECKING:
     from ._gen.leasehold.v1.lease_pb2_grpc import LeaseServiceAsyncStub
@@ -184,7 +205,7 @@ class AsyncHold(BaseHold):
             self.released = await self._send_release()
 
     def _on_lost(self, reason: str, message: str) -> None:
-        self.lost.set()
+        super()._on_lost(reason, message)
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -333,7 +354,218 @@ class AsyncKeeper(BaseKeeper[AsyncKeeperHold]):
             self._close_failed(result)
 
 
-class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper]):
+class AsyncLeadership(BaseLeadership[AsyncHold]):
+    """A campaign and then a term of leadership (``async with
+    client.campaign(account_id, election, value=…) as leadership``); see
+    :class:`leasehold.Leadership`. ``lost`` and ``ended`` are
+    ``asyncio.Event``. Cancelling the task that campaigns leaves nothing on
+    the server (asyncio.CancelledError); ``cancel()`` ends the campaign with
+    CanceledError instead. A term whose block is left by the task's
+    cancellation ends ``cancelled``.
+    """
+
+    _client: AsyncLeaseClient
+    lost: asyncio.Event
+    ended: asyncio.Event
+    _usage = "async with client.campaign(account_id, election, value=…) as leadership"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: The waiting Acquire's task, which cancel() cancels.
+        self._waiting: asyncio.Future[Any] | None = None
+        #: run_election's ``lead``, cancelled when the term ends.
+        self._task: asyncio.Future[Any] | None = None
+
+    def _new_flag(self) -> asyncio.Event:
+        return asyncio.Event()
+
+    async def __aenter__(self) -> AsyncLeadership:
+        give_up_at = self._begin()
+        while True:
+            if self._cancelled:
+                raise campaign_cancelled()
+            hold = self._attempt(give_up_at)
+            self._waiting = asyncio.ensure_future(hold.__aenter__())
+            try:
+                await self._waiting
+            except NotAcquiredError as refused:
+                self._refused(refused, give_up_at)
+                continue
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if self._cancelled and (task is None or not task.cancelling()):
+                    raise campaign_cancelled() from None
+                raise
+            finally:
+                self._waiting = None
+            if self._won(hold):
+                return self
+            # Cancelled as the grant arrived: released, and no term reported.
+            await hold.__aexit__(None, None, None)
+            raise campaign_cancelled()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            await self.cancel()
+        else:
+            await self.resign()
+
+    def _ended(self) -> None:
+        task = self._task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+
+    async def proclaim(self, value: str) -> None:
+        """Advertises ``value`` instead, keeping the term; see
+        :meth:`leasehold.Leadership.proclaim`."""
+        if self._keeper is None:
+            answer = await self._client._send(self._proclaim_acquire(value))
+        else:
+            future, settle = _answer()
+            self._proclaim_on_keeper(value, settle)
+            answer = await _within(future, self._client._timeout)
+            if answer is None:
+                answer = DeadlineExceededError(
+                    "no answer to the keeper's Acquire", grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+        release = self._proclaimed(value, answer)
+        if isinstance(release, Call):
+            await self._client._send(release)
+        elif release is not None:
+            release()
+        if release is not None:
+            self.check()
+            raise self._term_over()
+
+    async def resign(self) -> None:
+        """Ends the term at once (on_stopped_leading first, then the Release)
+        and lets the next candidate in. Idempotent; nothing is sent once
+        leadership was lost."""
+        hold = self._resigning()
+        if hold is not None:
+            await hold.__aexit__(None, None, None)
+
+    async def cancel(self) -> None:
+        """A campaign still waiting raises CanceledError (its waiting call
+        cancelled, nothing left on the server); a term ends (``cancelled``)
+        and its lease is released."""
+        hold = self._cancelling()
+        if self._waiting is not None:
+            self._waiting.cancel()
+        if hold is not None:
+            await hold.__aexit__(None, None, None)
+
+
+class AsyncElectionObserver(BaseObserver):
+    """An election's changes (``async for change in client.observe(account_id,
+    election)``); see :class:`leasehold.ElectionObserver`. ``close()`` (or
+    leaving its ``async with`` block) ends the iteration.
+    """
+
+    _client: AsyncLeaseClient
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closed_event = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[ElectionChange]:
+        return self._changes()
+
+    async def _changes(self) -> AsyncIterator[ElectionChange]:
+        client = self._client
+        view = ElectionView(self.key, (await client.check_fence(self.key, 1)).highest_token)
+        reconnecting = False
+        failures = 0
+        while not self._closed:
+            try:
+                # One Get first moves the Watch to an instance that answers.
+                if reconnecting:
+                    await client.get(self.key)
+                reconnecting = True
+                call = client._open_watch(self.key, include_renewals=True)
+                if not self._watching(call):
+                    return
+                async for message in call:
+                    failures = 0
+                    item = watch_item(message)
+                    if isinstance(item, Snapshot):
+                        pages = view.snapshot_flow(item)
+                        for change in await drive_async(pages, self._history_page, ()):
+                            yield change
+                    elif view.started:
+                        applied = view.apply(item)
+                        if applied is not None:
+                            yield applied
+            except grpc.RpcError as e:
+                self._failed(from_rpc_error(e))
+            except LeaseholdError as error:
+                self._failed(error)
+            except asyncio.CancelledError:
+                # The Watch cancelled by close(), not this task by its caller.
+                task = asyncio.current_task()
+                if not self._closed or (task is not None and task.cancelling()):
+                    raise
+            if self._closed:
+                return
+            failures += 1
+            with contextlib.suppress(TimeoutError):
+                delay = reconnect_delay(self._reconnect_delay, failures)
+                await asyncio.wait_for(self._closed_event.wait(), delay)
+
+    async def _history_page(self, page_token: str) -> HistoryResult:
+        return await self._client.history(self.key, page_size=100, page_token=page_token)
+
+    async def close(self) -> None:
+        """Ends the iteration: the Watch is cancelled."""
+        self._closed_event.set()
+        self._closing()
+
+    async def __aenter__(self) -> AsyncElectionObserver:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+async def _first(task: asyncio.Future[Any], stopping: asyncio.Future[Any] | None) -> bool:
+    """Waits for ``task`` or ``stopping``: True when ``task`` is done. The
+    task is cancelled when the waiting one is."""
+    try:
+        await asyncio.wait(
+            {task} if stopping is None else {task, stopping}, return_when=asyncio.FIRST_COMPLETED
+        )
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    return task.done()
+
+
+async def _report_leaders(
+    observer: AsyncElectionObserver, on_new_leader: Callable[[Leader], None]
+) -> None:
+    """run_election's on_new_leader, in a task of its own until the observer closes."""
+    try:
+        async for change in observer:
+            if change.leader is not None:
+                try:
+                    on_new_leader(change.leader)
+                except Exception:
+                    log_callback_failure("on_new_leader")
+    except LeaseholdError as error:
+        log.warning("leasehold: observing the election for on_new_leader failed: %s", error)
+
+
+class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, AsyncElectionObserver]):
     """An asyncio client of ``leasehold.v1.LeaseService``; see :class:`LeaseClient`.
 
     Make and use it inside one running event loop. ``token`` is a string or a
@@ -342,6 +574,8 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper]):
 
     _hold_type = AsyncHold
     _keeper_type = AsyncKeeper
+    _leadership_type = AsyncLeadership
+    _observer_type = AsyncElectionObserver
 
     def _open_runtime(self) -> ClientRuntime:
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -434,10 +668,7 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper]):
         timeout: timedelta | float | None = None,
     ) -> AsyncGenerator[Snapshot | Event, None]:
         """A snapshot, then every change, until the generator is closed (or ``timeout``)."""
-        request = self._watch_request(key, include_renewals)
-        call: Any = self._stub(self.addresses[self._preferred]).Watch(
-            request, timeout=seconds("timeout", timeout), metadata=self._auth.metadata()
-        )
+        call = self._open_watch(key, include_renewals=include_renewals, timeout=timeout)
         try:
             async for message in call:
                 yield watch_item(message)
@@ -471,6 +702,88 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper]):
         lease is lost; then raises LeaseLostError."""
         async with self.hold(key, **options) as h:
             return await _run_in_task(h, fn)
+
+    async def run_election(
+        self,
+        account_id: str,
+        election: str,
+        lead: Callable[[AsyncLeadership], Awaitable[object]],
+        *,
+        on_new_leader: Callable[[Leader], None] | None = None,
+        again: bool = True,
+        stop: asyncio.Event | None = None,
+        **options: Unpack[CampaignOptions],
+    ) -> None:
+        """Campaigns, runs ``await lead(leadership)`` while leading — in a
+        task cancelled the moment the term ends (lost, or ``stop`` set:
+        ``cancelled``) —, resigns when ``lead`` returns, and campaigns again
+        (unless ``again`` is False) until ``stop`` is set; see
+        :meth:`leasehold.LeaseClient.run_election`."""
+        observer = self.observe(account_id, election) if on_new_leader is not None else None
+        reporter = (
+            asyncio.ensure_future(_report_leaders(observer, on_new_leader))
+            if observer is not None and on_new_leader is not None
+            else None
+        )
+        stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        stopped = stop.is_set if stop is not None else lambda: False
+        try:
+            failures = 0
+            terms = 0
+            while not stopped() and (terms == 0 or again):
+                leadership = self.campaign(account_id, election, **options)
+                entering = asyncio.ensure_future(leadership.__aenter__())
+                if not await _first(entering, stopping):
+                    await leadership.cancel()
+                    with contextlib.suppress(LeaseholdError, asyncio.CancelledError):
+                        await entering
+                    if leadership.stop_reason is not None:
+                        await leadership.resign()
+                    return
+                try:
+                    entering.result()
+                except (UnavailableError, DeadlineExceededError):
+                    # The waiting call's connection or instance went away:
+                    # campaign again (a new run id) after a backoff.
+                    failures += 1
+                    pause = asyncio.ensure_future(asyncio.sleep(reconnect_delay(0.1, failures)))
+                    if not await _first(pause, stopping):
+                        pause.cancel()
+                        return
+                    continue
+                except CanceledError:
+                    if stopped():
+                        return
+                    raise
+                failures = 0
+                terms += 1
+                task = asyncio.ensure_future(lead(leadership))
+                leadership._task = task
+                if leadership.ended.is_set():
+                    task.cancel()
+                try:
+                    if not await _first(task, stopping):
+                        await leadership.cancel()
+                    await task
+                except asyncio.CancelledError:
+                    # Cancelled because the term ended (its end was
+                    # reported); not when this task itself is.
+                    current = asyncio.current_task()
+                    if leadership.stop_reason is None or (
+                        current is not None and current.cancelling()
+                    ):
+                        await leadership.cancel()
+                        raise
+                finally:
+                    await leadership.resign()
+        finally:
+            if stopping is not None:
+                stopping.cancel()
+            if observer is not None:
+                await observer.close()
+            if reporter is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
 
     async def close(self) -> builtins.list[ReleaseFailure]:
         """Releases every lease still held (not lost) and closes the

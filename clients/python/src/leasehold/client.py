@@ -8,6 +8,7 @@ KeepAlive stream, and the client's reentrant lock as its guard.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import heapq
 import itertools
@@ -32,18 +33,39 @@ from ._client import (
     log,
 )
 from ._core import Grant, OnEnd, SendAcquire, SendRelease, acquire_flow
+from ._election import (
+    BaseLeadership,
+    BaseObserver,
+    CampaignOptions,
+    ElectionView,
+    campaign_cancelled,
+    log_callback_failure,
+    reconnect_delay,
+)
 from ._failover import Pause, Send
 from ._flow import drive
 from ._gen.leasehold.v1 import lease_pb2, lease_pb2_grpc
+from ._keeper import KeeperLease
 from ._tls import TlsCredentials
 from .errors import (
+    CanceledError,
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    NotAcquiredError,
     UnavailableError,
     from_rpc_error,
 )
-from .types import Event, ReleaseFailure, SessionKey, Snapshot, seconds, watch_item
+from .types import (
+    ElectionChange,
+    Event,
+    HistoryResult,
+    Leader,
+    ReleaseFailure,
+    SessionKey,
+    Snapshot,
+    watch_item,
+)
 
 T = TypeVar("T")
 Request = TypeVar("Request")
@@ -185,6 +207,51 @@ class _ThreadStream:
         self._call.cancel()
 
 
+class _InFlight:
+    """The waiting calls of one campaign, cancelled together from any
+    thread (``Leadership.cancel()``): grpc's futures can be, a blocking
+    call cannot."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cancelled = False
+        self._cancels: set[Callable[[], object]] = set()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            cancels = builtins.list(self._cancels)
+        for cancel in cancels:
+            cancel()
+
+    @contextlib.contextmanager
+    def watching(self, cancel: Callable[[], object]) -> Iterator[None]:
+        """``cancel`` is called if the campaign is cancelled inside the block
+        (at once when it was before)."""
+        with self._lock:
+            cancelled = self.cancelled
+            if not cancelled:
+                self._cancels.add(cancel)
+        if cancelled:
+            cancel()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._cancels.discard(cancel)
+
+    def call(self, method: Any, request: Any, timeout: float, metadata: Any) -> Any:
+        """Sends a unary call that ``cancel()`` ends with CanceledError."""
+        if self.cancelled:
+            raise campaign_cancelled()
+        future = method.future(request, timeout=timeout, metadata=metadata)
+        with self.watching(future.cancel):
+            try:
+                return future.result()
+            except grpc.FutureCancelledError as e:
+                raise campaign_cancelled() from e
+
+
 class Hold(BaseHold):
     """A session's lease held by this process (``with client.hold(key) as h``).
 
@@ -200,6 +267,8 @@ class Hold(BaseHold):
     _client: LeaseClient
     lost: threading.Event
     handoff_requested: threading.Event
+    #: A campaign's: its waiting Acquire can be cancelled from another thread.
+    _in_flight: _InFlight | None = None
 
     def _new_flag(self) -> threading.Event:
         return threading.Event()
@@ -222,7 +291,8 @@ class Hold(BaseHold):
         if isinstance(step, SendAcquire):
             call = self._acquire_call(step)
             sent_at = time.monotonic()
-            return self._grant(self._client._send(call), sent_at, time.monotonic())
+            response = self._client._send(call, self._in_flight)
+            return self._grant(response, sent_at, time.monotonic())
         if step.background:
             self._client._in_background(self._send_release)
         else:
@@ -287,9 +357,14 @@ class KeeperHold(BaseKeeperHold, Hold):
         with self._client._lock:
             keeper = self._keeper._state()
             give_up = keeper.acquire(self.key, self.run_id, self._wait, self.holder, answer.set)
-        answer.wait(self._acquire_timeout())
+        if self._in_flight is None:
+            answer.wait(self._acquire_timeout())
+        else:
+            with self._in_flight.watching(lambda: answer.set(campaign_cancelled())):
+                answer.wait(self._acquire_timeout())
         with self._client._lock:
-            if answer.value is None:
+            if not isinstance(answer.value, KeeperLease):
+                # No grant (yet): one that still comes is released.
                 give_up()
             self._adopt(answer.value)
         return self
@@ -395,7 +470,186 @@ class Keeper(BaseKeeper[KeeperHold]):
             self._close_failed(result)
 
 
-class LeaseClient(BaseClient[Hold, Keeper]):
+class Leadership(BaseLeadership[Hold]):
+    """A campaign and then a term of leadership (``with
+    client.campaign(account_id, election, value=…) as leadership``).
+
+    Entering waits until this candidate leads (E1): the server's waiting
+    Acquire, in arrival order, asked again with the same run id whenever one
+    wait (``wait_chunk``) runs out. It raises — leaving no lease and no
+    waiter on the server — when ``cancel()`` is called (CanceledError), when
+    the waiting call fails (its connection lost: the error, e.g.
+    UnavailableError; on a keeper, the keeper lost: LeaseLostError), or when
+    ``timeout`` passes (NotAcquiredError naming the leader). It never
+    returns without a live grant: a grant that arrives after its local
+    deadline is released and the campaign goes on.
+
+    Leading, ``term`` (= ``fencing_token``) is the grant's fencing token; the
+    lease is kept alive as a hold's, and ``lost`` (a ``threading.Event``) is
+    set before the database deadline when leadership can no longer be
+    vouched for (L2); ``ended`` is set when the term is over, whatever ended
+    it (``stop_reason``). Leaving the block resigns.
+    """
+
+    _client: LeaseClient
+    lost: threading.Event
+    ended: threading.Event
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_flight = _InFlight()
+
+    def _new_flag(self) -> threading.Event:
+        return threading.Event()
+
+    def __enter__(self) -> Leadership:
+        give_up_at = self._begin()
+        while True:
+            hold = self._attempt(give_up_at)
+            hold._in_flight = self._in_flight
+            try:
+                hold.__enter__()
+            except NotAcquiredError as refused:
+                self._refused(refused, give_up_at)
+                continue
+            except CanceledError as error:
+                if self._cancelled:
+                    raise campaign_cancelled() from error
+                raise
+            if self._won(hold):
+                return self
+            # Cancelled as the grant arrived: released, and no term reported.
+            hold.__exit__(None, None, None)
+            raise campaign_cancelled()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.resign()
+
+    def proclaim(self, value: str) -> None:
+        """Advertises ``value`` instead, keeping the term: an idempotent
+        re-acquire by the same run (on the keeper when campaigning on one),
+        whose token must be the term's. Raises LeaseLostError once
+        leadership is lost or over, NotAcquiredError when the server no
+        longer grants this term (S4)."""
+        if self._keeper is None:
+            answer = self._client._send(self._proclaim_acquire(value))
+        else:
+            waiting = _Answer()
+            with self._client._lock:
+                self._proclaim_on_keeper(value, waiting.set)
+            answer = waiting.wait(self._client._timeout)
+            if answer is None:
+                answer = DeadlineExceededError(
+                    "no answer to the keeper's Acquire", grpc.StatusCode.DEADLINE_EXCEEDED
+                )
+        release = self._proclaimed(value, answer)
+        if isinstance(release, Call):
+            self._client._send(release)
+        elif release is not None:
+            release()
+        if release is not None:
+            self.check()
+            raise self._term_over()
+
+    def resign(self) -> None:
+        """Ends the term at once (on_stopped_leading first, then the Release)
+        and lets the next candidate in. Idempotent; nothing is sent once
+        leadership was lost."""
+        hold = self._resigning()
+        if hold is not None:
+            hold.__exit__(None, None, None)
+
+    def cancel(self) -> None:
+        """From any thread: a campaign still waiting raises CanceledError
+        (its waiting call cancelled, nothing left on the server); a term
+        ends (``cancelled``) and its lease is released."""
+        hold = self._cancelling()
+        self._in_flight.cancel()
+        if hold is not None:
+            hold.__exit__(None, None, None)
+
+
+class ElectionObserver(BaseObserver):
+    """An election's changes (``for change in client.observe(account_id,
+    election)``): the current leader first (``current``), then every change
+    in order — a new term (``elected``), a proclaimed value
+    (``proclaimed``), a term that ended with nobody after it (``ended``).
+
+    It rests on Watch (with renewals, which carry proclaimed values). After a
+    reconnect (the stream ended or failed: one unary call fails over first,
+    and the Watch follows it to the instance that answered) and whenever the
+    server sends a fresh snapshot, the terms granted meanwhile are read from
+    History before the snapshot is applied, so no term is skipped; a term is
+    yielded elected once and ended once. ``close()`` (from any thread, or
+    leaving its ``with`` block) ends the iteration.
+    """
+
+    _client: LeaseClient
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._closed_event = threading.Event()
+
+    def __iter__(self) -> Iterator[ElectionChange]:
+        client = self._client
+        view = ElectionView(self.key, client.check_fence(self.key, 1).highest_token)
+        reconnecting = False
+        failures = 0
+        while not self._closed:
+            try:
+                # The Watch goes to the instance that answered the client's
+                # last unary call, and unary calls fail over: one Get first
+                # moves it to an instance that answers.
+                if reconnecting:
+                    client.get(self.key)
+                reconnecting = True
+                call = client._open_watch(self.key, include_renewals=True)
+                if not self._watching(call):
+                    return
+                for message in call:
+                    failures = 0
+                    item = watch_item(message)
+                    if isinstance(item, Snapshot):
+                        yield from drive(view.snapshot_flow(item), self._history_page, ())
+                    elif view.started:
+                        change = view.apply(item)
+                        if change is not None:
+                            yield change
+            except grpc.RpcError as e:
+                self._failed(from_rpc_error(e))
+            except LeaseholdError as error:
+                self._failed(error)
+            if self._closed:
+                return
+            failures += 1
+            self._closed_event.wait(reconnect_delay(self._reconnect_delay, failures))
+
+    def _history_page(self, page_token: str) -> HistoryResult:
+        return self._client.history(self.key, page_size=100, page_token=page_token)
+
+    def close(self) -> None:
+        """Ends the iteration (from any thread): the Watch is cancelled."""
+        self._closed_event.set()
+        self._closing()
+
+    def __enter__(self) -> ElectionObserver:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class LeaseClient(BaseClient[Hold, Keeper, Leadership, ElectionObserver]):
     """A blocking client of ``leasehold.v1.LeaseService``.
 
     ``addresses`` is one ``host:port`` or several instances of one server
@@ -411,6 +665,8 @@ class LeaseClient(BaseClient[Hold, Keeper]):
 
     _hold_type = Hold
     _keeper_type = Keeper
+    _leadership_type = Leadership
+    _observer_type = ElectionObserver
 
     def _open_runtime(self) -> ClientRuntime:
         self._lock = threading.RLock()
@@ -476,8 +732,11 @@ class LeaseClient(BaseClient[Hold, Keeper]):
                     stub = self._stubs[address] = lease_pb2_grpc.LeaseServiceStub(channel)
         return stub
 
-    def _send(self, call: Call[Request, Response, Result]) -> Result:
-        """Sends a unary call on this thread, failing over (``_failover``)."""
+    def _send(
+        self, call: Call[Request, Response, Result], in_flight: _InFlight | None = None
+    ) -> Result:
+        """Sends a unary call on this thread, failing over (``_failover``);
+        ``in_flight``: a campaign's, which may cancel it from another thread."""
         metadata = self._metadata()
 
         def perform(step: Pause | Send) -> Response | None:
@@ -485,6 +744,9 @@ class LeaseClient(BaseClient[Hold, Keeper]):
                 time.sleep(step.seconds)
                 return None
             method = call.method(self._stub(step.address))
+            if in_flight is not None:
+                response: Response = in_flight.call(method, call.request, step.timeout, metadata)
+                return response
             return method(call.request, timeout=step.timeout, metadata=metadata)
 
         return self._answered(call, drive(self._failover(call), perform, grpc.RpcError))
@@ -505,20 +767,16 @@ class LeaseClient(BaseClient[Hold, Keeper]):
         timeout: timedelta | float | None = None,
     ) -> Generator[Snapshot | Event, None, None]:
         """A snapshot, then every change, until the generator is closed (or ``timeout``)."""
-        call = self._stub(self.addresses[self._preferred]).Watch(
-            self._watch_request(key, include_renewals),
-            timeout=seconds("timeout", timeout),
-            metadata=self._auth.metadata(),
-        )
+        call = self._open_watch(key, include_renewals=include_renewals, timeout=timeout)
         try:
             for message in call:
                 yield watch_item(message)
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and call.cancelled():  # type: ignore[attr-defined]
+            if e.code() == grpc.StatusCode.CANCELLED and call.cancelled():
                 return
             raise from_rpc_error(e) from e
         finally:
-            call.cancel()  # type: ignore[no-untyped-call]
+            call.cancel()
 
     def keep_alive(
         self, requests: Iterable[lease_pb2.KeepAliveRequest]
@@ -545,6 +803,94 @@ class LeaseClient(BaseClient[Hold, Keeper]):
             result = fn(h)
             h.check()
             return result
+
+    def run_election(
+        self,
+        account_id: str,
+        election: str,
+        lead: Callable[[Leadership], object],
+        *,
+        on_new_leader: Callable[[Leader], None] | None = None,
+        again: bool = True,
+        stop: threading.Event | None = None,
+        **options: Unpack[CampaignOptions],
+    ) -> None:
+        """Campaigns (``options`` as ``campaign()`` takes them), runs
+        ``lead(leadership)`` while leading, resigns when ``lead`` returns (or
+        raises: the error is raised after), and campaigns again (unless
+        ``again`` is False) until ``stop`` is set. A thread cannot be stopped
+        from outside: ``lead`` watches ``leadership.ended`` itself (set on
+        loss, and when ``stop`` ends the term: ``cancelled``). A campaign
+        whose waiting call was lost (UnavailableError,
+        DeadlineExceededError: an instance gone, a connection reset or
+        stalled) is started again after a backoff (100 ms doubling to 2 s,
+        full jitter); any other campaign error is raised.
+        ``on_new_leader(leader)`` is called (on a thread of its own) for
+        every new leader and proclaimed value, this candidate's terms
+        included."""
+        over = threading.Event()
+        current: builtins.list[Leadership] = []
+        threads: builtins.list[threading.Thread] = []
+        observer = self.observe(account_id, election) if on_new_leader is not None else None
+        if observer is not None and on_new_leader is not None:
+            threads.append(
+                threading.Thread(
+                    target=_report_leaders, args=(observer, on_new_leader), daemon=True
+                )
+            )
+        if stop is not None:
+
+            def watch_stop() -> None:
+                # An Event cannot be waited on with another: read every 50 ms.
+                while not over.is_set():
+                    if stop.wait(0.05):
+                        with self._lock:
+                            leaderships = builtins.list(current)
+                        for leadership in leaderships:
+                            leadership.cancel()
+                        return
+
+            threads.append(threading.Thread(target=watch_stop, daemon=True))
+        for thread in threads:
+            thread.start()
+        stopped = stop.is_set if stop is not None else lambda: False
+        try:
+            failures = 0
+            terms = 0
+            while not stopped() and (terms == 0 or again):
+                leadership = self.campaign(account_id, election, **options)
+                with self._lock:
+                    current[:] = [leadership]
+                if stopped():
+                    return
+                try:
+                    leadership.__enter__()
+                except (UnavailableError, DeadlineExceededError):
+                    # The waiting call's connection or instance went away:
+                    # campaign again (a new run id) after a backoff.
+                    failures += 1
+                    delay = reconnect_delay(0.1, failures)
+                    if stop is not None:
+                        stop.wait(delay)
+                    else:
+                        time.sleep(delay)
+                    continue
+                except CanceledError:
+                    if stopped():
+                        return
+                    raise
+                failures = 0
+                terms += 1
+                try:
+                    lead(leadership)
+                finally:
+                    leadership.resign()
+        finally:
+            over.set()
+            if observer is not None:
+                observer.close()
+            for thread in threads:
+                thread.join()
 
     def close(self) -> builtins.list[ReleaseFailure]:
         """Releases every lease still held (not lost) and closes the
@@ -583,3 +929,16 @@ class LeaseClient(BaseClient[Hold, Keeper]):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _report_leaders(observer: ElectionObserver, on_new_leader: Callable[[Leader], None]) -> None:
+    """run_election's on_new_leader, on a thread of its own until the observer closes."""
+    try:
+        for change in observer:
+            if change.leader is not None:
+                try:
+                    on_new_leader(change.leader)
+                except Exception:
+                    log_callback_failure("on_new_leader")
+    except LeaseholdError as error:
+        log.warning("leasehold: observing the election for on_new_leader failed: %s", error)

@@ -141,6 +141,52 @@ class ReleaseFailure:
     error: Exception = field(compare=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """The leader of an election, as the server last reported it."""
+
+    #: The advertised value (the lease's holder label).
+    value: str
+    #: The term: the grant's fencing token.
+    term: int
+    #: The leader's run id.
+    run_id: str
+    #: When its lease ends unless renewed, on the database clock (None when not reported).
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionChange:
+    """One change of an election, as ``observe()`` yields it.
+
+    ``type`` is ``current`` (the first item: the leader when observing
+    began, ``leader`` None when nobody led), ``elected`` (a new term),
+    ``proclaimed`` (the leader advertised another value in the same term) or
+    ``ended`` (the term ended and nobody leads: ``how`` is ``resigned``,
+    ``expired`` or ``revoked``; a term taken over at its expiry shows as the
+    next ``elected``)."""
+
+    type: str
+    #: The leader after the change (None for ``ended``, and for a ``current`` with none).
+    leader: Leader | None
+    #: The term the change is about (0 for a ``current`` with no leader).
+    term: int
+    #: How an ``ended`` term ended; "" for the other types.
+    how: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StopReason:
+    """Why a term ended: ``resigned`` (resign(), the leadership's block
+    left, or run_election's ``lead`` returned), ``lost`` (``cause`` is the
+    LeaseLostError: revoked, expired, taken_over, deadline, renewal_failed,
+    token_expired) or ``cancelled`` (``cancel()``, run_election's ``stop``,
+    or the asyncio task cancelled; the lease is released)."""
+
+    kind: str
+    cause: BaseException | None = field(default=None, compare=False)
+
+
 def as_key(key: SessionKey | tuple[str, str]) -> SessionKey:
     if isinstance(key, SessionKey):
         return key
