@@ -563,6 +563,69 @@ describe("observe", () => {
     expect(seen[6]).toMatchObject({ how: "resigned" });
   });
 
+  it("E1: a term granted between a fresh snapshot and the History read after it is seen elected, not ended, and its end is seen once", async () => {
+    const e = election("observe-gap");
+    const toServer = await proxyTo(server.url);
+    const actor = client();
+    const real = client({ baseUrl: toServer.url });
+    // The first History read (the one after the reconnect's snapshot) first
+    // lets a new term begin: the snapshot shows no leader, History shows it.
+    let second: Leadership | undefined;
+    let hooked = false;
+    const watcher = new Proxy(real, {
+      get(target, name, receiver) {
+        if (name === "history") {
+          return async (...args: Parameters<typeof real.history>) => {
+            if (!hooked) {
+              hooked = true;
+              second = await campaign(actor, { ...e, value: "second", ttlMs: 30_000 });
+            }
+            return target.history(...args);
+          };
+        }
+        return Reflect.get(target, name, receiver);
+      },
+    });
+    const seen: ElectionChange[] = [];
+    const arrived: (() => void)[] = [];
+    const stop = new AbortController();
+    const reading = (async () => {
+      for await (const change of observe(watcher, e, { signal: stop.signal })) {
+        seen.push(change);
+        for (const notify of arrived.splice(0)) notify();
+      }
+    })();
+    const count = async (n: number) => {
+      while (seen.length < n) {
+        await within(new Promise<void>((resolve) => arrived.push(resolve)), {
+          what: `change number ${n}`,
+        });
+      }
+    };
+    await count(1);
+    const first = await campaign(actor, { ...e, value: "first", ttlMs: 30_000 });
+    await count(2);
+    await first.resign();
+    await count(3);
+    // The watch is cut; it comes back with a fresh snapshot (no leader).
+    toServer.drop();
+    toServer.pass();
+    await count(4);
+    expect(second).toBeDefined();
+    await second?.resign();
+    await count(5);
+    stop.abort();
+    await reading;
+    expect(seen.map((c) => [c.type, "leader" in c ? c.leader?.term : c.term])).toEqual([
+      ["current", undefined],
+      ["elected", first.term],
+      ["ended", first.term],
+      ["elected", second?.term],
+      ["ended", second?.term],
+    ]);
+    expect(seen[4]).toMatchObject({ how: "resigned" });
+  });
+
   it("E1: a term that expires with no successor is seen as ended, expired", async () => {
     const proxy = await proxyTo(server.url);
     const e = election("observe-expiry");

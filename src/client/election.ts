@@ -538,9 +538,15 @@ export async function* observe(
       current = leaderOf(lease);
       yield { type: "elected", leader: current };
     } else if (!lease && current) {
-      const term = current.term;
-      current = undefined;
-      yield { type: "ended", term, how: "expired" };
+      // The snapshot shows no leader, but History (read after it) may show a
+      // term granted since: that one still leads, and its end will come on
+      // the stream. Only a term that Get also finds over has ended.
+      const now = await client.get({ key: sessionKey }, { signal });
+      if (now.lease?.fencingToken !== current.term) {
+        const term = current.term;
+        current = undefined;
+        yield { type: "ended", term, how: "expired" };
+      }
     } else if (lease && current?.term === lease.fencingToken && lease.holder !== current.value) {
       current = leaderOf(lease);
       yield { type: "proclaimed", leader: current };
