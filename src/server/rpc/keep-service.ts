@@ -61,6 +61,7 @@ import { keyString, type LeaseChange, runKey } from "../../lease/lease-change.js
 import { formatDuration, type Limits } from "../../lease/limits.js";
 import type {
   AcquireInput,
+  AcquireResult,
   KeeperEnd,
   KeeperLease,
   KeeperRecord,
@@ -214,6 +215,14 @@ const lossOfKeeper: Record<KeeperEnd, LossCause> = {
 };
 
 /** An error that ends the stream rather than one request: the caller's token or certificate expired. */
+/** What a request's arrival noted (KeepSession.arrive). */
+interface Arrival {
+  /** An acquire that may wait: its run key, and what gives it up. */
+  readonly wait?: { readonly rk: string; readonly own: AbortController };
+  /** A release: the waiting acquires of its run that arrived before it. */
+  readonly release?: readonly AbortController[];
+}
+
 function endsStream(error: unknown): boolean {
   return (
     error instanceof UnauthenticatedError ||
@@ -247,8 +256,10 @@ export class KeepSession {
   /** Aborts the stream's waiting acquires when the stream or its keeper ends. */
   private readonly ops = new AbortController();
   /**
-   * The waiting acquires of this stream by run key: a release of the same
-   * run gives them up (a candidate that stopped waiting leaves no waiter).
+   * The acquires of this stream that may wait, by run key, registered as
+   * they arrive (before their checks, which may finish in any order): a
+   * release of the same run gives up those that arrived before it, so a
+   * candidate that stopped waiting leaves no waiter.
    */
   private readonly waiting = new Map<string, Set<AbortController>>();
   private queue: KeepResponse[] = [];
@@ -371,19 +382,58 @@ export class KeepSession {
       return;
     }
     this.inFlight.add(id);
+    const arrival = this.arrive(req);
     let checked: void | Promise<void>;
     try {
       checked = this.check(req);
     } catch (error) {
+      this.depart(arrival);
       this.settle(id, error);
       return;
     }
-    const run = () => this.run(req, keeper);
+    const run = () => this.run(req, keeper, arrival);
     const answer = checked instanceof Promise ? checked.then(run) : run();
     answer.then(
-      (response) => this.answered(id, response),
-      (error: unknown) => this.settle(id, error),
+      (response) => {
+        this.depart(arrival);
+        this.answered(id, response);
+      },
+      (error: unknown) => {
+        this.depart(arrival);
+        this.settle(id, error);
+      },
     );
+  }
+
+  /**
+   * Notes a request in arrival order: an acquire that may wait is
+   * registered under its run; a release takes the waiting acquires of its
+   * run registered so far (given up once the release passes its checks).
+   */
+  private arrive(req: KeepRequest): Arrival | undefined {
+    const op = req.op;
+    if (op.case !== "acquire" && op.case !== "release") return undefined;
+    const { key, runId } = op.value;
+    if (key === undefined || runId === "") return undefined;
+    const rk = runKey(key, runId.toLowerCase());
+    if (op.case === "release") return { release: [...(this.waiting.get(rk) ?? [])] };
+    if (op.value.wait === undefined) return undefined;
+    const own = new AbortController();
+    let set = this.waiting.get(rk);
+    if (!set) {
+      set = new Set();
+      this.waiting.set(rk, set);
+    }
+    set.add(own);
+    return { wait: { rk, own } };
+  }
+
+  private depart(arrival: Arrival | undefined): void {
+    if (!arrival?.wait) return;
+    const { rk, own } = arrival.wait;
+    const set = this.waiting.get(rk);
+    set?.delete(own);
+    if (set?.size === 0) this.waiting.delete(rk);
   }
 
   private opsLimitError(): ResourceExhaustedError {
@@ -418,7 +468,11 @@ export class KeepSession {
   }
 
   /** One request of an open keeper: its answer, undefined when it ended the stream instead. */
-  private async run(req: KeepRequest, keeper: KeeperRecord): Promise<KeepResponse | undefined> {
+  private async run(
+    req: KeepRequest,
+    keeper: KeeperRecord,
+    arrival: Arrival | undefined,
+  ): Promise<KeepResponse | undefined> {
     const id = req.id;
     const op = req.op;
     switch (op.case) {
@@ -430,9 +484,9 @@ export class KeepSession {
       case "heartbeat":
         return this.heartbeat(id, keeper, op.value.ttl);
       case "acquire":
-        return this.acquire(id, keeper, op.value);
+        return this.acquire(id, keeper, op.value, arrival?.wait?.own);
       case "release":
-        return this.release(id, keeper, op.value);
+        return this.release(id, keeper, op.value, arrival?.release ?? []);
       case "get":
         return this.get(id, keeper, op.value);
       case "close":
@@ -598,6 +652,7 @@ export class KeepSession {
     id: bigint,
     keeper: KeeperRecord,
     a: AcquireRequest,
+    own: AbortController | undefined,
   ): Promise<KeepResponse> {
     const limits = this.deps.limits;
     const key = this.keyOf("acquire", a.key, keeper);
@@ -626,7 +681,7 @@ export class KeepSession {
     const waiters = this.deps.waiters;
     const result =
       waiters && waitMs > 0
-        ? await this.waitFor(input, waitMs, waiters)
+        ? await this.waitFor(input, waitMs, waiters, own ?? new AbortController())
         : await this.deps.store.acquire(input);
     if (result.acquired) this.follow(result.lease);
     return create(KeepResponseSchema, {
@@ -643,40 +698,34 @@ export class KeepSession {
    * release of the same run arrives; a grant made as it was given up is
    * ended again (by the waiters, or here when the first attempt made it).
    */
-  private async waitFor(input: AcquireInput, waitMs: number, waiters: Waiters) {
-    const rk = runKey(input, input.runId);
-    const own = new AbortController();
-    let set = this.waiting.get(rk);
-    if (!set) {
-      set = new Set();
-      this.waiting.set(rk, set);
+  private async waitFor(
+    input: AcquireInput,
+    waitMs: number,
+    waiters: Waiters,
+    own: AbortController,
+  ): Promise<AcquireResult> {
+    own.signal.throwIfAborted();
+    const result = await waiters.acquire(
+      input,
+      waitMs,
+      AbortSignal.any([this.ops.signal, own.signal]),
+    );
+    if (result.acquired && own.signal.aborted) {
+      await this.deps.store.release(input, input.runId);
+      throw own.signal.reason;
     }
-    set.add(own);
-    try {
-      const result = await waiters.acquire(
-        input,
-        waitMs,
-        AbortSignal.any([this.ops.signal, own.signal]),
-      );
-      if (result.acquired && own.signal.aborted) {
-        await this.deps.store.release(input, input.runId);
-        throw own.signal.reason;
-      }
-      return result;
-    } finally {
-      set.delete(own);
-      if (set.size === 0 && this.waiting.get(rk) === set) this.waiting.delete(rk);
-    }
+    return result;
   }
 
   private async release(
     id: bigint,
     keeper: KeeperRecord,
     r: ReleaseRequest,
+    earlier: readonly AbortController[],
   ): Promise<KeepResponse> {
     const key = this.keyOf("release", r.key, keeper);
     const runId = checkRunId("release.run_id", r.runId);
-    for (const given of this.waiting.get(runKey(key, runId)) ?? []) {
+    for (const given of earlier) {
       given.abort(
         new ConnectError(
           "the acquire was given up: its run was released while it waited",
