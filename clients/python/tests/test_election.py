@@ -1302,6 +1302,37 @@ def test_e1_k1_a_waiting_candidate_whose_keeper_stalls_aborts_and_the_server_ref
     )
 
 
+def test_e1_a_campaign_on_a_keeper_cancelled_while_waiting_leaves_no_waiter_and_the_keeper_goes_on(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """E1: cancel() ends a campaign waiting on a keeper with CanceledError;
+    the keeper releases its run on the stream, so the server gives the
+    waiting Acquire up at once (not when its 60 s wait runs out): a third
+    candidate leads the moment the leader resigns, and the cancelled run was
+    never granted. The keeper goes on, and holds another lease."""
+    name = election("keeper-cancel")
+    direct = clients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    holder.__enter__()
+    client = clients(eserver.address, token=token())
+    with client.keeper(ACCOUNT, ttl=30) as k:
+        waiter = client.campaign(ACCOUNT, name, value="cancelled", keeper=k)
+        campaigning = pool.submit(waiter.__enter__)
+        wait_for("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
+        waiter.cancel()
+        with pytest.raises(CanceledError):
+            campaigning.result(timeout=20)
+        assert waiter.stop_reason is None
+        next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
+        assert not k.lost.is_set()
+        with k.hold(SessionKey(ACCOUNT, fresh_session("keeper-cancel-other"))) as other:
+            assert other.fencing_token > 0
+
+
 async def test_e1_k1_async_the_leaders_lease_is_on_the_keeper_proclaim_keeps_the_term_there_and_the_keepers_stall_ends_the_term_once(  # noqa: E501
     eserver: Server,
     admin: LeaseClient,
@@ -1366,6 +1397,38 @@ async def keeper_candidate_lost_async(
             await asyncio.to_thread(sleep_until_keeper_expired, stalled_until, k.keeper_id)
     await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
     proxy.pass_()
+
+
+async def test_e1_async_a_campaign_on_a_keeper_cancelled_while_waiting_leaves_no_waiter_and_the_keeper_goes_on(  # noqa: E501
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: a campaign on a keeper whose task is cancelled while waiting
+    (asyncio.CancelledError), and another ended by cancel() (CanceledError):
+    each run is released on the keeper's stream, so neither waiter is left
+    on the server, and the keeper goes on."""
+    name = election("akeeper-cancel")
+    direct = aclients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    await holder.__aenter__()
+    client = aclients(eserver.address, token=token())
+    async with client.keeper(ACCOUNT, ttl=30) as k:
+        waiter = client.campaign(ACCOUNT, name, value="cancelled", keeper=k)
+        campaigning = asyncio.ensure_future(waiter.__aenter__())
+        await until("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
+        campaigning.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await campaigning
+        other = client.campaign(ACCOUNT, name, value="cancelled-too", keeper=k)
+        campaigning = asyncio.ensure_future(other.__aenter__())
+        await until("the other candidate waiting", lambda: waiting(eserver, name) >= 2)
+        await other.cancel()
+        with pytest.raises(CanceledError):
+            await campaigning
+        assert waiter.stop_reason is None and other.stop_reason is None
+        await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
+        assert not k.lost.is_set()
+        async with k.hold(SessionKey(ACCOUNT, fresh_session("akeeper-cancel-other"))) as held:
+            assert held.fencing_token > 0
 
 
 async def test_e1_async_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501

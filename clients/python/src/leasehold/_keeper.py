@@ -300,7 +300,10 @@ class KeeperCore:
         error (NotAcquiredError with the holder or the lock-delay). The
         lease is registered the moment its grant is read, so a loss right
         behind it on the stream finds it. Returns a function that gives up
-        waiting: a grant that comes after it is released."""
+        waiting: an acquire that waits and is still unanswered is given up on
+        the server too (a release of its run on the stream, which answers it
+        CANCELLED and leaves no waiter), and a grant that comes after it is
+        released."""
         request = lease_pb2.AcquireRequest(key=key.to_proto(), run_id=run_id, holder=holder)
         if wait > 0:
             request.wait.CopyFrom(duration_of(wait))
@@ -316,8 +319,16 @@ class KeeperCore:
             sent.append(pending)
 
         def give_up() -> None:
-            if pending is not None:
-                pending.abandoned = True
+            if pending is None or pending.abandoned:
+                return
+            pending.abandoned = True
+            if wait > 0 and self._pending.get(pending.request.id) is pending:
+                # A waiting acquire stays queued on the server until its wait
+                # runs out; a release of its run gives it up there (and ends a
+                # grant that raced it), so a cancelled candidate leaves no
+                # waiter ahead of the others.
+                release = lease_pb2.ReleaseRequest(key=key.to_proto(), run_id=run_id)
+                self._request(lease_pb2.KeepRequest(release=release), lambda answer: None)
 
         return give_up
 
