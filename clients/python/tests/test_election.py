@@ -32,6 +32,7 @@ from leasehold import (
     CanceledError,
     ElectionChange,
     InvalidArgumentError,
+    KeepAliveEvent,
     Leadership,
     LeaseClient,
     LeaseLostError,
@@ -573,6 +574,44 @@ async def test_e1_async_a_campaign_cancelled_while_waiting_leaves_no_waiter(
         await campaigning
     assert waiter.stop_reason is None and other.stop_reason is None
     await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
+
+
+async def test_e1_async_a_campaign_whose_task_is_cancelled_as_its_grant_arrives_leaves_no_lease(
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: the task that campaigns is cancelled in the instant its grant
+    arrives (after the hold was granted, before the campaign resumed: the
+    client's KeepAlive stream opening for the grant is that instant). The
+    campaign raises asyncio.CancelledError, no term is reported, and the
+    grant is released before it does: nobody leads, and the next candidate
+    leads at once."""
+    name = election("acancel-granted")
+    direct = aclients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    await holder.__aenter__()
+    loop = asyncio.get_running_loop()
+    campaigning: list[asyncio.Future[AsyncLeadership]] = []
+
+    def cancel_as_granted(event: KeepAliveEvent) -> None:
+        if event.type == "open":
+            loop.call_soon(campaigning[0].cancel)
+
+    client = aclients(eserver.address, token=token(), on_event=cancel_as_granted)
+    started: list[int] = []
+    waiter = client.campaign(
+        ACCOUNT, name, value="waiter", ttl=LONG, on_started_leading=started.append
+    )
+    campaigning.append(asyncio.ensure_future(waiter.__aenter__()))
+    await until("the candidate waiting", lambda: waiting(eserver, name) >= 1)
+    await holder.resign()
+    with pytest.raises(asyncio.CancelledError):
+        await campaigning[0]
+    assert started == [] and waiter.stop_reason is None
+    assert admin.leader(ACCOUNT, name) is None
+    assert grants(admin, name) == ["holder", "waiter"]
+    nxt = direct.campaign(ACCOUNT, name, value="next", ttl=LONG)
+    await asyncio.wait_for(nxt.__aenter__(), 5)
+    await nxt.resign()
 
 
 async def test_e1_async_a_campaign_whose_timeout_passes_is_not_acquired_and_names_the_leader(

@@ -392,6 +392,12 @@ class AsyncLeadership(BaseLeadership[AsyncHold]):
                 self._refused(refused, give_up_at)
                 continue
             except asyncio.CancelledError:
+                # This task may be cancelled in the instant the grant came
+                # (the hold granted, the task not resumed yet): nobody leads
+                # with that lease, so it is released (nothing is sent for a
+                # hold never granted), and not dropped if the task is
+                # cancelled again meanwhile.
+                await asyncio.shield(self._client._spawn(hold.__aexit__(None, None, None)))
                 task = asyncio.current_task()
                 if self._cancelled and (task is None or not task.cancelling()):
                     raise campaign_cancelled() from None
@@ -653,10 +659,11 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, Async
 
         return method
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # Streams
 
