@@ -1233,6 +1233,56 @@ async def test_e1_async_run_election_starts_a_campaign_again_after_its_waiting_c
     assert admin.leader(ACCOUNT, name) is None
 
 
+async def test_e1_async_run_election_cancelled_as_its_grant_arrives_ends_the_term_once_and_releases_it(  # noqa: E501
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: the task running run_election is cancelled in the instant its
+    campaign's grant arrives (the client's KeepAlive stream opening for the
+    grant is that instant): it raises asyncio.CancelledError, ``lead`` never
+    runs, a term that began is ended once (``cancelled``) and its lease
+    released: nobody leads once it has returned."""
+    name = election("arun-cancel-granted")
+    holder = aclients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="holder", ttl=LONG
+    )
+    await holder.__aenter__()
+    loop = asyncio.get_running_loop()
+    running: list[asyncio.Future[None]] = []
+
+    def cancel_as_granted(event: KeepAliveEvent) -> None:
+        if event.type == "open":
+            loop.call_soon(running[0].cancel)
+
+    client = aclients(eserver.address, token=token(), on_event=cancel_as_granted)
+    started: list[int] = []
+    stopped: list[tuple[int, str]] = []
+    led: list[int] = []
+
+    async def lead(leadership: AsyncLeadership) -> None:
+        led.append(leadership.term)
+
+    running.append(
+        asyncio.ensure_future(
+            client.run_election(
+                ACCOUNT,
+                name,
+                lead,
+                value="waiter",
+                ttl=LONG,
+                on_started_leading=started.append,
+                on_stopped_leading=lambda term, reason: stopped.append((term, reason.kind)),
+            )
+        )
+    )
+    await until("the candidate waiting", lambda: waiting(eserver, name) >= 1)
+    await holder.resign()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(running[0], 20)
+    assert led == []
+    assert stopped == [(term, "cancelled") for term in started]
+    assert admin.leader(ACCOUNT, name) is None
+
+
 # Election on a keeper: the leader's lease is on the keeper and proclaim keeps
 # the term there; the keeper's stall ends the term once; a waiting candidate
 # whose keeper is lost (cut or stalled) aborts and leaves nothing behind

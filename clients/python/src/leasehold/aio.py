@@ -740,7 +740,18 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, Async
             while not stopped() and (terms == 0 or again):
                 leadership = self.campaign(account_id, election, **options)
                 entering = asyncio.ensure_future(leadership.__aenter__())
-                if not await _first(entering, stopping):
+                try:
+                    entered = await _first(entering, stopping)
+                except asyncio.CancelledError:
+                    # This task may be cancelled in the instant the campaign
+                    # won (the term begun, this task not resumed yet): the
+                    # term ends (cancelled, released) before the cancellation
+                    # goes on, and a campaign still waiting leaves nothing.
+                    await leadership.cancel()
+                    with contextlib.suppress(LeaseholdError, asyncio.CancelledError):
+                        await entering
+                    raise
+                if not entered:
                     await leadership.cancel()
                     with contextlib.suppress(LeaseholdError, asyncio.CancelledError):
                         await entering
