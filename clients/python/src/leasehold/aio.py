@@ -40,6 +40,7 @@ from ._election import (
     BaseObserver,
     CampaignOptions,
     ElectionView,
+    ReadLease,
     campaign_cancelled,
     log_callback_failure,
     reconnect_delay,
@@ -62,6 +63,7 @@ from .types import (
     Event,
     HistoryResult,
     Leader,
+    Lease,
     ReleaseFailure,
     SessionKey,
     Snapshot,
@@ -501,7 +503,7 @@ class AsyncElectionObserver(BaseObserver):
                     item = watch_item(message)
                     if isinstance(item, Snapshot):
                         pages = view.snapshot_flow(item)
-                        for change in await drive_async(pages, self._history_page, ()):
+                        for change in await drive_async(pages, self._read, ()):
                             yield change
                     elif view.started:
                         applied = view.apply(item)
@@ -523,8 +525,11 @@ class AsyncElectionObserver(BaseObserver):
                 delay = reconnect_delay(self._reconnect_delay, failures)
                 await asyncio.wait_for(self._closed_event.wait(), delay)
 
-    async def _history_page(self, page_token: str) -> HistoryResult:
-        return await self._client.history(self.key, page_size=100, page_token=page_token)
+    async def _read(self, step: str | ReadLease) -> HistoryResult | Lease | None:
+        """A step of ``ElectionView.snapshot_flow``: a History page, or the lease now."""
+        if isinstance(step, ReadLease):
+            return (await self._client.get(self.key)).lease
+        return await self._client.history(self.key, page_size=100, page_token=step)
 
     async def close(self) -> None:
         """Ends the iteration: the Watch is cancelled."""
