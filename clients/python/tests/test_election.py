@@ -32,6 +32,7 @@ from leasehold import (
     CanceledError,
     ElectionChange,
     InvalidArgumentError,
+    KeepAliveEvent,
     Leadership,
     LeaseClient,
     LeaseLostError,
@@ -573,6 +574,44 @@ async def test_e1_async_a_campaign_cancelled_while_waiting_leaves_no_waiter(
         await campaigning
     assert waiter.stop_reason is None and other.stop_reason is None
     await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
+
+
+async def test_e1_async_a_campaign_whose_task_is_cancelled_as_its_grant_arrives_leaves_no_lease(
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: the task that campaigns is cancelled in the instant its grant
+    arrives (after the hold was granted, before the campaign resumed: the
+    client's KeepAlive stream opening for the grant is that instant). The
+    campaign raises asyncio.CancelledError, no term is reported, and the
+    grant is released before it does: nobody leads, and the next candidate
+    leads at once."""
+    name = election("acancel-granted")
+    direct = aclients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    await holder.__aenter__()
+    loop = asyncio.get_running_loop()
+    campaigning: list[asyncio.Future[AsyncLeadership]] = []
+
+    def cancel_as_granted(event: KeepAliveEvent) -> None:
+        if event.type == "open":
+            loop.call_soon(campaigning[0].cancel)
+
+    client = aclients(eserver.address, token=token(), on_event=cancel_as_granted)
+    started: list[int] = []
+    waiter = client.campaign(
+        ACCOUNT, name, value="waiter", ttl=LONG, on_started_leading=started.append
+    )
+    campaigning.append(asyncio.ensure_future(waiter.__aenter__()))
+    await until("the candidate waiting", lambda: waiting(eserver, name) >= 1)
+    await holder.resign()
+    with pytest.raises(asyncio.CancelledError):
+        await campaigning[0]
+    assert started == [] and waiter.stop_reason is None
+    assert admin.leader(ACCOUNT, name) is None
+    assert grants(admin, name) == ["holder", "waiter"]
+    nxt = direct.campaign(ACCOUNT, name, value="next", ttl=LONG)
+    await asyncio.wait_for(nxt.__aenter__(), 5)
+    await nxt.resign()
 
 
 async def test_e1_async_a_campaign_whose_timeout_passes_is_not_acquired_and_names_the_leader(
@@ -1194,6 +1233,56 @@ async def test_e1_async_run_election_starts_a_campaign_again_after_its_waiting_c
     assert admin.leader(ACCOUNT, name) is None
 
 
+async def test_e1_async_run_election_cancelled_as_its_grant_arrives_ends_the_term_once_and_releases_it(  # noqa: E501
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: the task running run_election is cancelled in the instant its
+    campaign's grant arrives (the client's KeepAlive stream opening for the
+    grant is that instant): it raises asyncio.CancelledError, ``lead`` never
+    runs, a term that began is ended once (``cancelled``) and its lease
+    released: nobody leads once it has returned."""
+    name = election("arun-cancel-granted")
+    holder = aclients(eserver.address, token=token()).campaign(
+        ACCOUNT, name, value="holder", ttl=LONG
+    )
+    await holder.__aenter__()
+    loop = asyncio.get_running_loop()
+    running: list[asyncio.Future[None]] = []
+
+    def cancel_as_granted(event: KeepAliveEvent) -> None:
+        if event.type == "open":
+            loop.call_soon(running[0].cancel)
+
+    client = aclients(eserver.address, token=token(), on_event=cancel_as_granted)
+    started: list[int] = []
+    stopped: list[tuple[int, str]] = []
+    led: list[int] = []
+
+    async def lead(leadership: AsyncLeadership) -> None:
+        led.append(leadership.term)
+
+    running.append(
+        asyncio.ensure_future(
+            client.run_election(
+                ACCOUNT,
+                name,
+                lead,
+                value="waiter",
+                ttl=LONG,
+                on_started_leading=started.append,
+                on_stopped_leading=lambda term, reason: stopped.append((term, reason.kind)),
+            )
+        )
+    )
+    await until("the candidate waiting", lambda: waiting(eserver, name) >= 1)
+    await holder.resign()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(running[0], 20)
+    assert led == []
+    assert stopped == [(term, "cancelled") for term in started]
+    assert admin.leader(ACCOUNT, name) is None
+
+
 # Election on a keeper: the leader's lease is on the keeper and proclaim keeps
 # the term there; the keeper's stall ends the term once; a waiting candidate
 # whose keeper is lost (cut or stalled) aborts and leaves nothing behind
@@ -1302,6 +1391,37 @@ def test_e1_k1_a_waiting_candidate_whose_keeper_stalls_aborts_and_the_server_ref
     )
 
 
+def test_e1_a_campaign_on_a_keeper_cancelled_while_waiting_leaves_no_waiter_and_the_keeper_goes_on(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """E1: cancel() ends a campaign waiting on a keeper with CanceledError;
+    the keeper releases its run on the stream, so the server gives the
+    waiting Acquire up at once (not when its 60 s wait runs out): a third
+    candidate leads the moment the leader resigns, and the cancelled run was
+    never granted. The keeper goes on, and holds another lease."""
+    name = election("keeper-cancel")
+    direct = clients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    holder.__enter__()
+    client = clients(eserver.address, token=token())
+    with client.keeper(ACCOUNT, ttl=30) as k:
+        waiter = client.campaign(ACCOUNT, name, value="cancelled", keeper=k)
+        campaigning = pool.submit(waiter.__enter__)
+        wait_for("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
+        waiter.cancel()
+        with pytest.raises(CanceledError):
+            campaigning.result(timeout=20)
+        assert waiter.stop_reason is None
+        next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
+        assert not k.lost.is_set()
+        with k.hold(SessionKey(ACCOUNT, fresh_session("keeper-cancel-other"))) as other:
+            assert other.fencing_token > 0
+
+
 async def test_e1_k1_async_the_leaders_lease_is_on_the_keeper_proclaim_keeps_the_term_there_and_the_keepers_stall_ends_the_term_once(  # noqa: E501
     eserver: Server,
     admin: LeaseClient,
@@ -1366,6 +1486,38 @@ async def keeper_candidate_lost_async(
             await asyncio.to_thread(sleep_until_keeper_expired, stalled_until, k.keeper_id)
     await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
     proxy.pass_()
+
+
+async def test_e1_async_a_campaign_on_a_keeper_cancelled_while_waiting_leaves_no_waiter_and_the_keeper_goes_on(  # noqa: E501
+    eserver: Server, admin: LeaseClient, token: Callable[..., str], aclients: AsyncClients
+) -> None:
+    """E1: a campaign on a keeper whose task is cancelled while waiting
+    (asyncio.CancelledError), and another ended by cancel() (CanceledError):
+    each run is released on the keeper's stream, so neither waiter is left
+    on the server, and the keeper goes on."""
+    name = election("akeeper-cancel")
+    direct = aclients(eserver.address, token=token())
+    holder = direct.campaign(ACCOUNT, name, value="holder", ttl=LONG)
+    await holder.__aenter__()
+    client = aclients(eserver.address, token=token())
+    async with client.keeper(ACCOUNT, ttl=30) as k:
+        waiter = client.campaign(ACCOUNT, name, value="cancelled", keeper=k)
+        campaigning = asyncio.ensure_future(waiter.__aenter__())
+        await until("the candidate waiting on its keeper", lambda: waiting(eserver, name) >= 1)
+        campaigning.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await campaigning
+        other = client.campaign(ACCOUNT, name, value="cancelled-too", keeper=k)
+        campaigning = asyncio.ensure_future(other.__aenter__())
+        await until("the other candidate waiting", lambda: waiting(eserver, name) >= 2)
+        await other.cancel()
+        with pytest.raises(CanceledError):
+            await campaigning
+        assert waiter.stop_reason is None and other.stop_reason is None
+        await next_candidate_leads_at_once_async(eserver, admin, direct, name, holder)
+        assert not k.lost.is_set()
+        async with k.hold(SessionKey(ACCOUNT, fresh_session("akeeper-cancel-other"))) as held:
+            assert held.fencing_token > 0
 
 
 async def test_e1_async_a_waiting_candidate_whose_keeper_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501

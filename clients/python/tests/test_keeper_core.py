@@ -297,3 +297,50 @@ def test_an_acquire_on_a_lost_keeper_is_refused_with_its_loss_and_nothing_sent(
     )
     assert isinstance(got[0], LeaseLostError) and got[0].loss_reason == "deadline"
     assert len(h.stream.sent) == sent
+
+
+def test_a_waiting_acquire_sent_again_after_a_reattach_waits_only_what_is_left_of_its_wait(
+    h: _Harness,
+) -> None:
+    """An Acquire that waits 5 s, sent at 1.0 on a stream that then stalls,
+    is sent again on the re-attached stream at 2.0 with the 4 s left of its
+    wait, not a whole new wait (its caller gives up at 1.0 + 5 s + the call
+    timeout, and a campaign's timeout counts from its start); one whose wait
+    has run out by then is sent without a wait, answered at once."""
+    waiting = SessionKey("acct", "waits")
+    short = SessionKey("acct", "short")
+    h.rt.advance(INTERVAL)
+    h.core.acquire(waiting, "cccccccc-0000-4000-8000-000000000001", 5.0, "", lambda _: None)
+    h.core.acquire(short, "cccccccc-0000-4000-8000-000000000002", 0.5, "", lambda _: None)
+    h.rt.advance(2 * INTERVAL)
+    h.rt.advance(2 * INTERVAL)  # the reconnect's backoff (0 here)
+    h.attach()
+    again = {r.acquire.key.session_id: r.acquire for r in h.stream.sent if r.HasField("acquire")}
+    assert again["waits"].wait.ToTimedelta() == timedelta(seconds=4)
+    assert not again["short"].HasField("wait")
+
+
+def test_a_waiting_acquire_given_up_is_released_on_the_stream_and_so_is_a_grant_that_still_comes(
+    h: _Harness,
+) -> None:
+    """A waiting Acquire given up (its campaign cancelled) sends a Release of
+    its run at once, which gives the waiter up on the server; a grant that
+    raced it is released again when it arrives, and never held. One that
+    was answered, or never waited, sends nothing."""
+    key = SessionKey("acct", "given-up")
+    run_id = "cccccccc-0000-4000-8000-000000000003"
+    got: list[KeeperLease | LeaseholdError] = []
+    give_up = h.core.acquire(key, run_id, 60.0, "", got.append)
+    acquire = h.stream.last("acquire")
+    give_up()
+    give_up()
+    releases = [r.release for r in h.stream.sent if r.HasField("release")]
+    assert [(r.key.session_id, r.run_id) for r in releases] == [("given-up", run_id)]
+    h.stream.on_message(_granted(acquire.id, key, run_id, 9))
+    releases = [r.release for r in h.stream.sent if r.HasField("release")]
+    assert [r.run_id for r in releases] == [run_id, run_id]
+    assert h.core.leases == {}
+    assert not isinstance(got[0], KeeperLease)
+    no_wait = h.core.acquire(SessionKey("acct", "at-once"), run_id, 0.0, "", got.append)
+    no_wait()
+    assert len([r for r in h.stream.sent if r.HasField("release")]) == 2

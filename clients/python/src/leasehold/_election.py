@@ -137,6 +137,14 @@ class CampaignOptions(TypedDict, total=False):
     on_stopped_leading: Callable[[int, StopReason], None] | None
 
 
+class ReadLease:
+    """A step of ``ElectionView.snapshot_flow``: the election's lease now (a
+    Get), sent back as the Lease, or None when nobody holds it."""
+
+
+READ_LEASE = ReadLease()
+
+
 class ElectionView:
     """What ``observe()`` knows of an election, and the change (if any)
     each event, snapshot or History page makes. Deduplicated by term: a
@@ -181,14 +189,18 @@ class ElectionView:
 
     def snapshot_flow(
         self, snapshot: Snapshot
-    ) -> Generator[str, HistoryResult, list[ElectionChange]]:
+    ) -> Generator[str | ReadLease, HistoryResult | Lease | None, list[ElectionChange]]:
         """The changes a snapshot brings. The first is the ``current`` item.
         A later one (a reconnect, or a fresh snapshot the server sent
         because it could not vouch that nothing was missed) may hide terms
         that began and ended meanwhile: History is read back to the last
         term seen first (the flow yields each page's token and is sent the
         page), then the snapshot says what History could not (trimmed by
-        age, or an expiry not recorded yet)."""
+        age, or an expiry not recorded yet). History is read after the
+        snapshot was taken: a term it shows that the snapshot does not may
+        have begun in between, so whether it still leads is read (the flow
+        yields READ_LEASE and is sent the lease, or None) before it is said
+        to have ended."""
         lease = next((x for x in snapshot.leases if x.key.session_id == self.key.session_id), None)
         if not self.started:
             self.started = True
@@ -201,6 +213,7 @@ class ElectionView:
         page_token = ""
         while True:
             page = yield page_token
+            assert isinstance(page, HistoryResult)
             reached = False
             for event in page.events:
                 # Newest first: stop at the grant of the last term seen (its
@@ -214,6 +227,7 @@ class ElectionView:
             if reached or not page.next_page_token:
                 break
             page_token = page.next_page_token
+        known = self.highest
         changes = [c for c in map(self.apply, reversed(missed)) if c is not None]
         current = self.current
         if lease is not None and lease.fencing_token > self.highest:
@@ -221,6 +235,14 @@ class ElectionView:
             self.current = leader_of(lease)
             changes.append(ElectionChange("elected", self.current, self.current.term))
         elif lease is None and current is not None:
+            if current.term > known:
+                # Elected in History, absent from the snapshot: granted after
+                # it (still held: its end comes on the stream), or ended
+                # before it unrecorded (not held: it ends here).
+                now = yield READ_LEASE
+                assert now is None or isinstance(now, Lease)
+                if now is not None and now.fencing_token == current.term:
+                    return changes
             self.current = None
             changes.append(ElectionChange("ended", None, current.term, "expired"))
         elif (

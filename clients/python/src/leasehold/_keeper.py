@@ -11,8 +11,8 @@ Passing it loses the keeper and, at once, every lease on it. A stream that
 fails, ends, or leaves a heartbeat unanswered for one heartbeat interval is
 replaced by a stream to the next address, which re-attaches to the same
 keeper id (the server renews it then) and sends again every request still
-unanswered: an Acquire by its run id (idempotent, same token), a Release
-by its run id (S5), the close.
+unanswered: an Acquire by its run id (idempotent, same token; a waiting one
+with what is left of its wait), a Release by its run id (S5), the close.
 """
 
 from __future__ import annotations
@@ -101,13 +101,27 @@ Done = Callable[[lease_pb2.KeepResponse | LeaseholdError], None]
 
 
 class _Pending:
-    __slots__ = ("abandoned", "done", "request")
+    __slots__ = ("abandoned", "done", "request", "wait_until")
 
     def __init__(self, request: lease_pb2.KeepRequest, done: Done) -> None:
         self.request = request
         self.done = done
         #: The caller stopped waiting: a grant that still comes is released.
         self.abandoned = False
+        #: A waiting acquire's: when its wait ends (monotonic, from its first send).
+        self.wait_until: float | None = None
+
+    def sent_again(self, now: float) -> lease_pb2.KeepRequest:
+        """The request to send again on a re-attached stream: a waiting
+        acquire waits only what is left of its wait (its caller's timeout
+        counts from the first send), none once that has run out."""
+        if self.wait_until is not None:
+            left = self.wait_until - now
+            if left > 0:
+                self.request.acquire.wait.CopyFrom(duration_of(left))
+            else:
+                self.request.acquire.ClearField("wait")
+        return self.request
 
 
 class _Open:
@@ -300,7 +314,10 @@ class KeeperCore:
         error (NotAcquiredError with the holder or the lock-delay). The
         lease is registered the moment its grant is read, so a loss right
         behind it on the stream finds it. Returns a function that gives up
-        waiting: a grant that comes after it is released."""
+        waiting: an acquire that waits and is still unanswered is given up on
+        the server too (a release of its run on the stream, which answers it
+        CANCELLED and leaves no waiter), and a grant that comes after it is
+        released."""
         request = lease_pb2.AcquireRequest(key=key.to_proto(), run_id=run_id, holder=holder)
         if wait > 0:
             request.wait.CopyFrom(duration_of(wait))
@@ -314,10 +331,20 @@ class KeeperCore:
         pending = self._request(lease_pb2.KeepRequest(acquire=request), answered)
         if pending is not None:
             sent.append(pending)
+            if wait > 0:
+                pending.wait_until = self.rt.now() + wait
 
         def give_up() -> None:
-            if pending is not None:
-                pending.abandoned = True
+            if pending is None or pending.abandoned:
+                return
+            pending.abandoned = True
+            if wait > 0 and self._pending.get(pending.request.id) is pending:
+                # A waiting acquire stays queued on the server until its wait
+                # runs out; a release of its run gives it up there (and ends a
+                # grant that raced it), so a cancelled candidate leaves no
+                # waiter ahead of the others.
+                release = lease_pb2.ReleaseRequest(key=key.to_proto(), run_id=run_id)
+                self._request(lease_pb2.KeepRequest(release=release), lambda answer: None)
 
         return give_up
 
@@ -586,8 +613,9 @@ class KeeperCore:
         if opened is not None:
             opened(message)
         assert stream.handle is not None
+        now = self.rt.now()
         for pending in list(self._pending.values()):
-            stream.handle.send(pending.request)
+            stream.handle.send(pending.sent_again(now))
 
     def _refused(self, stream: _Open, error: LeaseholdError) -> None:
         """The server refused the open or a heartbeat: the keeper is not

@@ -40,6 +40,7 @@ from ._election import (
     BaseObserver,
     CampaignOptions,
     ElectionView,
+    ReadLease,
     campaign_cancelled,
     log_callback_failure,
     reconnect_delay,
@@ -62,6 +63,7 @@ from .types import (
     Event,
     HistoryResult,
     Leader,
+    Lease,
     ReleaseFailure,
     SessionKey,
     Snapshot,
@@ -392,6 +394,12 @@ class AsyncLeadership(BaseLeadership[AsyncHold]):
                 self._refused(refused, give_up_at)
                 continue
             except asyncio.CancelledError:
+                # This task may be cancelled in the instant the grant came
+                # (the hold granted, the task not resumed yet): nobody leads
+                # with that lease, so it is released (nothing is sent for a
+                # hold never granted), and not dropped if the task is
+                # cancelled again meanwhile.
+                await asyncio.shield(self._client._spawn(hold.__aexit__(None, None, None)))
                 task = asyncio.current_task()
                 if self._cancelled and (task is None or not task.cancelling()):
                     raise campaign_cancelled() from None
@@ -495,7 +503,7 @@ class AsyncElectionObserver(BaseObserver):
                     item = watch_item(message)
                     if isinstance(item, Snapshot):
                         pages = view.snapshot_flow(item)
-                        for change in await drive_async(pages, self._history_page, ()):
+                        for change in await drive_async(pages, self._read, ()):
                             yield change
                     elif view.started:
                         applied = view.apply(item)
@@ -517,8 +525,11 @@ class AsyncElectionObserver(BaseObserver):
                 delay = reconnect_delay(self._reconnect_delay, failures)
                 await asyncio.wait_for(self._closed_event.wait(), delay)
 
-    async def _history_page(self, page_token: str) -> HistoryResult:
-        return await self._client.history(self.key, page_size=100, page_token=page_token)
+    async def _read(self, step: str | ReadLease) -> HistoryResult | Lease | None:
+        """A step of ``ElectionView.snapshot_flow``: a History page, or the lease now."""
+        if isinstance(step, ReadLease):
+            return (await self._client.get(self.key)).lease
+        return await self._client.history(self.key, page_size=100, page_token=step)
 
     async def close(self) -> None:
         """Ends the iteration: the Watch is cancelled."""
@@ -653,10 +664,11 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, Async
 
         return method
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     # Streams
 
@@ -733,7 +745,18 @@ class AsyncLeaseClient(BaseClient[AsyncHold, AsyncKeeper, AsyncLeadership, Async
             while not stopped() and (terms == 0 or again):
                 leadership = self.campaign(account_id, election, **options)
                 entering = asyncio.ensure_future(leadership.__aenter__())
-                if not await _first(entering, stopping):
+                try:
+                    entered = await _first(entering, stopping)
+                except asyncio.CancelledError:
+                    # This task may be cancelled in the instant the campaign
+                    # won (the term begun, this task not resumed yet): the
+                    # term ends (cancelled, released) before the cancellation
+                    # goes on, and a campaign still waiting leaves nothing.
+                    await leadership.cancel()
+                    with contextlib.suppress(LeaseholdError, asyncio.CancelledError):
+                        await entering
+                    raise
+                if not entered:
                     await leadership.cancel()
                     with contextlib.suppress(LeaseholdError, asyncio.CancelledError):
                         await entering

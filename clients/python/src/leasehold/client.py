@@ -38,6 +38,7 @@ from ._election import (
     BaseObserver,
     CampaignOptions,
     ElectionView,
+    ReadLease,
     campaign_cancelled,
     log_callback_failure,
     reconnect_delay,
@@ -61,6 +62,7 @@ from .types import (
     Event,
     HistoryResult,
     Leader,
+    Lease,
     ReleaseFailure,
     SessionKey,
     Snapshot,
@@ -615,7 +617,7 @@ class ElectionObserver(BaseObserver):
                     failures = 0
                     item = watch_item(message)
                     if isinstance(item, Snapshot):
-                        yield from drive(view.snapshot_flow(item), self._history_page, ())
+                        yield from drive(view.snapshot_flow(item), self._read, ())
                     elif view.started:
                         change = view.apply(item)
                         if change is not None:
@@ -629,8 +631,11 @@ class ElectionObserver(BaseObserver):
             failures += 1
             self._closed_event.wait(reconnect_delay(self._reconnect_delay, failures))
 
-    def _history_page(self, page_token: str) -> HistoryResult:
-        return self._client.history(self.key, page_size=100, page_token=page_token)
+    def _read(self, step: str | ReadLease) -> HistoryResult | Lease | None:
+        """A step of ``ElectionView.snapshot_flow``: a History page, or the lease now."""
+        if isinstance(step, ReadLease):
+            return self._client.get(self.key).lease
+        return self._client.history(self.key, page_size=100, page_token=step)
 
     def close(self) -> None:
         """Ends the iteration (from any thread): the Watch is cancelled."""
