@@ -794,6 +794,36 @@ func TestElectionWaitingCandidateWhoseKeeperIsLostLeavesNoCandidateBehind(t *tes
 	leaveNothingBehind(t, srv, key, holder, 1)
 }
 
+// E1: a campaign on a keeper cancelled while waiting returns ctx's cause
+// and leaves no waiter (its run released on the keeper's stream, which
+// gives the waiting Acquire up on the server at once, not when its wait
+// runs out); the keeper goes on.
+func TestElectionCampaignOnAKeeperCancelledWhileWaitingLeavesNoWaiter(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	holder := campaign(t, dial(t, []string{srv.Addr}), key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	k := newKeeper(t, dial(t, []string{srv.Addr}), leasehold.WithKeeperTTL(30*time.Second))
+	ctx, cancel := context.WithCancel(context.Background())
+	waiter := campaignAsync(ctx, dial(t, []string{srv.Addr}), key, "cancelled", leasehold.CampaignOptions{Keeper: k})
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting on its keeper", func() bool { return queued(srv, key) >= 1 })
+	cancel()
+	if r := outcome(t, waiter, 10*time.Second, "the cancelled campaign on a keeper"); !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("cancelled Campaign on a keeper = %v, %v; want context.Canceled", r.l, r.err)
+	}
+	if err := k.Context().Err(); err != nil {
+		t.Fatalf("keeper ended by the cancelled campaign: %v", context.Cause(k.Context()))
+	}
+	// The keeper goes on; this acquire follows the release on its stream.
+	other, err := k.Hold(context.Background(), freshKey(t))
+	if err != nil {
+		t.Fatalf("Hold on the keeper after the cancelled campaign = %v", err)
+	}
+	if err := other.Release(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	leaveNothingBehind(t, srv, key, holder, 1)
+}
+
 // E1, K1: a candidate waiting on a keeper whose stream stalls returns the
 // *KeeperLostError at the keeper's local deadline; the server, which saw
 // no stall, never grants its stale waiter once the keeper has expired, and

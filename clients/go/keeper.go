@@ -255,9 +255,11 @@ func WithRunID(runID string) KeeperHoldOption { return func(h *keeperHold) { h.r
 // for it). The lease has the Lease API of Client.Hold: its Context is
 // cancelled when the keeper is lost or its heartbeats stall past the local
 // deadline, when the server says this lease was revoked, or by Release. ctx
-// bounds the acquire; the keeper's loss while it waits ends it too, with
-// the *KeeperLostError. A session held by another run is *NotAcquiredError
-// (with LockDelayUntil when an expired keeper's lock-delay refused it).
+// bounds the acquire (ending it while the server waits gives the wait up
+// there, and releases a grant that raced it); the keeper's loss while it
+// waits ends it too, with the *KeeperLostError. A session held by another
+// run is *NotAcquiredError (with LockDelayUntil when an expired keeper's
+// lock-delay refused it).
 func (k *Keeper) Hold(ctx context.Context, key SessionKey, opts ...KeeperHoldOption) (*Lease, error) {
 	o := keeperHold{holder: k.cfg.holder}
 	for _, opt := range opts {
@@ -501,7 +503,7 @@ func (k *Keeper) pushLocked(s *keeperStream, req *leasev1.KeepRequest) {
 // await waits for call's answer, ctx's end or the keeper's loss (which
 // finishes every call), and maps a refusal to this package's errors. An
 // acquire left by its caller is marked so that its grant, if one comes, is
-// released.
+// released, and a waiting one is given up on the server (giveUpLocked).
 func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResponse, error) {
 	select {
 	case <-call.done:
@@ -515,6 +517,7 @@ func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResp
 			}
 		default:
 			call.abandoned = true
+			k.giveUpLocked(call)
 			k.mu.Unlock()
 		}
 		return nil, ctx.Err()
@@ -526,6 +529,26 @@ func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResp
 		return nil, fromStatus(status.FromProto(st).Err())
 	}
 	return call.resp, nil
+}
+
+// giveUpLocked sends a release of a waiting acquire's run after it, on the
+// stream it waits on: the server keeps a waiting acquire queued until its
+// wait runs out, and a release of its run on the same stream gives it up
+// there (answered CANCELLED, no waiter left, a grant that raced the
+// release ended), so the next candidate is granted at once. An acquire
+// not sent yet needs none: attached sends its release instead. k.mu is
+// held.
+func (k *Keeper) giveUpLocked(call *keeperCall) {
+	a := call.req.GetAcquire()
+	if a == nil || a.GetWait().AsDuration() <= 0 || k.lost != nil || k.ended || k.closing {
+		return
+	}
+	if s := k.stream; s != nil && s.calls[call.req.GetId()] == call {
+		k.sendLocked(s, &keeperCall{
+			req:  &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Release{Release: &leasev1.ReleaseRequest{Key: a.GetKey(), RunId: a.GetRunId()}}},
+			done: make(chan struct{}),
+		})
+	}
 }
 
 // releaseRun releases, over the stream, the grant of an acquire nobody
