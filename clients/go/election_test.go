@@ -411,6 +411,38 @@ func TestElectionCampaignTimeoutNamesTheLeader(t *testing.T) {
 	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
 }
 
+// E1: a campaign on a keeper gives up when its Timeout passes even when
+// the keeper's stream is cut while it waits: the acquire sent again on the
+// re-attached stream waits only what is left of the first one's wait.
+func TestElectionCampaignTimeoutOnAKeeperHoldsAcrossAReattach(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	holder := campaign(t, dial(t, []string{srv.Addr}), key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	p := testenv.StartProxy(t, srv.Addr)
+	c := dial(t, []string{p.Addr})
+	k := newKeeper(t, c, leasehold.WithKeeperTTL(30*time.Second))
+	const timeout = 3 * time.Second
+	start := time.Now()
+	late := campaignAsync(context.Background(), c, key, "late", leasehold.CampaignOptions{Keeper: k, Timeout: timeout})
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting on its keeper", func() bool { return queued(srv, key) >= 1 })
+	// Half-way through the Timeout (a point in time, not a wait for an
+	// outcome): the wait sent again must end with the Timeout, not a
+	// whole Timeout after the re-attach.
+	time.Sleep(timeout/2 - time.Since(start))
+	p.Cut()
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting again on the re-attached keeper", func() bool { return queued(srv, key) >= 2 })
+	r := outcome(t, late, 10*time.Second, "the campaign past its Timeout")
+	took := time.Since(start)
+	var na *leasehold.NotAcquiredError
+	if !errors.As(r.err, &na) || na.Current.GetHolder() != "holder" {
+		t.Fatalf("Campaign past its Timeout on a keeper = %v, %v; want a *NotAcquiredError naming holder", r.l, r.err)
+	}
+	if took > timeout+time.Second {
+		t.Fatalf("Campaign with a %s Timeout returned after %s, want within a second of it", timeout, took)
+	}
+	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
+}
+
 // stopCalls records OnStoppedLeading's calls.
 type stopCalls struct {
 	mu    sync.Mutex

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
@@ -133,6 +134,10 @@ type keeperCall struct {
 	resp      *leasev1.KeepResponse
 	err       error
 	abandoned bool // an acquire whose caller left: its grant is released
+	// A waiting acquire's wait and when it was first sent (client clock):
+	// sent again after a cut, it waits only what is left.
+	wait   time.Duration
+	sentAt time.Time
 }
 
 func (call *keeperCall) finish(resp *leasev1.KeepResponse, err error) {
@@ -475,6 +480,9 @@ func (k *Keeper) send(req *leasev1.KeepRequest) (*keeperCall, error) {
 // next one. k.mu is held.
 func (k *Keeper) enqueueLocked(req *leasev1.KeepRequest) *keeperCall {
 	call := &keeperCall{req: req, done: make(chan struct{})}
+	if a := req.GetAcquire(); a != nil {
+		call.wait, call.sentAt = a.GetWait().AsDuration(), k.c.clock.Now()
+	}
 	if s := k.stream; s != nil && s.attached {
 		k.sendLocked(s, call)
 	} else {
@@ -741,10 +749,17 @@ func (k *Keeper) attached(s *keeperStream, resp *leasev1.KeepResponse) {
 	queue := k.queue
 	k.queue = nil
 	for _, call := range queue {
-		if call.abandoned && call.req.GetAcquire() != nil {
+		if a := call.req.GetAcquire(); a != nil && call.abandoned {
 			// Its caller left: release whatever it was granted instead.
-			a := call.req.GetAcquire()
 			call.req = &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Release{Release: &leasev1.ReleaseRequest{Key: a.GetKey(), RunId: a.GetRunId()}}}
+		} else if a != nil && call.wait > 0 {
+			// Sent again: it waits what is left of the first wait, so
+			// a caller's bound on it (Campaign's Timeout) holds across
+			// the cut. A new request: the old one may still be on its
+			// way out of the cut stream's sender.
+			again := proto.Clone(a).(*leasev1.AcquireRequest)
+			again.Wait = durationOrNil(max(0, call.wait-k.c.clock.Now().Sub(call.sentAt)))
+			call.req = &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Acquire{Acquire: again}}
 		}
 		k.sendLocked(s, call)
 	}
