@@ -405,22 +405,22 @@ func (l *Leadership) Proclaim(ctx context.Context, value string) error {
 	return nil
 }
 
-// Resign ends the term at once — Context ends with ErrResigned — and
-// releases the lease, so the next waiting candidate is granted at once. It
-// returns once OnStoppedLeading has returned (or ctx ends). After a loss it
-// sends nothing and returns nil: the term is over either way (StopReason
-// says how). Resigning twice is a no-op. A release that ctx cut short is
-// finished in the background: the term has ended, and its lease must not
-// stay renewed with nobody leading.
+// Resign ends the term at once — Context ends with ErrResigned — and, once
+// OnStoppedLeading has returned (or ctx ends), releases the lease, so the
+// next waiting candidate is granted at once and only after this leader has
+// stopped (L2). After a loss it sends nothing and returns nil: the term is
+// over either way (StopReason says how). Resigning twice is a no-op. A
+// release that ctx cut short is finished in the background: the term has
+// ended, and its lease must not stay renewed with nobody leading.
 func (l *Leadership) Resign(ctx context.Context) error {
 	l.cancel(ErrResigned)
-	err := l.lease.Release(ctx)
-	if err != nil && !errors.Is(err, ErrLeaseLost) && l.lease.Context().Err() == nil {
-		go l.c.releaseUnused(l.lease)
-	}
 	select {
 	case <-l.ended:
 	case <-ctx.Done():
+	}
+	err := l.lease.Release(ctx)
+	if err != nil && !errors.Is(err, ErrLeaseLost) && l.lease.Context().Err() == nil {
+		go l.c.releaseUnused(l.lease)
 	}
 	if errors.Is(err, ErrLeaseLost) {
 		return nil

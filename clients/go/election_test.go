@@ -253,6 +253,41 @@ func TestElectionResignHandsOverAtOnce(t *testing.T) {
 	resign(t, second)
 }
 
+// E1, L2: the resigning leader's OnStoppedLeading has returned before the
+// waiting candidate is granted: the one stops acting before the next starts.
+func TestElectionResignLetsTheNextInOnlyAfterOnStoppedLeading(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	next := make(chan campaignResult, 1)
+	var overlapped bool
+	first := campaign(t, dial(t, []string{srv.Addr}), key, "first", leasehold.CampaignOptions{
+		TTL: time.Minute,
+		OnStoppedLeading: func(int64, leasehold.StopReason) {
+			// Still stopping: the successor must not lead yet. A second
+			// is the window in which it would (it is granted within
+			// milliseconds of a release).
+			select {
+			case r := <-next:
+				overlapped = true
+				next <- r
+			case <-time.After(time.Second):
+			}
+		},
+	})
+	c := dial(t, []string{srv.Addr})
+	go func() {
+		l, err := c.Campaign(context.Background(), key, "second", leasehold.CampaignOptions{TTL: time.Minute})
+		next <- campaignResult{l, err}
+	}()
+	testenv.WaitFor(t, 10*time.Second, "the second candidate waiting", func() bool { return queued(srv, key) >= 1 })
+	resign(t, first)
+	if overlapped {
+		t.Fatal("the second candidate led while the first's OnStoppedLeading was still running")
+	}
+	second := leads(t, next, 5*time.Second, "the second candidate")
+	resign(t, second)
+}
+
 // E1: Proclaim changes the advertised value in the same term; refused once
 // the term is over; a value longer than the holder label is refused before
 // any call, naming the field.
