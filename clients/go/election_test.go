@@ -680,6 +680,44 @@ func TestElectionRunElectionCampaignsAgainAfterALostWaitingCall(t *testing.T) {
 	}
 }
 
+// E1: RunElection started while no instance answers still calls
+// OnNewLeader once one does: its Observe keeps trying, as after a
+// reconnect, rather than ending with the first failed call.
+func TestElectionRunElectionOnNewLeaderAfterTheServersWereOutOfReachAtStart(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	p.Refuse()
+	log := &messages{}
+	c := dial(t, []string{p.Addr}, leasehold.WithLogger(slog.New(log)))
+	var mu sync.Mutex
+	var leaders []int64
+	go func() {
+		// The campaign has failed twice: the observer's first calls have
+		// failed too. Then the instance is in reach again.
+		for deadline := time.Now().Add(20 * time.Second); log.count(leasehold.MsgCampaignAgain) < 2 && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		p.Admit()
+	}()
+	var led int64
+	err := c.RunElection(context.Background(), key, "started-early", leasehold.ElectionOptions{
+		CampaignOptions: leasehold.CampaignOptions{TTL: 5 * time.Second},
+		OnNewLeader:     func(l leasehold.Leader) { mu.Lock(); leaders = append(leaders, l.Term); mu.Unlock() },
+		Once:            true,
+	}, func(ctx context.Context, l *leasehold.Leadership) error {
+		led = l.Term()
+		testenv.WaitFor(t, 10*time.Second, "OnNewLeader with this term", func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Contains(leaders, l.Term())
+		})
+		return nil
+	})
+	if err != nil || led == 0 {
+		t.Fatalf("RunElection = %v after leading term %d, want nil after one term", err, led)
+	}
+}
+
 // observeInto runs Observe on a goroutine, sending each change (and an
 // error, as the last) to the channel; stop with cancel, then wait on done.
 func observeInto(ctx context.Context, c *leasehold.Client, key leasehold.SessionKey) (changes <-chan leasehold.ElectionChange, errs <-chan error, done <-chan struct{}) {
