@@ -405,22 +405,22 @@ func (l *Leadership) Proclaim(ctx context.Context, value string) error {
 	return nil
 }
 
-// Resign ends the term at once — Context ends with ErrResigned — and
-// releases the lease, so the next waiting candidate is granted at once. It
-// returns once OnStoppedLeading has returned (or ctx ends). After a loss it
-// sends nothing and returns nil: the term is over either way (StopReason
-// says how). Resigning twice is a no-op. A release that ctx cut short is
-// finished in the background: the term has ended, and its lease must not
-// stay renewed with nobody leading.
+// Resign ends the term at once — Context ends with ErrResigned — and, once
+// OnStoppedLeading has returned (or ctx ends), releases the lease, so the
+// next waiting candidate is granted at once and only after this leader has
+// stopped (L2). After a loss it sends nothing and returns nil: the term is
+// over either way (StopReason says how). Resigning twice is a no-op. A
+// release that ctx cut short is finished in the background: the term has
+// ended, and its lease must not stay renewed with nobody leading.
 func (l *Leadership) Resign(ctx context.Context) error {
 	l.cancel(ErrResigned)
-	err := l.lease.Release(ctx)
-	if err != nil && !errors.Is(err, ErrLeaseLost) && l.lease.Context().Err() == nil {
-		go l.c.releaseUnused(l.lease)
-	}
 	select {
 	case <-l.ended:
 	case <-ctx.Done():
+	}
+	err := l.lease.Release(ctx)
+	if err != nil && !errors.Is(err, ErrLeaseLost) && l.lease.Context().Err() == nil {
+		go l.c.releaseUnused(l.lease)
 	}
 	if errors.Is(err, ErrLeaseLost) {
 		return nil
@@ -627,7 +627,9 @@ func permanent(err error) bool {
 // every change in order — a new term, a proclaimed value, a term that
 // ended with nobody leading — until ctx ends (the iteration then ends) or
 // an error that a new Watch cannot mend (bad input, refused credentials or
-// permission, a server without Watch), yielded once as the last item.
+// permission, a server without Watch), yielded once as the last item. No
+// instance answering, at the start as later, is waited out (a backoff of
+// 100ms doubling to 2s, full jitter), not yielded.
 //
 // It rests on Watch with renewals (they carry proclaimed values). Across a
 // reconnect (the stream ended or failed: one Get fails over first, and the
@@ -639,18 +641,30 @@ func permanent(err error) bool {
 func (c *Client) Observe(ctx context.Context, key SessionKey) iter.Seq2[ElectionChange, error] {
 	return func(yield func(ElectionChange, error) bool) {
 		o := &observer{c: c, key: key}
+		failures := 0
 		// Every grant committed before this read has a token at most
 		// this (S6), and every later one reaches the Watch opened after
-		// it, or its snapshot.
-		_, highest, err := c.CheckFence(ctx, key, 1)
-		if err != nil {
-			if ctx.Err() == nil {
-				yield(ElectionChange{}, err)
+		// it, or its snapshot. Asked again, as a Watch is, while no
+		// instance answers.
+		for {
+			_, highest, err := c.CheckFence(ctx, key, 1)
+			if err == nil {
+				o.highest = highest
+				break
 			}
-			return
+			if ctx.Err() != nil {
+				return
+			}
+			if permanent(err) {
+				yield(ElectionChange{}, err)
+				return
+			}
+			failures++
+			if !pause(ctx, reconnectDelay(failures)) {
+				return
+			}
 		}
-		o.highest = highest
-		failures := 0
+		failures = 0
 		for reconnecting := false; ctx.Err() == nil; reconnecting = true {
 			failure := o.watch(ctx, reconnecting, func(ch ElectionChange) bool {
 				failures = 0
@@ -664,10 +678,9 @@ func (c *Client) Observe(ctx context.Context, key SessionKey) iter.Seq2[Election
 				return
 			}
 			// The stream ended or failed: open it again after a short
-			// backoff with full jitter.
+			// backoff.
 			failures++
-			bound := min(2*time.Second, 100*time.Millisecond<<min(failures, 5))
-			if !pause(ctx, time.Duration(rand.Int64N(int64(bound)+1))) {
+			if !pause(ctx, reconnectDelay(failures)) {
 				return
 			}
 		}
@@ -709,6 +722,13 @@ func (o *observer) watch(ctx context.Context, reconnecting bool, emit func(Elect
 		}
 	}
 	return nil
+}
+
+// reconnectDelay is the backoff before the nth attempt again in a row:
+// 100ms doubling to 2s, full jitter.
+func reconnectDelay(failures int) time.Duration {
+	bound := min(2*time.Second, 100*time.Millisecond<<min(failures, 5))
+	return time.Duration(rand.Int64N(int64(bound) + 1))
 }
 
 // pause waits d, or less when ctx ends first (false then).
@@ -782,9 +802,8 @@ func (c *Client) RunElection(ctx context.Context, key SessionKey, value string, 
 			// The waiting call's connection or instance went away:
 			// campaign again, after a backoff with full jitter.
 			failures++
-			bound := min(2*time.Second, 100*time.Millisecond<<min(failures, 5))
 			c.log(slog.LevelWarn, MsgCampaignAgain, "key", key.String(), "err", err, "attempt", failures)
-			if !pause(ctx, time.Duration(rand.Int64N(int64(bound)+1))) {
+			if !pause(ctx, reconnectDelay(failures)) {
 				return nil
 			}
 			continue

@@ -253,6 +253,41 @@ func TestElectionResignHandsOverAtOnce(t *testing.T) {
 	resign(t, second)
 }
 
+// E1, L2: the resigning leader's OnStoppedLeading has returned before the
+// waiting candidate is granted: the one stops acting before the next starts.
+func TestElectionResignLetsTheNextInOnlyAfterOnStoppedLeading(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	next := make(chan campaignResult, 1)
+	var overlapped bool
+	first := campaign(t, dial(t, []string{srv.Addr}), key, "first", leasehold.CampaignOptions{
+		TTL: time.Minute,
+		OnStoppedLeading: func(int64, leasehold.StopReason) {
+			// Still stopping: the successor must not lead yet. A second
+			// is the window in which it would (it is granted within
+			// milliseconds of a release).
+			select {
+			case r := <-next:
+				overlapped = true
+				next <- r
+			case <-time.After(time.Second):
+			}
+		},
+	})
+	c := dial(t, []string{srv.Addr})
+	go func() {
+		l, err := c.Campaign(context.Background(), key, "second", leasehold.CampaignOptions{TTL: time.Minute})
+		next <- campaignResult{l, err}
+	}()
+	testenv.WaitFor(t, 10*time.Second, "the second candidate waiting", func() bool { return queued(srv, key) >= 1 })
+	resign(t, first)
+	if overlapped {
+		t.Fatal("the second candidate led while the first's OnStoppedLeading was still running")
+	}
+	second := leads(t, next, 5*time.Second, "the second candidate")
+	resign(t, second)
+}
+
 // E1: Proclaim changes the advertised value in the same term; refused once
 // the term is over; a value longer than the holder label is refused before
 // any call, naming the field.
@@ -407,6 +442,38 @@ func TestElectionCampaignTimeoutNamesTheLeader(t *testing.T) {
 	var na *leasehold.NotAcquiredError
 	if !errors.As(err, &na) || na.Current.GetHolder() != "holder" {
 		t.Fatalf("Campaign past its Timeout = %v, want a *NotAcquiredError naming holder", err)
+	}
+	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
+}
+
+// E1: a campaign on a keeper gives up when its Timeout passes even when
+// the keeper's stream is cut while it waits: the acquire sent again on the
+// re-attached stream waits only what is left of the first one's wait.
+func TestElectionCampaignTimeoutOnAKeeperHoldsAcrossAReattach(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	holder := campaign(t, dial(t, []string{srv.Addr}), key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	p := testenv.StartProxy(t, srv.Addr)
+	c := dial(t, []string{p.Addr})
+	k := newKeeper(t, c, leasehold.WithKeeperTTL(30*time.Second))
+	const timeout = 3 * time.Second
+	start := time.Now()
+	late := campaignAsync(context.Background(), c, key, "late", leasehold.CampaignOptions{Keeper: k, Timeout: timeout})
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting on its keeper", func() bool { return queued(srv, key) >= 1 })
+	// Half-way through the Timeout (a point in time, not a wait for an
+	// outcome): the wait sent again must end with the Timeout, not a
+	// whole Timeout after the re-attach.
+	time.Sleep(timeout/2 - time.Since(start))
+	p.Cut()
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting again on the re-attached keeper", func() bool { return queued(srv, key) >= 2 })
+	r := outcome(t, late, 10*time.Second, "the campaign past its Timeout")
+	took := time.Since(start)
+	var na *leasehold.NotAcquiredError
+	if !errors.As(r.err, &na) || na.Current.GetHolder() != "holder" {
+		t.Fatalf("Campaign past its Timeout on a keeper = %v, %v; want a *NotAcquiredError naming holder", r.l, r.err)
+	}
+	if took > timeout+time.Second {
+		t.Fatalf("Campaign with a %s Timeout returned after %s, want within a second of it", timeout, took)
 	}
 	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
 }
@@ -613,6 +680,44 @@ func TestElectionRunElectionCampaignsAgainAfterALostWaitingCall(t *testing.T) {
 	}
 }
 
+// E1: RunElection started while no instance answers still calls
+// OnNewLeader once one does: its Observe keeps trying, as after a
+// reconnect, rather than ending with the first failed call.
+func TestElectionRunElectionOnNewLeaderAfterTheServersWereOutOfReachAtStart(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	p.Refuse()
+	log := &messages{}
+	c := dial(t, []string{p.Addr}, leasehold.WithLogger(slog.New(log)))
+	var mu sync.Mutex
+	var leaders []int64
+	go func() {
+		// The campaign has failed twice: the observer's first calls have
+		// failed too. Then the instance is in reach again.
+		for deadline := time.Now().Add(20 * time.Second); log.count(leasehold.MsgCampaignAgain) < 2 && time.Now().Before(deadline); {
+			time.Sleep(10 * time.Millisecond)
+		}
+		p.Admit()
+	}()
+	var led int64
+	err := c.RunElection(context.Background(), key, "started-early", leasehold.ElectionOptions{
+		CampaignOptions: leasehold.CampaignOptions{TTL: 5 * time.Second},
+		OnNewLeader:     func(l leasehold.Leader) { mu.Lock(); leaders = append(leaders, l.Term); mu.Unlock() },
+		Once:            true,
+	}, func(ctx context.Context, l *leasehold.Leadership) error {
+		led = l.Term()
+		testenv.WaitFor(t, 10*time.Second, "OnNewLeader with this term", func() bool {
+			mu.Lock()
+			defer mu.Unlock()
+			return slices.Contains(leaders, l.Term())
+		})
+		return nil
+	})
+	if err != nil || led == 0 {
+		t.Fatalf("RunElection = %v after leading term %d, want nil after one term", err, led)
+	}
+}
+
 // observeInto runs Observe on a goroutine, sending each change (and an
 // error, as the last) to the channel; stop with cancel, then wait on done.
 func observeInto(ctx context.Context, c *leasehold.Client, key leasehold.SessionKey) (changes <-chan leasehold.ElectionChange, errs <-chan error, done <-chan struct{}) {
@@ -790,6 +895,36 @@ func TestElectionWaitingCandidateWhoseKeeperIsLostLeavesNoCandidateBehind(t *tes
 	p.Refuse()
 	if r := outcome(t, lost, 15*time.Second, "the campaign on the lost keeper"); !errors.Is(r.err, leasehold.ErrKeeperLost) {
 		t.Fatalf("Campaign on a lost keeper = %v, %v; want the *KeeperLostError", r.l, r.err)
+	}
+	leaveNothingBehind(t, srv, key, holder, 1)
+}
+
+// E1: a campaign on a keeper cancelled while waiting returns ctx's cause
+// and leaves no waiter (its run released on the keeper's stream, which
+// gives the waiting Acquire up on the server at once, not when its wait
+// runs out); the keeper goes on.
+func TestElectionCampaignOnAKeeperCancelledWhileWaitingLeavesNoWaiter(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	holder := campaign(t, dial(t, []string{srv.Addr}), key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	k := newKeeper(t, dial(t, []string{srv.Addr}), leasehold.WithKeeperTTL(30*time.Second))
+	ctx, cancel := context.WithCancel(context.Background())
+	waiter := campaignAsync(ctx, dial(t, []string{srv.Addr}), key, "cancelled", leasehold.CampaignOptions{Keeper: k})
+	testenv.WaitFor(t, 10*time.Second, "the candidate waiting on its keeper", func() bool { return queued(srv, key) >= 1 })
+	cancel()
+	if r := outcome(t, waiter, 10*time.Second, "the cancelled campaign on a keeper"); !errors.Is(r.err, context.Canceled) {
+		t.Fatalf("cancelled Campaign on a keeper = %v, %v; want context.Canceled", r.l, r.err)
+	}
+	if err := k.Context().Err(); err != nil {
+		t.Fatalf("keeper ended by the cancelled campaign: %v", context.Cause(k.Context()))
+	}
+	// The keeper goes on; this acquire follows the release on its stream.
+	other, err := k.Hold(context.Background(), freshKey(t))
+	if err != nil {
+		t.Fatalf("Hold on the keeper after the cancelled campaign = %v", err)
+	}
+	if err := other.Release(context.Background()); err != nil {
+		t.Fatal(err)
 	}
 	leaveNothingBehind(t, srv, key, holder, 1)
 }

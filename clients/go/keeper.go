@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
@@ -133,6 +134,10 @@ type keeperCall struct {
 	resp      *leasev1.KeepResponse
 	err       error
 	abandoned bool // an acquire whose caller left: its grant is released
+	// A waiting acquire's wait and when it was first sent (client clock):
+	// sent again after a cut, it waits only what is left.
+	wait   time.Duration
+	sentAt time.Time
 }
 
 func (call *keeperCall) finish(resp *leasev1.KeepResponse, err error) {
@@ -255,9 +260,11 @@ func WithRunID(runID string) KeeperHoldOption { return func(h *keeperHold) { h.r
 // for it). The lease has the Lease API of Client.Hold: its Context is
 // cancelled when the keeper is lost or its heartbeats stall past the local
 // deadline, when the server says this lease was revoked, or by Release. ctx
-// bounds the acquire; the keeper's loss while it waits ends it too, with
-// the *KeeperLostError. A session held by another run is *NotAcquiredError
-// (with LockDelayUntil when an expired keeper's lock-delay refused it).
+// bounds the acquire (ending it while the server waits gives the wait up
+// there, and releases a grant that raced it); the keeper's loss while it
+// waits ends it too, with the *KeeperLostError. A session held by another
+// run is *NotAcquiredError (with LockDelayUntil when an expired keeper's
+// lock-delay refused it).
 func (k *Keeper) Hold(ctx context.Context, key SessionKey, opts ...KeeperHoldOption) (*Lease, error) {
 	o := keeperHold{holder: k.cfg.holder}
 	for _, opt := range opts {
@@ -473,6 +480,9 @@ func (k *Keeper) send(req *leasev1.KeepRequest) (*keeperCall, error) {
 // next one. k.mu is held.
 func (k *Keeper) enqueueLocked(req *leasev1.KeepRequest) *keeperCall {
 	call := &keeperCall{req: req, done: make(chan struct{})}
+	if a := req.GetAcquire(); a != nil {
+		call.wait, call.sentAt = a.GetWait().AsDuration(), k.c.clock.Now()
+	}
 	if s := k.stream; s != nil && s.attached {
 		k.sendLocked(s, call)
 	} else {
@@ -501,7 +511,7 @@ func (k *Keeper) pushLocked(s *keeperStream, req *leasev1.KeepRequest) {
 // await waits for call's answer, ctx's end or the keeper's loss (which
 // finishes every call), and maps a refusal to this package's errors. An
 // acquire left by its caller is marked so that its grant, if one comes, is
-// released.
+// released, and a waiting one is given up on the server (giveUpLocked).
 func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResponse, error) {
 	select {
 	case <-call.done:
@@ -515,6 +525,7 @@ func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResp
 			}
 		default:
 			call.abandoned = true
+			k.giveUpLocked(call)
 			k.mu.Unlock()
 		}
 		return nil, ctx.Err()
@@ -526,6 +537,26 @@ func (k *Keeper) await(ctx context.Context, call *keeperCall) (*leasev1.KeepResp
 		return nil, fromStatus(status.FromProto(st).Err())
 	}
 	return call.resp, nil
+}
+
+// giveUpLocked sends a release of a waiting acquire's run after it, on the
+// stream it waits on: the server keeps a waiting acquire queued until its
+// wait runs out, and a release of its run on the same stream gives it up
+// there (answered CANCELLED, no waiter left, a grant that raced the
+// release ended), so the next candidate is granted at once. An acquire
+// not sent yet needs none: attached sends its release instead. k.mu is
+// held.
+func (k *Keeper) giveUpLocked(call *keeperCall) {
+	a := call.req.GetAcquire()
+	if a == nil || a.GetWait().AsDuration() <= 0 || k.lost != nil || k.ended || k.closing {
+		return
+	}
+	if s := k.stream; s != nil && s.calls[call.req.GetId()] == call {
+		k.sendLocked(s, &keeperCall{
+			req:  &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Release{Release: &leasev1.ReleaseRequest{Key: a.GetKey(), RunId: a.GetRunId()}}},
+			done: make(chan struct{}),
+		})
+	}
 }
 
 // releaseRun releases, over the stream, the grant of an acquire nobody
@@ -718,10 +749,17 @@ func (k *Keeper) attached(s *keeperStream, resp *leasev1.KeepResponse) {
 	queue := k.queue
 	k.queue = nil
 	for _, call := range queue {
-		if call.abandoned && call.req.GetAcquire() != nil {
+		if a := call.req.GetAcquire(); a != nil && call.abandoned {
 			// Its caller left: release whatever it was granted instead.
-			a := call.req.GetAcquire()
 			call.req = &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Release{Release: &leasev1.ReleaseRequest{Key: a.GetKey(), RunId: a.GetRunId()}}}
+		} else if a != nil && call.wait > 0 {
+			// Sent again: it waits what is left of the first wait, so
+			// a caller's bound on it (Campaign's Timeout) holds across
+			// the cut. A new request: the old one may still be on its
+			// way out of the cut stream's sender.
+			again := proto.Clone(a).(*leasev1.AcquireRequest)
+			again.Wait = durationOrNil(max(0, call.wait-k.c.clock.Now().Sub(call.sentAt)))
+			call.req = &leasev1.KeepRequest{Op: &leasev1.KeepRequest_Acquire{Acquire: again}}
 		}
 		k.sendLocked(s, call)
 	}
