@@ -114,7 +114,8 @@ type CampaignOptions struct {
 	OnStartedLeading func(term int64)
 	// OnStoppedLeading is called exactly once per term that
 	// OnStartedLeading began, whatever ended it, as soon as the
-	// Leadership's Context ends (before a successor can be granted: L2).
+	// Leadership's Context ends (before a successor can be granted, L2,
+	// unless an operator revoked the term: fences refuse the old term).
 	// It must not wait for Resign, which waits for it.
 	OnStoppedLeading func(term int64, reason StopReason)
 }

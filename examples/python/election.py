@@ -64,8 +64,9 @@ def main(argv: list[str]) -> int:
             value=args.name,
             ttl=args.ttl_ms / 1000,
             on_started_leading=lambda term: emit("leading", term=term),
-            # Called exactly once per term, whatever ended it, before a
-            # successor can be granted.
+            # Called exactly once per term, whatever ended it; before a
+            # successor can be granted, unless an operator revoked the term
+            # (fences refuse the old term then).
             on_stopped_leading=lambda term, reason: emit(
                 "stopped_leading", term=term, reason=reason.kind
             ),

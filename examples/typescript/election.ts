@@ -50,8 +50,9 @@ await runElection(
     value: values.name,
     ttlMs: 5_000,
     onStartedLeading: (term) => console.log(`${values.name}: leading, term ${term}`),
-    // Called exactly once per term, whatever ended it, before a successor
-    // can be granted.
+    // Called exactly once per term, whatever ended it; before a successor
+    // can be granted, unless an operator revoked the term (fences refuse
+    // the old term then).
     onStoppedLeading: (term, reason) =>
       console.log(`${values.name}: stopped leading term ${term} (${reason.kind})`),
     onNewLeader: (leader) =>

@@ -77,7 +77,8 @@ export interface ElectionCallbacks {
   /**
    * The term ended. Called exactly once per term that onStartedLeading
    * began, whatever ended it, as soon as the leadership's signal aborts
-   * (before a successor can be granted: L2).
+   * (before a successor can be granted, L2, unless an operator revoked the
+   * term: fences refuse the old term).
    */
   onStoppedLeading?(term: bigint, reason: StopReason): void;
 }

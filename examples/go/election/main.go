@@ -50,8 +50,9 @@ func main() {
 		CampaignOptions: leasehold.CampaignOptions{
 			TTL:              5 * time.Second,
 			OnStartedLeading: func(term int64) { fmt.Printf("%s: leading, term %d\n", *name, term) },
-			// Called exactly once per term, whatever ended it, before a
-			// successor can be granted.
+			// Called exactly once per term, whatever ended it; before a
+			// successor can be granted, unless an operator revoked the term
+			// (fences refuse the old term then).
 			OnStoppedLeading: func(term int64, why leasehold.StopReason) {
 				fmt.Printf("%s: stopped leading term %d (%s)\n", *name, term, why.Kind)
 			},
