@@ -37,6 +37,30 @@ export function leaseColumns(
 // Keepers (K1; docs/keepers.md). A lease on a keeper is stored with
 // expires_at 'infinity' while open: every deadline guard on `leases` stays a
 // necessary condition, and keeperValid below is the added one.
+//
+// The keeper's deadline is read by a scalar subquery written into each
+// statement, not by calling the SQL function leasehold_keeper_deadline
+// (migrations/lease/0006_keepers.sql), which answers the same: PostgreSQL
+// does not inline a SQL function whose body has a subquery, and runs it
+// through the SQL-function executor, which parses and plans its body once per
+// call site in every execution of the calling statement. A single-row acquire
+// or release of a keeper's lease has half a dozen such call sites: they cost
+// PostgreSQL more than the rest of the statement. A subquery in the statement
+// is planned with it (once: the pool prepares every statement) and reads the
+// same snapshot a STABLE function would.
+
+/**
+ * The deadline keeper `keeper_id` of row alias `t` gives its leases: its
+ * expires_at (its deadline while it runs, its end time once closed or
+ * revoked), -infinity when it no longer exists (trimmed: long over), NULL for
+ * a lease of its own (no keeper is read).
+ */
+function keeperDeadline(sql: Sql, t: string): postgres.PendingQuery<postgres.Row[]> {
+  return sql`CASE WHEN ${sql(t)}.keeper_id IS NOT NULL THEN coalesce(
+      (SELECT lease_keeper.expires_at FROM keepers lease_keeper
+       WHERE lease_keeper.id = ${sql(t)}.keeper_id),
+      '-infinity'::timestamptz) END`;
+}
 
 /**
  * The deadline of the lease in row alias `t` (which has acquired_at,
@@ -44,8 +68,7 @@ export function leaseColumns(
  * before its grant (a keeper trimmed away reads as long over).
  */
 export function leaseDeadline(sql: Sql, t: string): postgres.PendingQuery<postgres.Row[]> {
-  return sql`greatest(${sql(t)}.acquired_at,
-    least(${sql(t)}.expires_at, leasehold_keeper_deadline(${sql(t)}.keeper_id)))`;
+  return sql`greatest(${sql(t)}.acquired_at, least(${sql(t)}.expires_at, ${keeperDeadline(sql, t)}))`;
 }
 
 /**
@@ -58,7 +81,7 @@ export function keeperValid(
   t: string,
   at: postgres.PendingQuery<postgres.Row[]>,
 ): postgres.PendingQuery<postgres.Row[]> {
-  return sql`(${sql(t)}.keeper_id IS NULL OR leasehold_keeper_deadline(${sql(t)}.keeper_id) > ${at})`;
+  return sql`(${sql(t)}.keeper_id IS NULL OR ${keeperDeadline(sql, t)} > ${at})`;
 }
 
 /** The LeaseRecord of a row whose lease columns carry `prefix` (camelCased by the pool). */
