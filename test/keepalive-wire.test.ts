@@ -5,8 +5,11 @@
 // test/wire-reader.test.ts.)
 
 import { fromBinary } from "@bufbuild/protobuf";
+import { type Any, anyUnpack } from "@bufbuild/protobuf/wkt";
+import { Code } from "@connectrpc/connect";
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import { KeepAliveResponseSchema } from "../src/gen/leasehold/v1/lease_pb.js";
 import type { LeaseRecord } from "../src/lease/types.js";
 import type { LossCause } from "../src/protocol/errors.js";
@@ -14,6 +17,7 @@ import { encodeFrame } from "../src/server/rpc/grpc-wire.js";
 import { encodeKeepAliveAnswers } from "../src/server/rpc/keepalive-wire.js";
 import { keepAliveAnswer } from "../src/server/rpc/stream-service.js";
 import type { KeepAliveAnswer } from "../src/server/streams/keepalive.js";
+import { RenewalUndecidedError } from "../src/server/streams/renewal-batcher.js";
 
 const int64 = fc.bigInt({ min: -(2n ** 63n), max: 2n ** 63n - 1n });
 // Times and durations as the database gives them, and the edges of the
@@ -65,6 +69,14 @@ const answer: fc.Arbitrary<KeepAliveAnswer> = fc.oneof(
     requesterHolder: text,
     reason: text,
     atUs: micros,
+  }),
+  fc.record({
+    kind: fc.constant("undecided" as const),
+    key: fc.record({ accountId: text, sessionId: text }),
+    runId: fc.uuid(),
+    error: fc
+      .constantFrom("57014", "55P03")
+      .map((state) => new RenewalUndecidedError("the renewal was not decided", state)),
   }),
 );
 
@@ -119,6 +131,29 @@ describe("KeepAlive answers on the wire", () => {
       acquiredAt: { seconds: 1_764_000_000n, nanos: 123_456_000 },
       expiresAt: { seconds: 1_764_000_015n, nanos: 373_456_000 },
       remaining: { seconds: 14n, nanos: 999_001_000 },
+    });
+  });
+
+  it("an undecided renewal reads back as UNAVAILABLE, DATABASE_UNAVAILABLE with the SQLSTATE, and its key and run", () => {
+    const key = { accountId: "acct-1", sessionId: "session-1" };
+    const runId = "0b5c6a43-3f0e-4d7c-9a57-8f4c1d2e3a4b";
+    const error = new RenewalUndecidedError(
+      "the renewal was not decided (the database statement timed out)",
+      "57014",
+    );
+    const frame = encodeKeepAliveAnswers([{ kind: "undecided", key, runId, error }]);
+    const m = fromBinary(KeepAliveResponseSchema, frame.subarray(5));
+    expect(m.key).toMatchObject(key);
+    expect(m.runId).toBe(runId);
+    expect(m.result.case).toBe("undecided");
+    const status = m.result.value as { code: number; message: string; details: Any[] };
+    expect(status.code).toBe(Code.Unavailable);
+    expect(status.message).toBe(error.message);
+    const info = status.details.map((d) => anyUnpack(d, ErrorInfoSchema)).find((d) => d);
+    expect(info).toMatchObject({
+      reason: "DATABASE_UNAVAILABLE",
+      domain: "leasehold.dev",
+      metadata: { sql_state: "57014" },
     });
   });
 });

@@ -22,6 +22,7 @@ import { GuardedStoreService } from "../src/gen/leasehold/guarded/v1/guarded_pb.
 import type { HandoffRequested } from "../src/gen/leasehold/v1/lease_pb.js";
 import type { SessionKey } from "../src/lease/types.js";
 import { createLeaseStore } from "../src/server/db/lease-store.js";
+import { openTransaction } from "./support/db.js";
 import { useTestServer } from "./support/fixture.js";
 import { freshKey } from "./support/leases.js";
 import { startTcpProxy, type TcpProxy } from "./support/tcp-proxy.js";
@@ -290,6 +291,103 @@ describe("reconnecting", () => {
     expect(outcome.after?.valid).toBe(true);
     expect(outcome.after?.runId).toBe(outcome.before?.runId);
     expect(events).toContainEqual({ type: "keepalive-open", baseUrl: second.url });
+  });
+});
+
+describe("a renewal the database did not decide", () => {
+  // A server of its own whose renewal statements time out (statement_timeout
+  // 150 ms) long before a run's stall watch (its renew interval, 500 ms)
+  // would fire; a table lock held by another connection holds every
+  // renewal statement up until it times out.
+  async function slowServer() {
+    return startServer(["--statement-timeout", "150ms", "--lock-timeout", "30s"]);
+  }
+  const lockRenewals = () => openTransaction(db, (tx) => tx`LOCK TABLE leases IN SHARE MODE`);
+  const undecidedEvents = (events: ClientEvent[]) =>
+    events.filter((e) => e.type === "keepalive-renewal-undecided");
+  const reconnects = (events: ClientEvent[]) =>
+    events.filter((e) => e.type === "keepalive-failed" || e.type === "keepalive-open").length - 1;
+
+  it("L2: an undecided renewal keeps the stream and the lease; its local deadline does not move, and a later renewal renews it", async () => {
+    const slow = await slowServer();
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrl: slow.url, protocol: "grpc", onEvent: (e) => events.push(e) });
+    const key = freshKey("undecided-kept");
+    const outcome = await c.runExclusive(
+      key,
+      async (ctx) => {
+        const lock = await lockRenewals();
+        let before: typeof ctx.lease;
+        let during: typeof ctx.lease;
+        try {
+          // Every renewal from the first undecided one on is held up by the
+          // lock. Two rounds answered undecided: more than one renew
+          // interval, which the stall watch took for a stalled connection.
+          await waitFor(() => undecidedEvents(events).length >= 1, {
+            what: "a renewal answered undecided",
+          });
+          before = ctx.lease;
+          await waitFor(() => undecidedEvents(events).length >= 3, {
+            what: "two more renewals answered undecided",
+          });
+          during = ctx.lease;
+        } finally {
+          await lock.end();
+        }
+        const stored = await storedLease(key);
+        const expiry = (l: typeof ctx.lease) => `${l.expiresAt?.seconds}.${l.expiresAt?.nanos}`;
+        await waitFor(() => expiry(ctx.lease) !== expiry(before), {
+          what: "a renewal after the database is back",
+        });
+        return { aborted: ctx.signal.aborted, before, during, stored, runId: ctx.runId };
+      },
+      { ttlMs: 2_500, renewIntervalMs: 500 },
+    );
+    expect(outcome.aborted).toBe(false);
+    // Undecided renewals left the lease as the server had it, and the run's view too.
+    expect(outcome.during).toEqual(outcome.before);
+    expect(outcome.stored?.valid).toBe(true);
+    expect(outcome.stored?.runId).toBe(outcome.runId);
+    const undecided = undecidedEvents(events)[0];
+    expect(undecided).toMatchObject({
+      baseUrl: slow.url,
+      key: { accountId: key.accountId, sessionId: key.sessionId },
+      runId: outcome.runId,
+    });
+    expect(undecided?.type === "keepalive-renewal-undecided" && undecided.error).toMatchObject({
+      code: Code.Unavailable,
+      reason: "DATABASE_UNAVAILABLE",
+      metadata: { sql_state: "57014" },
+    });
+    // One stream throughout: never failed, never reopened.
+    expect(reconnects(events)).toBe(0);
+    expect(events.filter((e) => e.type === "keepalive-failed")).toEqual([]);
+  });
+
+  it("L2: a database that stays slow ends the lease at its local deadline, before the server-side one, on the same stream", async () => {
+    const slow = await slowServer();
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrl: slow.url, protocol: "grpc", onEvent: (e) => events.push(e) });
+    const key = freshKey("undecided-lost");
+    const lock: { end(): Promise<void> }[] = [];
+    try {
+      const result = await abortedWhen(
+        c,
+        key,
+        2_000,
+        async () => {
+          lock.push(await lockRenewals());
+        },
+        { safetyMarginMs: 500 },
+      );
+      expect(result.reason).toBeInstanceOf(LeaseLostError);
+      expect((result.reason as LeaseLostError).lossReason).toBe("deadline");
+      expect(result.leftMs).toBeGreaterThan(0);
+    } finally {
+      for (const l of lock) await l.end();
+    }
+    expect(undecidedEvents(events).length).toBeGreaterThan(0);
+    expect(events.filter((e) => e.type === "keepalive-failed")).toEqual([]);
   });
 });
 

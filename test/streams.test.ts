@@ -7,12 +7,15 @@
 
 import { randomUUID } from "node:crypto";
 import { fromBinary } from "@bufbuild/protobuf";
+import { anyUnpack } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import { createConnectTransport, createGrpcWebTransport } from "@connectrpc/connect-node";
 import { beforeAll, describe, expect, it } from "vitest";
+import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import {
   EventType,
   KeepAliveRequestSchema,
+  type KeepAliveResponse,
   LeaseService,
   LossReason,
   WatchRequestSchema,
@@ -31,6 +34,14 @@ import { waitFor, within } from "./support/wait.js";
 
 const lossOf = (m: { result: { case?: string; value?: unknown } }) =>
   m.result.case === "lost" ? (m.result.value as { reason: LossReason }).reason : m.result.case;
+
+/** An `undecided` answer's code, ErrorInfo reason and SQLSTATE; undefined for any other answer. */
+function undecidedOf(m: KeepAliveResponse) {
+  if (m.result.case !== "undecided") return undefined;
+  const status = m.result.value;
+  const info = status.details.map((d) => anyUnpack(d, ErrorInfoSchema)).find((d) => d);
+  return { code: status.code, reason: info?.reason, sqlState: info?.metadata.sql_state };
+}
 
 // Every test runs on a server with `--grpc-path native` (gRPC served off
 // node:http2, rpc/native-streams.ts) and on one with `--grpc-path connect`
@@ -144,7 +155,7 @@ for (const mode of ["native", "connect"] as const) {
         stream.abort();
       });
 
-      it("S8: a renewal stuck behind another transaction's row lock gets no answer; the stream and its other leases go on", async () => {
+      it("S8: a renewal stuck behind another transaction's row lock is answered undecided; the stream and its other leases go on", async () => {
         const stuckKey = freshKey("stuck");
         const freeKey = freshKey("free");
         const a = await client.acquire({ key: stuckKey, ttl: ms(60_000) });
@@ -163,14 +174,18 @@ for (const mode of ["native", "connect"] as const) {
           stream.send({ key: freeKey, runId: freeRun });
           expect((await answerFor(stream, freeRun)).result.case).toBe("lease");
           // The stuck renewal is retried alone, waiting on the lock, until
-          // lock_timeout (1 s) gives up on it: that renewal cannot be decided.
+          // lock_timeout (1 s) gives up on it: that renewal is not decided,
+          // and answered so.
           await waitFor(async () => (await lockWaits()) > 0, {
             what: "the stuck renewal's retry to wait on the row lock",
           });
-          await waitFor(async () => (await lockWaits()) === 0, {
-            what: "the stuck renewal's retry to give up at lock_timeout",
-            timeoutMs: 10_000,
+          const undecided = await answerFor(stream, stuckRun);
+          expect(undecidedOf(undecided)).toEqual({
+            code: Code.Unavailable,
+            reason: "DATABASE_UNAVAILABLE",
+            sqlState: "55P03",
           });
+          expect(undecided.key).toEqual(expect.objectContaining(stuckKey));
           // The stream is open, and its other lease is renewed as usual.
           stream.send({ key: freeKey, runId: freeRun, ttl: ms(90_000) });
           const again = await answerFor(stream, freeRun);
@@ -184,19 +199,20 @@ for (const mode of ["native", "connect"] as const) {
           await lock.end();
           stream.send({ key: stuckKey, runId: stuckRun });
           const renewed = await answerFor(stream, stuckRun);
-          // No answer was sent for the undecided round: the first one is this lease.
           expect(renewed.result.case).toBe("lease");
+          expect(stream.reader.done).toBe(false);
           stream.abort();
         } finally {
           await lock.end();
         }
       });
 
-      it("L2: a renewal statement that times out ends no stream: its renewals get no answer that round, and the next ones are renewed", async () => {
+      it("L2: a renewal statement that times out ends no stream: its renewals are answered undecided, their leases unchanged, and the next ones are renewed", async () => {
         // A server of its own whose statements time out long before their
         // lock waits do: a batch stuck behind a table lock ends at
-        // statement_timeout (57014), which ended the stream, and every
-        // lease on it, with DEADLINE_EXCEEDED.
+        // statement_timeout (57014), which once ended the stream, and every
+        // lease on it, with DEADLINE_EXCEEDED, and then left the renewals
+        // unanswered (which clients took for a stalled connection).
         const slow = await startServer([
           "--grpc-path",
           mode,
@@ -208,9 +224,11 @@ for (const mode of ["native", "connect"] as const) {
         const slowClient = grpcClient(slow.url);
         const keys = [freshKey("timeout-a"), freshKey("timeout-b")];
         const runs: string[] = [];
+        const expiries: unknown[] = [];
         for (const key of keys) {
           const a = await slowClient.acquire({ key, ttl: ms(60_000) });
           runs.push(a.lease?.runId ?? "");
+          expiries.push(a.lease?.expiresAt);
         }
         const stream = openKeepAlive(slowClient);
         // Writes to leases wait for this transaction; reads do not.
@@ -226,18 +244,29 @@ for (const mode of ["native", "connect"] as const) {
           await waitFor(async () => (await renewalsWaiting()) > 0, {
             what: "the renewal statement to wait on the table lock",
           });
-          await waitFor(async () => (await renewalsWaiting()) === 0, {
-            what: "the renewal statement to end at statement_timeout",
-            timeoutMs: 10_000,
-          });
+          // The statement ends at statement_timeout: each of its renewals
+          // is answered undecided, and nothing else.
+          for (const runId of runs) {
+            expect(undecidedOf(await answerFor(stream, runId))).toEqual({
+              code: Code.Unavailable,
+              reason: "DATABASE_UNAVAILABLE",
+              sqlState: "57014",
+            });
+          }
+          expect(stream.reader.done).toBe(false);
         } finally {
           await lock.end();
+        }
+        // Their leases are as they were: neither renewed nor lost.
+        for (const [i, key] of keys.entries()) {
+          const got = await slowClient.get({ key });
+          expect(got.lease?.runId).toBe(runs[i]);
+          expect(got.lease?.expiresAt).toEqual(expiries[i]);
         }
         // The client's next renewals, on the same stream, are decided.
         for (const [i, key] of keys.entries())
           stream.send({ key, runId: runs[i], ttl: ms(90_000) });
         for (const runId of runs) {
-          // No answer was sent for the round that timed out: the first one is this lease.
           const answer = await answerFor(stream, runId);
           expect(answer.result.case).toBe("lease");
           expect(answer.result.case === "lease" && answer.result.value.ttl?.seconds).toBe(90n);

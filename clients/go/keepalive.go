@@ -13,6 +13,14 @@ package leasehold
 // answer to the lease with the monotonic time its request was sent, and the
 // lease sets its local deadline from that.
 //
+// A renewal the server answers undecided (the database did not decide it: a
+// statement or lock timeout) is answered all the same: the stream is alive,
+// so the stall watch lets it be and nothing reconnects (a slow database is
+// as slow from every address). The lease is not told: its local deadline
+// stays where the last renewal put it, its next renewal goes at its usual
+// interval, and the deadline ends it if the database stays slow (L2). The
+// client's logger hears of it (Warn, MsgRenewalUndecided).
+//
 // Locking: one mutex for the channel and its lanes; callbacks into leases
 // (which take the lease's own mutex and may call back in to remove
 // themselves) always run after it is released.
@@ -36,6 +44,14 @@ import (
 
 	leasev1 "leasehold.dev/go/gen/leasehold/v1"
 )
+
+// MsgRenewalUndecided is the message of the client's Warn log record
+// (WithLogger) for a renewal the server did not decide (its database timed
+// out): the stream and the lease go on, the lease's local deadline where
+// its last renewal put it. Its "err" is the answer's status (UNAVAILABLE,
+// ErrorInfo DATABASE_UNAVAILABLE), its "sql_state" 57014 (statement
+// timeout) or 55P03 (lock timeout).
+const MsgRenewalUndecided = "leasehold: keepalive renewal undecided; the stream goes on"
 
 type entryID struct {
 	accountID, sessionID, runID string
@@ -530,6 +546,21 @@ func (ln *lane) dispatch(s *laneStream, resp *leasev1.KeepAliveResponse) callbac
 		}}
 	case *leasev1.KeepAliveResponse_HandoffRequested:
 		return callbacks{func() { e.lease.handoff(r.HandoffRequested) }}
+	case *leasev1.KeepAliveResponse_Undecided:
+		// Answered, so not stalled; the lease's deadline does not move.
+		if len(e.outstanding) > 0 {
+			e.outstanding = e.outstanding[1:]
+		}
+		var settled []chan struct{}
+		if len(e.outstanding) == 0 {
+			settled = e.detach()
+		}
+		ln.failures = 0
+		st := status.FromProto(r.Undecided)
+		ln.ch.c.log(slog.LevelWarn, MsgRenewalUndecided,
+			"addr", s.addr, "account_id", id.accountID, "session_id", id.sessionID, "run_id", id.runID,
+			"err", st.Err(), "sql_state", errorInfo(st).GetMetadata()["sql_state"])
+		return callbacks{func() { wake(settled) }}
 	}
 	return nil
 }

@@ -4,12 +4,14 @@
 // There are no user-defined codes: every answer uses the fixed gRPC set.
 
 import { create } from "@bufbuild/protobuf";
+import { type Any, AnySchema, anyPack } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError } from "@connectrpc/connect";
 import {
   BadRequest_FieldViolationSchema,
   BadRequestSchema,
   ErrorInfoSchema,
 } from "../gen/google/rpc/error_details_pb.js";
+import { type Status, StatusSchema } from "../gen/google/rpc/status_pb.js";
 import {
   DatabaseTimeoutError,
   DatabaseUnavailableError,
@@ -99,4 +101,19 @@ export function toConnectError(error: unknown): ConnectError {
     return new ConnectError(error.message, Code.DeadlineExceeded);
   }
   return new ConnectError("internal error", Code.Internal, undefined, undefined, error);
+}
+
+/**
+ * An error as one request's answer inside a stream (a Keep request's
+ * `error`, a KeepAlive renewal's `undecided`): the code, message and
+ * details this table gives it, as a google.rpc.Status.
+ */
+export function statusOf(error: unknown): Status {
+  const ce = toConnectError(error);
+  const details: Any[] = ce.details.map((d) =>
+    "desc" in d
+      ? anyPack(d.desc, create(d.desc, d.value))
+      : create(AnySchema, { typeUrl: `type.googleapis.com/${d.type}`, value: d.value }),
+  );
+  return create(StatusSchema, { code: ce.code, message: ce.rawMessage, details });
 }

@@ -304,3 +304,22 @@ export function toLeaseholdError(error: unknown): LeaseholdError {
       return new LeaseholdError(message, ce.code, options);
   }
 }
+
+/**
+ * A google.rpc.Status answered inside a stream (a refused Keep request, an
+ * undecided KeepAlive renewal) as the typed error a unary call would throw.
+ */
+export function errorOfStatus(status: {
+  code: number;
+  message: string;
+  details: { typeUrl: string; value: Uint8Array }[];
+}): LeaseholdError {
+  const ce = new ConnectError(status.message, status.code as Code);
+  for (const any of status.details) {
+    ce.details.push({
+      type: any.typeUrl.slice(any.typeUrl.lastIndexOf("/") + 1),
+      value: any.value,
+    });
+  }
+  return toLeaseholdError(ce);
+}

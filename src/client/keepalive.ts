@@ -16,6 +16,14 @@
 // answer with the monotonic time its request was pushed, and the lease's
 // owner (runExclusive) sets its local deadline from that.
 //
+// A renewal the server answers `undecided` (the database did not decide it:
+// a statement or lock timeout) answers that request: the stream is alive,
+// so the stall watch lets it be and nothing reconnects (a slow database is
+// as slow from every instance). The lease's owner is not told of it, so its
+// local deadline stays where the last renewal put it; its next renewal goes
+// at its usual interval, and the deadline ends the lease if the database
+// stays slow (L2). The `keepalive-renewal-undecided` event says it happened.
+//
 // Per renewal the channel does constant work with no promise or timer of
 // its own: a request is a push onto the stream's queue and one entry in
 // the stall watch (one timer per stream, whatever the number of leases);
@@ -40,6 +48,7 @@ import {
 import { ErrorMetadata, ErrorReason, LimitName } from "../protocol/errors.js";
 import { lossCauseFromReason } from "../protocol/loss-reason.js";
 import {
+  errorOfStatus,
   type LeaseholdError,
   type LossCause,
   toLeaseholdError,
@@ -59,7 +68,16 @@ export type KeepAliveEvent =
       /** Delay before the next attempt; undefined when the failure is final. */
       retryInMs: number | undefined;
     }
-  | { type: "keepalive-closed"; baseUrl: string };
+  | { type: "keepalive-closed"; baseUrl: string }
+  | {
+      /** The server did not decide one renewal (its database timed out); the stream goes on. */
+      type: "keepalive-renewal-undecided";
+      baseUrl: string;
+      key: { accountId: string; sessionId: string };
+      runId: string;
+      /** The answer's status as an error: UNAVAILABLE, reason DATABASE_UNAVAILABLE, its `sql_state`. */
+      error: LeaseholdError;
+    };
 
 /** A lease kept alive on the shared stream, and where its answers go. */
 export interface KeepAliveTarget {
@@ -486,12 +504,12 @@ class KeepAliveLane {
     }
     readStream(endpoint, LeaseService.method.keepAlive, stream.abort.signal, stream.queue, {
       current: () => this.stream === stream,
-      message: (message) => this.dispatch(message),
+      message: (message) => this.dispatch(stream, message),
       fail: (error) => this.fail(stream.generation, error),
     });
   }
 
-  private dispatch(response: KeepAliveResponse): void {
+  private dispatch(stream: OpenStream, response: KeepAliveResponse): void {
     if (!response.key) return;
     const id = entryId(response.key, response.runId);
     const entry = this.entries.get(id);
@@ -517,6 +535,20 @@ class KeepAliveLane {
       case "handoffRequested":
         entry.target.onHandoffRequested(result.value);
         break;
+      case "undecided": {
+        // Answered, so not stalled; the lease's deadline does not move.
+        entry.outstanding.shift();
+        this.failures = 0;
+        if (entry.outstanding.length === 0) settle(entry);
+        this.options.onEvent?.({
+          type: "keepalive-renewal-undecided",
+          baseUrl: stream.endpoint.baseUrl,
+          key: { accountId: response.key.accountId, sessionId: response.key.sessionId },
+          runId: response.runId,
+          error: errorOfStatus(result.value),
+        });
+        break;
+      }
       default:
         break;
     }

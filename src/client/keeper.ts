@@ -20,7 +20,7 @@
 import { randomUUID } from "node:crypto";
 import { setMaxListeners } from "node:events";
 import type { MessageInitShape } from "@bufbuild/protobuf";
-import { Code, ConnectError } from "@connectrpc/connect";
+import { Code } from "@connectrpc/connect";
 import {
   type AcquireResponse,
   type GetResponse,
@@ -37,6 +37,7 @@ import { durationFromMs, msFromDuration } from "./durations.js";
 import {
   CanceledError,
   DeadlineExceededError,
+  errorOfStatus,
   type LeaseholdError,
   type LeaseLossReason,
   LeaseLostError,
@@ -226,22 +227,6 @@ function lossMessage(cause: LossCause | undefined, detail: string): string {
 
 /** Codes of a request the database could not decide now; the same request may succeed later. */
 const transientCodes = new Set<Code>([Code.Unavailable, Code.DeadlineExceeded]);
-
-/** A refused request's google.rpc.Status as the typed error a unary call would throw. */
-function errorOfStatus(status: {
-  code: number;
-  message: string;
-  details: { typeUrl: string; value: Uint8Array }[];
-}): LeaseholdError {
-  const ce = new ConnectError(status.message, status.code as Code);
-  for (const any of status.details) {
-    ce.details.push({
-      type: any.typeUrl.slice(any.typeUrl.lastIndexOf("/") + 1),
-      value: any.value,
-    });
-  }
-  return toLeaseholdError(ce);
-}
 
 class KeeperSession implements Keeper {
   readonly id: string;

@@ -14,7 +14,11 @@ export const ErrorReason = {
   staleFencingToken: "STALE_FENCING_TOKEN",
   /** INVALID_ARGUMENT: metadata `field` names the request field (also in BadRequest). */
   invalidArgument: "INVALID_ARGUMENT",
-  /** UNAVAILABLE: the database could not decide; metadata `sql_state` when it said why. */
+  /**
+   * UNAVAILABLE: the database could not decide; metadata `sql_state` when it
+   * said why. Also the status of a KeepAlive renewal answered `undecided`
+   * (sql_state 57014 statement timeout, 55P03 lock timeout).
+   */
   databaseUnavailable: "DATABASE_UNAVAILABLE",
   /** UNAUTHENTICATED: metadata `cause` is an AuthFailure. */
   unauthenticated: "UNAUTHENTICATED",

@@ -283,8 +283,9 @@ export function recordingInterceptor(recorder: Recorder): Interceptor {
 /**
  * KeepAlive renewals: each request pulled onto the stream is invoked, each
  * `lease` answer completes the oldest unanswered renewal of its run `ok`
- * (the server answers a run's renewals in order), a `lost` answer fails
- * every unanswered renewal of its run (the server never renews it again),
+ * (the server answers a run's renewals in order), an `undecided` answer
+ * completes it `info` (nothing is claimed of its lease), a `lost` answer
+ * fails every unanswered renewal of its run (the server never renews it again),
  * and renewals still unanswered when the stream ends complete `info`,
  * whatever code ended it: a stream's error refuses no renewal it carried
  * (one ended with RESOURCE_EXHAUSTED or UNAUTHENTICATED drops answers of
@@ -335,6 +336,13 @@ async function recordKeepAlive(
           const cause = lossCauseFromReason(m.result.value.reason);
           for (const op of ops) op.complete({ type: "fail", error: { code: "Lost", cause } });
           ops.length = 0;
+        } else if (m.result.case === "undecided") {
+          // The database did not decide it (a statement or lock timeout):
+          // recorded as unknown, which claims nothing of the lease.
+          ops.shift()?.complete({
+            type: "info",
+            error: { code: Code[m.result.value.code as Code], cause: "undecided" },
+          });
         }
         if (ops.length === 0) unanswered.delete(id);
         yield m;

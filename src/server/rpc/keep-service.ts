@@ -26,11 +26,9 @@
 
 import { randomUUID } from "node:crypto";
 import { create } from "@bufbuild/protobuf";
-import { type Any, AnySchema, anyPack } from "@bufbuild/protobuf/wkt";
 import { Code, ConnectError, type ServiceImpl } from "@connectrpc/connect";
-import { toConnectError } from "../../call/error-codes.js";
+import { statusOf } from "../../call/error-codes.js";
 import { requestCheckKey } from "../../call/policy-interceptor.js";
-import { type Status, StatusSchema } from "../../gen/google/rpc/status_pb.js";
 import {
   type AcquireRequest,
   type GetRequest,
@@ -190,20 +188,6 @@ export function keeperToProto(k: KeeperRecord): Keeper {
     expiresAt: timestampFromMicros(k.expiresAtUs),
     remaining: durationFromMicros(k.remainingUs),
   });
-}
-
-/**
- * An error as one request's answer: the code, message and details the call
- * policy's error table gives it, as a google.rpc.Status.
- */
-export function statusOf(error: unknown): Status {
-  const ce = toConnectError(error);
-  const details: Any[] = ce.details.map((d) =>
-    "desc" in d
-      ? anyPack(d.desc, create(d.desc, d.value))
-      : create(AnySchema, { typeUrl: `type.googleapis.com/${d.type}`, value: d.value }),
-  );
-  return create(StatusSchema, { code: ce.code, message: ce.rawMessage, details });
 }
 
 const lossOfKeeper: Record<KeeperEnd, LossCause> = {

@@ -5,11 +5,11 @@
 // write, with no message objects in between. protobuf-es's reflective
 // encoder built a message tree per answer (eight submessages, BigInt
 // arithmetic per timestamp) and spent about a quarter of the server's CPU
-// under saturating renewals. Every other answer (lost, handoff requests:
-// rare) goes through protobuf-es as before. The bytes are exactly
-// protobuf-es's (`toBinary` of the message keepAliveAnswer builds): fields
-// in number order, proto3 defaults (empty strings, zero numbers) omitted,
-// submessages always written.
+// under saturating renewals. Every other answer (lost, handoff requests,
+// undecided renewals: rare) goes through protobuf-es as before. The bytes
+// are exactly protobuf-es's (`toBinary` of the message keepAliveAnswer
+// builds): fields in number order, proto3 defaults (empty strings, zero
+// numbers) omitted, submessages always written.
 //
 // Requests are read by src/protocol/wire-reader.ts (shared with the client).
 //

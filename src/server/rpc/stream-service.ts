@@ -5,6 +5,7 @@
 
 import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, type ServiceImpl } from "@connectrpc/connect";
+import { statusOf } from "../../call/error-codes.js";
 import { policyText } from "../../call/error-texts.js";
 import {
   HandoffRequestedSchema,
@@ -212,6 +213,13 @@ export function keepAliveAnswer(answer: KeepAliveAnswer): KeepAliveResponse {
         case: "lost",
         value: create(LostSchema, { reason: lossReasonFromCause(answer.cause) }),
       },
+    });
+  }
+  if (answer.kind === "undecided") {
+    return create(KeepAliveResponseSchema, {
+      key,
+      runId: answer.runId,
+      result: { case: "undecided", value: statusOf(answer.error) },
     });
   }
   return create(KeepAliveResponseSchema, {

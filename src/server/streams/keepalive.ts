@@ -1,16 +1,18 @@
 // KeepAlive streams: one stream carries renewals of many leases. Every
-// request is answered with the renewed lease or `lost`, in the order the
-// renewals are decided (the key and run in each answer say which request it
-// answers). A run answered `lost` is never renewed again on that stream:
+// request is answered with the renewed lease, `lost` or `undecided`, in the
+// order the renewals are decided (the key and run in each answer say which
+// request it answers). A run answered `lost` is never renewed again on that stream:
 // later requests for it are answered `lost` without touching the database.
 //
 // The stream also carries what concerns its leases as it happens: a handoff
 // request for a run it renews, and `lost` as soon as this instance learns
 // that the run's lease was released, revoked or taken over.
 //
-// A renewal the database cannot decide (its row stays locked by another
-// transaction past lock_timeout, or its batch statement timed out) gets no
-// answer; its neighbours do, and the stream goes on.
+// A renewal the database does not decide (its row stays locked by another
+// transaction past lock_timeout, or its batch statement timed out) is
+// answered `undecided`, its lease unchanged; its neighbours are answered as
+// usual, and the stream goes on. Left unanswered, it looked to a client like
+// a stalled connection, and every client of a slow database reconnected.
 //
 // A client that stops reading must not stall anything else. Renewals are
 // decided by the shared batcher whatever a stream's consumer does, and each
@@ -37,7 +39,8 @@ export type KeepAliveAnswer =
       requesterHolder: string;
       reason: string;
       atUs: bigint;
-    };
+    }
+  | { kind: "undecided"; key: SessionKey; runId: string; error: RenewalUndecidedError };
 
 export interface KeepAliveRequest {
   key: SessionKey;
@@ -151,21 +154,27 @@ class Session implements KeepAliveSession {
       rk,
       (error, outcome) => {
         this.inFlight -= 1;
-        if (!outcome) {
-          // One renewal the database could not decide (its row stayed
-          // locked, or its batch statement timed out): no answer this
-          // round, the stream and its other leases go on. The client's next renewal tries again; its local
-          // deadline covers a lock that persists (L2). A batch that failed
-          // whole (the database unreachable) ends the stream, so that the
-          // client moves to another instance.
-          if (error instanceof RenewalUndecidedError) this.notify();
-          else this.fail(error);
+        // The database unreachable: the stream ends, so that the client
+        // moves to another instance.
+        if (!outcome && !(error instanceof RenewalUndecidedError)) {
+          this.fail(error);
           return;
         }
         if (this.closed) return;
         const lostMeanwhile = this.lost.get(rk);
         if (lostMeanwhile) {
           this.push({ kind: "lost", key: request.key, runId: request.runId, cause: lostMeanwhile });
+        } else if (!outcome) {
+          // Not decided (its row stayed locked, or its batch statement timed
+          // out): answered so, the lease unchanged; the stream and its other
+          // leases go on. The client's next renewal tries again; its local
+          // deadline covers a database that stays slow (L2).
+          this.push({
+            kind: "undecided",
+            key: request.key,
+            runId: request.runId,
+            error: error as RenewalUndecidedError,
+          });
         } else if (outcome.renewed) {
           this.track(rk, request, outcome.lease.fencingToken);
           this.push({ kind: "lease", lease: outcome.lease });

@@ -25,17 +25,18 @@
 // transaction is retried alone with an ordinary lock wait, so a stuck
 // transaction on one key delays that key only (S8) and fails it fast with
 // lock_timeout rather than the whole batch. A renewal still undecided then
-// fails with RenewalUndecidedError: a KeepAlive stream leaves that one
-// renewal unanswered (the client's next renewal tries again, its local
-// deadline covers a lock that persists) and answers the others as usual.
+// fails with RenewalUndecidedError: a KeepAlive stream answers that one
+// renewal `undecided` (the client's next renewal tries again, its local
+// deadline covers a lock that persists) and the others as usual.
 //
 // A batch statement that timed out (statement_timeout, or lock_timeout on
 // the table) decided nothing, but the database is there: every renewal it
 // carried fails with RenewalUndecidedError too, so a slow statement ends no
 // stream (a slow database is as slow from any other instance) and each of
 // its leases is renewed by the client's next renewal or lost at its local
-// deadline (L2). A batch that fails otherwise (the database unreachable)
-// rejects its renewals with that error, and their streams end.
+// deadline (L2). A statement that fails otherwise (the database
+// unreachable), the batch or a locked row's retry, rejects its renewals
+// with that error, and their streams end.
 //
 // With tracing on (`tracer`), each batch statement is a span linked to the
 // KeepAlive streams (and Renew calls) whose renewals it decides; the trace
@@ -48,9 +49,9 @@ import type { LossCause } from "../../protocol/errors.js";
 import { runTraced, type StatementTracer } from "../db/statement-tracer.js";
 
 /**
- * One renewal could not be decided: its row stayed locked by another
- * transaction through the waiting retries (lock_timeout), or the retry
- * failed. Only that renewal is affected; the batch it came from was decided.
+ * One renewal was not decided, with the database there: its statement ran
+ * past statement_timeout (`sqlState` 57014), or its row stayed locked by
+ * another transaction past lock_timeout (55P03). The lease is unchanged.
  */
 export class RenewalUndecidedError extends DatabaseUnavailableError {}
 
@@ -106,6 +107,16 @@ function timedOut(error: unknown): error is Error {
   return (
     error instanceof DatabaseTimeoutError ||
     (error instanceof DatabaseUnavailableError && error.sqlState === "55P03")
+  );
+}
+
+/** A statement's error as its renewals' failure: undecided when it timed out, else as it is. */
+function undecided(error: unknown): unknown {
+  if (!timedOut(error)) return error;
+  return new RenewalUndecidedError(
+    `the renewal was not decided (${error.message})`,
+    error instanceof DatabaseUnavailableError ? error.sqlState : "57014",
+    { cause: error },
   );
 }
 
@@ -205,13 +216,7 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
       });
       for (const p of locked) void renewLocked(p);
     } catch (error) {
-      const failure = timedOut(error)
-        ? new RenewalUndecidedError(
-            `${error.message}: the renewal was not decided; retry`,
-            error instanceof DatabaseUnavailableError ? error.sqlState : "57014",
-            { cause: error },
-          )
-        : error;
+      const failure = undecided(error);
       for (const p of batch) fail(p, failure);
     } finally {
       inFlight -= 1;
@@ -234,19 +239,11 @@ export function createRenewalBatcher(options: RenewalBatcherOptions): RenewalBat
         }
       }
       throw new RenewalUndecidedError(
-        "the session's lease row stayed locked by other transactions; retry",
+        "the renewal was not decided (the session's lease row stayed locked by other transactions)",
+        "55P03",
       );
     } catch (error) {
-      fail(
-        p,
-        error instanceof RenewalUndecidedError
-          ? error
-          : new RenewalUndecidedError(
-              error instanceof Error ? error.message : "the renewal could not be decided",
-              error instanceof DatabaseUnavailableError ? error.sqlState : undefined,
-              { cause: error },
-            ),
-      );
+      fail(p, error instanceof RenewalUndecidedError ? error : undecided(error));
     }
   }
 

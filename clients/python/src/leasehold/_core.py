@@ -8,8 +8,10 @@ and calls in with its lock held. The logic mirrors src/client/keepalive.ts and
 run-exclusive.ts: one stream per client shared by every lease (one more per
 ``max_leases_per_stream``), reconnecting to the next instance over a fresh
 connection after a jittered backoff, a renewal unanswered for one renewal
-interval counting as a stalled stream, and each lease's local deadline set
-from the monotonic time its renewal was sent. The acquire / late-grant
+interval counting as a stalled stream (a renewal answered ``undecided``, which
+the database did not decide, is answered: the stream goes on and the lease's
+deadline stays), and each lease's local deadline set from the monotonic time
+its renewal was sent. The acquire / late-grant
 decision is a generator (``acquire_flow``) that yields the calls it needs;
 each client drives it (``_flow``).
 """
@@ -36,6 +38,7 @@ from .errors import (
     NotAcquiredError,
     UnauthenticatedError,
     UnavailableError,
+    from_status_message,
 )
 from .types import (
     HandoffRequest,
@@ -271,12 +274,18 @@ class Runtime(Protocol):
 class KeepAliveEvent:
     """Something that happened to a KeepAlive stream (for logs and tests)."""
 
-    #: ``open``, ``failed`` or ``closed``.
+    #: ``open``, ``failed``, ``closed``, or ``renewal_undecided``: the server
+    #: did not decide one renewal (its database timed out) and said so; the
+    #: stream goes on, and ``key``, ``run_id`` and ``error`` (an
+    #: ``UnavailableError``, reason ``DATABASE_UNAVAILABLE``, metadata
+    #: ``sql_state``) name it.
     type: str
     address: str
     error: LeaseholdError | None = None
     #: Seconds until the next attempt; None when the failure is final.
     retry_in: float | None = None
+    key: SessionKey | None = None
+    run_id: str | None = None
 
 
 class Target(Protocol):
@@ -518,6 +527,24 @@ class _Lane:
                 self._shutdown()
         elif kind == "handoff_requested":
             entry.target.on_handoff(handoff_from(response.handoff_requested))
+        elif kind == "undecided":
+            # Answered, so not stalled; the lease's deadline does not move
+            # and its next renewal goes at the usual interval.
+            if entry.outstanding:
+                entry.outstanding.popleft()
+            self.failures = 0
+            if not entry.outstanding:
+                _settle(entry)
+            addresses = self.channel.addresses
+            self.channel.emit(
+                KeepAliveEvent(
+                    "renewal_undecided",
+                    addresses[self.address_index % len(addresses)],
+                    from_status_message(response.undecided),
+                    key=entry.target.key,
+                    run_id=entry.target.run_id,
+                )
+            )
 
     def _fail(self, generation: int, error: LeaseholdError) -> None:
         stream = self.stream

@@ -966,6 +966,7 @@ type KeepAliveResponse struct {
 	//	*KeepAliveResponse_Lease
 	//	*KeepAliveResponse_Lost
 	//	*KeepAliveResponse_HandoffRequested
+	//	*KeepAliveResponse_Undecided
 	Result        isKeepAliveResponse_Result `protobuf_oneof:"result"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1049,6 +1050,15 @@ func (x *KeepAliveResponse) GetHandoffRequested() *HandoffRequested {
 	return nil
 }
 
+func (x *KeepAliveResponse) GetUndecided() *status.Status {
+	if x != nil {
+		if x, ok := x.Result.(*KeepAliveResponse_Undecided); ok {
+			return x.Undecided
+		}
+	}
+	return nil
+}
+
 type isKeepAliveResponse_Result interface {
 	isKeepAliveResponse_Result()
 }
@@ -1068,11 +1078,25 @@ type KeepAliveResponse_HandoffRequested struct {
 	HandoffRequested *HandoffRequested `protobuf:"bytes,5,opt,name=handoff_requested,json=handoffRequested,proto3,oneof"`
 }
 
+type KeepAliveResponse_Undecided struct {
+	// The database did not decide this renewal: its statement ran past the
+	// server's statement_timeout, or its row stayed locked past lock_timeout.
+	// The code is UNAVAILABLE with the ErrorInfo reason DATABASE_UNAVAILABLE
+	// and `sql_state` 57014 (statement timeout) or 55P03 (lock timeout), as
+	// the error of a unary call would carry. The lease is unchanged: neither
+	// renewed nor lost. The stream goes on and answered this renewal, so it
+	// is not stalled; the run's next renewal tries again, and its local
+	// deadline still ends the lease if none is decided in time (L2).
+	Undecided *status.Status `protobuf:"bytes,6,opt,name=undecided,proto3,oneof"`
+}
+
 func (*KeepAliveResponse_Lease) isKeepAliveResponse_Result() {}
 
 func (*KeepAliveResponse_Lost) isKeepAliveResponse_Result() {}
 
 func (*KeepAliveResponse_HandoffRequested) isKeepAliveResponse_Result() {}
+
+func (*KeepAliveResponse_Undecided) isKeepAliveResponse_Result() {}
 
 type Lost struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2910,13 +2934,14 @@ const file_leasehold_v1_lease_proto_rawDesc = "" +
 	"\x10KeepAliveRequest\x12*\n" +
 	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
 	"\x06run_id\x18\x02 \x01(\tR\x05runId\x12+\n" +
-	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\x86\x02\n" +
+	"\x03ttl\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"\xba\x02\n" +
 	"\x11KeepAliveResponse\x12*\n" +
 	"\x03key\x18\x01 \x01(\v2\x18.leasehold.v1.SessionKeyR\x03key\x12\x15\n" +
 	"\x06run_id\x18\x02 \x01(\tR\x05runId\x12+\n" +
 	"\x05lease\x18\x03 \x01(\v2\x13.leasehold.v1.LeaseH\x00R\x05lease\x12(\n" +
 	"\x04lost\x18\x04 \x01(\v2\x12.leasehold.v1.LostH\x00R\x04lost\x12M\n" +
-	"\x11handoff_requested\x18\x05 \x01(\v2\x1e.leasehold.v1.HandoffRequestedH\x00R\x10handoffRequestedB\b\n" +
+	"\x11handoff_requested\x18\x05 \x01(\v2\x1e.leasehold.v1.HandoffRequestedH\x00R\x10handoffRequested\x122\n" +
+	"\tundecided\x18\x06 \x01(\v2\x12.google.rpc.StatusH\x00R\tundecidedB\b\n" +
 	"\x06result\"8\n" +
 	"\x04Lost\x120\n" +
 	"\x06reason\x18\x01 \x01(\x0e2\x18.leasehold.v1.LossReasonR\x06reason\"\x94\x01\n" +
@@ -3158,81 +3183,82 @@ var file_leasehold_v1_lease_proto_depIdxs = []int32{
 	3,  // 22: leasehold.v1.KeepAliveResponse.lease:type_name -> leasehold.v1.Lease
 	16, // 23: leasehold.v1.KeepAliveResponse.lost:type_name -> leasehold.v1.Lost
 	17, // 24: leasehold.v1.KeepAliveResponse.handoff_requested:type_name -> leasehold.v1.HandoffRequested
-	0,  // 25: leasehold.v1.Lost.reason:type_name -> leasehold.v1.LossReason
-	42, // 26: leasehold.v1.HandoffRequested.requested_at:type_name -> google.protobuf.Timestamp
-	2,  // 27: leasehold.v1.WatchRequest.key:type_name -> leasehold.v1.SessionKey
-	20, // 28: leasehold.v1.WatchResponse.snapshot:type_name -> leasehold.v1.Snapshot
-	21, // 29: leasehold.v1.WatchResponse.event:type_name -> leasehold.v1.Event
-	3,  // 30: leasehold.v1.Snapshot.leases:type_name -> leasehold.v1.Lease
-	42, // 31: leasehold.v1.Snapshot.at:type_name -> google.protobuf.Timestamp
-	1,  // 32: leasehold.v1.Event.type:type_name -> leasehold.v1.EventType
-	2,  // 33: leasehold.v1.Event.key:type_name -> leasehold.v1.SessionKey
-	42, // 34: leasehold.v1.Event.at:type_name -> google.protobuf.Timestamp
-	3,  // 35: leasehold.v1.Event.lease:type_name -> leasehold.v1.Lease
-	2,  // 36: leasehold.v1.RequestHandoffRequest.key:type_name -> leasehold.v1.SessionKey
-	3,  // 37: leasehold.v1.RequestHandoffResponse.current:type_name -> leasehold.v1.Lease
-	2,  // 38: leasehold.v1.HistoryRequest.key:type_name -> leasehold.v1.SessionKey
-	21, // 39: leasehold.v1.HistoryResponse.events:type_name -> leasehold.v1.Event
-	2,  // 40: leasehold.v1.CheckFenceRequest.key:type_name -> leasehold.v1.SessionKey
-	2,  // 41: leasehold.v1.RevokeRequest.key:type_name -> leasehold.v1.SessionKey
-	3,  // 42: leasehold.v1.RevokeResponse.lease:type_name -> leasehold.v1.Lease
-	41, // 43: leasehold.v1.Keeper.ttl:type_name -> google.protobuf.Duration
-	41, // 44: leasehold.v1.Keeper.lock_delay:type_name -> google.protobuf.Duration
-	42, // 45: leasehold.v1.Keeper.expires_at:type_name -> google.protobuf.Timestamp
-	41, // 46: leasehold.v1.Keeper.remaining:type_name -> google.protobuf.Duration
-	41, // 47: leasehold.v1.OpenKeeper.ttl:type_name -> google.protobuf.Duration
-	41, // 48: leasehold.v1.OpenKeeper.lock_delay:type_name -> google.protobuf.Duration
-	41, // 49: leasehold.v1.Heartbeat.ttl:type_name -> google.protobuf.Duration
-	31, // 50: leasehold.v1.KeepRequest.open:type_name -> leasehold.v1.OpenKeeper
-	32, // 51: leasehold.v1.KeepRequest.heartbeat:type_name -> leasehold.v1.Heartbeat
-	4,  // 52: leasehold.v1.KeepRequest.acquire:type_name -> leasehold.v1.AcquireRequest
-	8,  // 53: leasehold.v1.KeepRequest.release:type_name -> leasehold.v1.ReleaseRequest
-	10, // 54: leasehold.v1.KeepRequest.get:type_name -> leasehold.v1.GetRequest
-	33, // 55: leasehold.v1.KeepRequest.close:type_name -> leasehold.v1.CloseKeeper
-	30, // 56: leasehold.v1.KeepResponse.keeper:type_name -> leasehold.v1.Keeper
-	5,  // 57: leasehold.v1.KeepResponse.acquire:type_name -> leasehold.v1.AcquireResponse
-	9,  // 58: leasehold.v1.KeepResponse.release:type_name -> leasehold.v1.ReleaseResponse
-	11, // 59: leasehold.v1.KeepResponse.get:type_name -> leasehold.v1.GetResponse
-	43, // 60: leasehold.v1.KeepResponse.error:type_name -> google.rpc.Status
-	36, // 61: leasehold.v1.KeepResponse.lease_lost:type_name -> leasehold.v1.KeeperLeaseLost
-	37, // 62: leasehold.v1.KeepResponse.handoff_requested:type_name -> leasehold.v1.KeeperHandoffRequested
-	38, // 63: leasehold.v1.KeepResponse.lost:type_name -> leasehold.v1.KeeperLost
-	2,  // 64: leasehold.v1.KeeperLeaseLost.key:type_name -> leasehold.v1.SessionKey
-	0,  // 65: leasehold.v1.KeeperLeaseLost.reason:type_name -> leasehold.v1.LossReason
-	2,  // 66: leasehold.v1.KeeperHandoffRequested.key:type_name -> leasehold.v1.SessionKey
-	17, // 67: leasehold.v1.KeeperHandoffRequested.request:type_name -> leasehold.v1.HandoffRequested
-	0,  // 68: leasehold.v1.KeeperLost.reason:type_name -> leasehold.v1.LossReason
-	4,  // 69: leasehold.v1.LeaseService.Acquire:input_type -> leasehold.v1.AcquireRequest
-	6,  // 70: leasehold.v1.LeaseService.Renew:input_type -> leasehold.v1.RenewRequest
-	8,  // 71: leasehold.v1.LeaseService.Release:input_type -> leasehold.v1.ReleaseRequest
-	10, // 72: leasehold.v1.LeaseService.Get:input_type -> leasehold.v1.GetRequest
-	12, // 73: leasehold.v1.LeaseService.List:input_type -> leasehold.v1.ListRequest
-	14, // 74: leasehold.v1.LeaseService.KeepAlive:input_type -> leasehold.v1.KeepAliveRequest
-	18, // 75: leasehold.v1.LeaseService.Watch:input_type -> leasehold.v1.WatchRequest
-	22, // 76: leasehold.v1.LeaseService.RequestHandoff:input_type -> leasehold.v1.RequestHandoffRequest
-	24, // 77: leasehold.v1.LeaseService.History:input_type -> leasehold.v1.HistoryRequest
-	26, // 78: leasehold.v1.LeaseService.CheckFence:input_type -> leasehold.v1.CheckFenceRequest
-	28, // 79: leasehold.v1.LeaseService.Revoke:input_type -> leasehold.v1.RevokeRequest
-	34, // 80: leasehold.v1.LeaseService.Keep:input_type -> leasehold.v1.KeepRequest
-	39, // 81: leasehold.v1.LeaseService.RevokeKeeper:input_type -> leasehold.v1.RevokeKeeperRequest
-	5,  // 82: leasehold.v1.LeaseService.Acquire:output_type -> leasehold.v1.AcquireResponse
-	7,  // 83: leasehold.v1.LeaseService.Renew:output_type -> leasehold.v1.RenewResponse
-	9,  // 84: leasehold.v1.LeaseService.Release:output_type -> leasehold.v1.ReleaseResponse
-	11, // 85: leasehold.v1.LeaseService.Get:output_type -> leasehold.v1.GetResponse
-	13, // 86: leasehold.v1.LeaseService.List:output_type -> leasehold.v1.ListResponse
-	15, // 87: leasehold.v1.LeaseService.KeepAlive:output_type -> leasehold.v1.KeepAliveResponse
-	19, // 88: leasehold.v1.LeaseService.Watch:output_type -> leasehold.v1.WatchResponse
-	23, // 89: leasehold.v1.LeaseService.RequestHandoff:output_type -> leasehold.v1.RequestHandoffResponse
-	25, // 90: leasehold.v1.LeaseService.History:output_type -> leasehold.v1.HistoryResponse
-	27, // 91: leasehold.v1.LeaseService.CheckFence:output_type -> leasehold.v1.CheckFenceResponse
-	29, // 92: leasehold.v1.LeaseService.Revoke:output_type -> leasehold.v1.RevokeResponse
-	35, // 93: leasehold.v1.LeaseService.Keep:output_type -> leasehold.v1.KeepResponse
-	40, // 94: leasehold.v1.LeaseService.RevokeKeeper:output_type -> leasehold.v1.RevokeKeeperResponse
-	82, // [82:95] is the sub-list for method output_type
-	69, // [69:82] is the sub-list for method input_type
-	69, // [69:69] is the sub-list for extension type_name
-	69, // [69:69] is the sub-list for extension extendee
-	0,  // [0:69] is the sub-list for field type_name
+	43, // 25: leasehold.v1.KeepAliveResponse.undecided:type_name -> google.rpc.Status
+	0,  // 26: leasehold.v1.Lost.reason:type_name -> leasehold.v1.LossReason
+	42, // 27: leasehold.v1.HandoffRequested.requested_at:type_name -> google.protobuf.Timestamp
+	2,  // 28: leasehold.v1.WatchRequest.key:type_name -> leasehold.v1.SessionKey
+	20, // 29: leasehold.v1.WatchResponse.snapshot:type_name -> leasehold.v1.Snapshot
+	21, // 30: leasehold.v1.WatchResponse.event:type_name -> leasehold.v1.Event
+	3,  // 31: leasehold.v1.Snapshot.leases:type_name -> leasehold.v1.Lease
+	42, // 32: leasehold.v1.Snapshot.at:type_name -> google.protobuf.Timestamp
+	1,  // 33: leasehold.v1.Event.type:type_name -> leasehold.v1.EventType
+	2,  // 34: leasehold.v1.Event.key:type_name -> leasehold.v1.SessionKey
+	42, // 35: leasehold.v1.Event.at:type_name -> google.protobuf.Timestamp
+	3,  // 36: leasehold.v1.Event.lease:type_name -> leasehold.v1.Lease
+	2,  // 37: leasehold.v1.RequestHandoffRequest.key:type_name -> leasehold.v1.SessionKey
+	3,  // 38: leasehold.v1.RequestHandoffResponse.current:type_name -> leasehold.v1.Lease
+	2,  // 39: leasehold.v1.HistoryRequest.key:type_name -> leasehold.v1.SessionKey
+	21, // 40: leasehold.v1.HistoryResponse.events:type_name -> leasehold.v1.Event
+	2,  // 41: leasehold.v1.CheckFenceRequest.key:type_name -> leasehold.v1.SessionKey
+	2,  // 42: leasehold.v1.RevokeRequest.key:type_name -> leasehold.v1.SessionKey
+	3,  // 43: leasehold.v1.RevokeResponse.lease:type_name -> leasehold.v1.Lease
+	41, // 44: leasehold.v1.Keeper.ttl:type_name -> google.protobuf.Duration
+	41, // 45: leasehold.v1.Keeper.lock_delay:type_name -> google.protobuf.Duration
+	42, // 46: leasehold.v1.Keeper.expires_at:type_name -> google.protobuf.Timestamp
+	41, // 47: leasehold.v1.Keeper.remaining:type_name -> google.protobuf.Duration
+	41, // 48: leasehold.v1.OpenKeeper.ttl:type_name -> google.protobuf.Duration
+	41, // 49: leasehold.v1.OpenKeeper.lock_delay:type_name -> google.protobuf.Duration
+	41, // 50: leasehold.v1.Heartbeat.ttl:type_name -> google.protobuf.Duration
+	31, // 51: leasehold.v1.KeepRequest.open:type_name -> leasehold.v1.OpenKeeper
+	32, // 52: leasehold.v1.KeepRequest.heartbeat:type_name -> leasehold.v1.Heartbeat
+	4,  // 53: leasehold.v1.KeepRequest.acquire:type_name -> leasehold.v1.AcquireRequest
+	8,  // 54: leasehold.v1.KeepRequest.release:type_name -> leasehold.v1.ReleaseRequest
+	10, // 55: leasehold.v1.KeepRequest.get:type_name -> leasehold.v1.GetRequest
+	33, // 56: leasehold.v1.KeepRequest.close:type_name -> leasehold.v1.CloseKeeper
+	30, // 57: leasehold.v1.KeepResponse.keeper:type_name -> leasehold.v1.Keeper
+	5,  // 58: leasehold.v1.KeepResponse.acquire:type_name -> leasehold.v1.AcquireResponse
+	9,  // 59: leasehold.v1.KeepResponse.release:type_name -> leasehold.v1.ReleaseResponse
+	11, // 60: leasehold.v1.KeepResponse.get:type_name -> leasehold.v1.GetResponse
+	43, // 61: leasehold.v1.KeepResponse.error:type_name -> google.rpc.Status
+	36, // 62: leasehold.v1.KeepResponse.lease_lost:type_name -> leasehold.v1.KeeperLeaseLost
+	37, // 63: leasehold.v1.KeepResponse.handoff_requested:type_name -> leasehold.v1.KeeperHandoffRequested
+	38, // 64: leasehold.v1.KeepResponse.lost:type_name -> leasehold.v1.KeeperLost
+	2,  // 65: leasehold.v1.KeeperLeaseLost.key:type_name -> leasehold.v1.SessionKey
+	0,  // 66: leasehold.v1.KeeperLeaseLost.reason:type_name -> leasehold.v1.LossReason
+	2,  // 67: leasehold.v1.KeeperHandoffRequested.key:type_name -> leasehold.v1.SessionKey
+	17, // 68: leasehold.v1.KeeperHandoffRequested.request:type_name -> leasehold.v1.HandoffRequested
+	0,  // 69: leasehold.v1.KeeperLost.reason:type_name -> leasehold.v1.LossReason
+	4,  // 70: leasehold.v1.LeaseService.Acquire:input_type -> leasehold.v1.AcquireRequest
+	6,  // 71: leasehold.v1.LeaseService.Renew:input_type -> leasehold.v1.RenewRequest
+	8,  // 72: leasehold.v1.LeaseService.Release:input_type -> leasehold.v1.ReleaseRequest
+	10, // 73: leasehold.v1.LeaseService.Get:input_type -> leasehold.v1.GetRequest
+	12, // 74: leasehold.v1.LeaseService.List:input_type -> leasehold.v1.ListRequest
+	14, // 75: leasehold.v1.LeaseService.KeepAlive:input_type -> leasehold.v1.KeepAliveRequest
+	18, // 76: leasehold.v1.LeaseService.Watch:input_type -> leasehold.v1.WatchRequest
+	22, // 77: leasehold.v1.LeaseService.RequestHandoff:input_type -> leasehold.v1.RequestHandoffRequest
+	24, // 78: leasehold.v1.LeaseService.History:input_type -> leasehold.v1.HistoryRequest
+	26, // 79: leasehold.v1.LeaseService.CheckFence:input_type -> leasehold.v1.CheckFenceRequest
+	28, // 80: leasehold.v1.LeaseService.Revoke:input_type -> leasehold.v1.RevokeRequest
+	34, // 81: leasehold.v1.LeaseService.Keep:input_type -> leasehold.v1.KeepRequest
+	39, // 82: leasehold.v1.LeaseService.RevokeKeeper:input_type -> leasehold.v1.RevokeKeeperRequest
+	5,  // 83: leasehold.v1.LeaseService.Acquire:output_type -> leasehold.v1.AcquireResponse
+	7,  // 84: leasehold.v1.LeaseService.Renew:output_type -> leasehold.v1.RenewResponse
+	9,  // 85: leasehold.v1.LeaseService.Release:output_type -> leasehold.v1.ReleaseResponse
+	11, // 86: leasehold.v1.LeaseService.Get:output_type -> leasehold.v1.GetResponse
+	13, // 87: leasehold.v1.LeaseService.List:output_type -> leasehold.v1.ListResponse
+	15, // 88: leasehold.v1.LeaseService.KeepAlive:output_type -> leasehold.v1.KeepAliveResponse
+	19, // 89: leasehold.v1.LeaseService.Watch:output_type -> leasehold.v1.WatchResponse
+	23, // 90: leasehold.v1.LeaseService.RequestHandoff:output_type -> leasehold.v1.RequestHandoffResponse
+	25, // 91: leasehold.v1.LeaseService.History:output_type -> leasehold.v1.HistoryResponse
+	27, // 92: leasehold.v1.LeaseService.CheckFence:output_type -> leasehold.v1.CheckFenceResponse
+	29, // 93: leasehold.v1.LeaseService.Revoke:output_type -> leasehold.v1.RevokeResponse
+	35, // 94: leasehold.v1.LeaseService.Keep:output_type -> leasehold.v1.KeepResponse
+	40, // 95: leasehold.v1.LeaseService.RevokeKeeper:output_type -> leasehold.v1.RevokeKeeperResponse
+	83, // [83:96] is the sub-list for method output_type
+	70, // [70:83] is the sub-list for method input_type
+	70, // [70:70] is the sub-list for extension type_name
+	70, // [70:70] is the sub-list for extension extendee
+	0,  // [0:70] is the sub-list for field type_name
 }
 
 func init() { file_leasehold_v1_lease_proto_init() }
@@ -3244,6 +3270,7 @@ func file_leasehold_v1_lease_proto_init() {
 		(*KeepAliveResponse_Lease)(nil),
 		(*KeepAliveResponse_Lost)(nil),
 		(*KeepAliveResponse_HandoffRequested)(nil),
+		(*KeepAliveResponse_Undecided)(nil),
 	}
 	file_leasehold_v1_lease_proto_msgTypes[17].OneofWrappers = []any{
 		(*WatchResponse_Snapshot)(nil),

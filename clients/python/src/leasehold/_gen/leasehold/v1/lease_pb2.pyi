@@ -469,6 +469,7 @@ class KeepAliveResponse(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     LOST_FIELD_NUMBER: _builtins.int
     HANDOFF_REQUESTED_FIELD_NUMBER: _builtins.int
+    UNDECIDED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     @_builtins.property
     def key(self) -> Global___SessionKey: ...
@@ -484,6 +485,18 @@ class KeepAliveResponse(_message.Message):
     def handoff_requested(self) -> Global___HandoffRequested:
         """Someone asked this run to finish and release."""
 
+    @_builtins.property
+    def undecided(self) -> _status_pb2.Status:
+        """The database did not decide this renewal: its statement ran past the
+        server's statement_timeout, or its row stayed locked past lock_timeout.
+        The code is UNAVAILABLE with the ErrorInfo reason DATABASE_UNAVAILABLE
+        and `sql_state` 57014 (statement timeout) or 55P03 (lock timeout), as
+        the error of a unary call would carry. The lease is unchanged: neither
+        renewed nor lost. The stream goes on and answered this renewal, so it
+        is not stalled; the run's next renewal tries again, and its local
+        deadline still ends the lease if none is decided in time (L2).
+        """
+
     def __init__(
         self,
         *,
@@ -492,12 +505,13 @@ class KeepAliveResponse(_message.Message):
         lease: Global___Lease | None = ...,
         lost: Global___Lost | None = ...,
         handoff_requested: Global___HandoffRequested | None = ...,
+        undecided: _status_pb2.Status | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["handoff_requested", b"handoff_requested", "key", b"key", "lease", b"lease", "lost", b"lost", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["handoff_requested", b"handoff_requested", "key", b"key", "lease", b"lease", "lost", b"lost", "result", b"result", "undecided", b"undecided"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_requested", b"handoff_requested", "key", b"key", "lease", b"lease", "lost", b"lost", "result", b"result", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_requested", b"handoff_requested", "key", b"key", "lease", b"lease", "lost", b"lost", "result", b"result", "run_id", b"run_id", "undecided", b"undecided"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["lease", "lost", "handoff_requested"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["lease", "lost", "handoff_requested", "undecided"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
