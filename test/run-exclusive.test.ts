@@ -391,6 +391,36 @@ describe("a renewal the database did not decide", () => {
   });
 });
 
+describe("a renewal held up longer than the stall watch", () => {
+  it("L2: a renewal statement that runs past the renewal interval (the default statement_timeout 5 s against the default TTL's 3 s) is given up by the stall watch before its undecided answer: the client reopens its stream, and the lease is kept", async () => {
+    // The default statement_timeout and TTL; a lock_timeout above the
+    // statement's, so that a table lock holds the renewal statement up until
+    // statement_timeout, as a slow database would.
+    const slow = await startServer(["--lock-timeout", "30s"]);
+    const events: ClientEvent[] = [];
+    const c = client({ baseUrl: slow.url, protocol: "grpc", onEvent: (e) => events.push(e) });
+    const key = freshKey("undecided-too-late");
+    const outcome = await c.runExclusive(key, async (ctx) => {
+      const lock = await openTransaction(db, (tx) => tx`LOCK TABLE leases IN SHARE MODE`);
+      try {
+        await waitFor(() => events.some((e) => e.type === "keepalive-failed"), {
+          what: "the stall watch giving up the held-up renewal",
+          timeoutMs: 10_000,
+        });
+      } finally {
+        await lock.end();
+      }
+      return { aborted: ctx.signal.aborted, runId: ctx.runId };
+    });
+    const failed = events.find((e) => e.type === "keepalive-failed");
+    expect(failed?.type === "keepalive-failed" && failed.error.message).toBe(
+      "no answer to a renewal within 3000ms",
+    );
+    expect(events.some((e) => e.type === "keepalive-renewal-undecided")).toBe(false);
+    expect(outcome.aborted).toBe(false);
+  });
+});
+
 describe("late grants", () => {
   it("L2: a grant whose response arrives after its local deadline is not used, and is released", async () => {
     const proxy = await proxyTo(server.url);
