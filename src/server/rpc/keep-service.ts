@@ -198,7 +198,6 @@ const lossOfKeeper: Record<KeeperEnd, LossCause> = {
   not_found: "not_found",
 };
 
-/** An error that ends the stream rather than one request: the caller's token or certificate expired. */
 /** What a request's arrival noted (KeepSession.arrive). */
 interface Arrival {
   /** An acquire that may wait: its run key, and what gives it up. */
@@ -207,6 +206,7 @@ interface Arrival {
   readonly release?: readonly AbortController[];
 }
 
+/** An error that ends the stream rather than one request: the caller's token or certificate expired. */
 function endsStream(error: unknown): boolean {
   return (
     error instanceof UnauthenticatedError ||
