@@ -116,3 +116,49 @@ describe("the lease statements read a keeper's deadline without calling a SQL fu
     expect((await deadlineCalls()) - before).toBe(0);
   });
 });
+
+describe("a lease whose keeper row is gone (trimmed) reads as long over in the statements' own read", () => {
+  it("K1, S4: get, list, renew (alone and batched) and release refuse it, and another run takes the key", async () => {
+    const gone = await createKeeperStore(one).open({
+      id: randomUUID(),
+      accountId: account,
+      holder: "probe",
+      ttlMs: 60_000,
+      lockDelayMs: 0,
+    });
+    if (!gone.held) throw new Error(`keeper not opened: ${gone.cause}`);
+    const key = { accountId: account, sessionId: `trimmed-${randomUUID()}` };
+    const runId = randomUUID();
+    const granted = await store.acquire({
+      ...key,
+      runId,
+      ttlMs: 60_000,
+      holder: "probe",
+      keeperId: gone.keeper.id,
+    });
+    expect(granted.acquired).toBe(true);
+    // Trimmed by retention while its lease row still names it (no foreign key).
+    await one`DELETE FROM keepers WHERE id = ${gone.keeper.id}::uuid`;
+    expect(await store.get(key)).toBeUndefined();
+    const listed = await store.list(account, 1000, undefined);
+    expect(listed.leases.map((l) => l.sessionId)).not.toContain(key.sessionId);
+    expect((await store.renew(key, runId, undefined)).held).toBe(false);
+    const [batched] = await store.renewMany(
+      [{ ...key, runId, ttlMs: undefined, lookupHandoff: false }],
+      { wait: true },
+    );
+    expect(batched?.outcome).toBe("lost");
+    expect(await store.release(key, runId)).toBeUndefined();
+    const other = await store.acquire({
+      ...key,
+      runId: randomUUID(),
+      ttlMs: 5_000,
+      holder: "next",
+    });
+    expect(other.acquired).toBe(true);
+    if (other.acquired)
+      expect(other.lease.fencingToken).toBeGreaterThan(
+        granted.acquired ? granted.lease.fencingToken : 0n,
+      );
+  });
+});
