@@ -16,6 +16,7 @@ import { ErrorInfoSchema } from "../src/gen/google/rpc/error_details_pb.js";
 import type { Status } from "../src/gen/google/rpc/status_pb.js";
 import { EventType, type KeepResponse, LossReason } from "../src/gen/leasehold/v1/lease_pb.js";
 import { defaultLimits } from "../src/lease/limits.js";
+import { openTransaction } from "./support/db.js";
 import { useTestServer } from "./support/fixture.js";
 import { grpcClient } from "./support/server.js";
 import { ms, openKeep, openWatch } from "./support/streams.js";
@@ -208,6 +209,85 @@ for (const mode of ["native", "connect"] as const) {
         SELECT run_id FROM lease_events
         WHERE account_id = ${accountId} AND session_id = ${key.sessionId} AND type = 'acquired'`;
       expect(events.map((e) => e.runId)).not.toContain(runId);
+    });
+
+    /**
+     * A waiting acquire of `runId` whose attempt is deciding, held on the
+     * lease row by a transaction that frees the key, is given up by a
+     * release of its run; then the transaction commits and the attempt
+     * grants the key to the given-up run.
+     */
+    async function giveUpDuringAttempt(name: string, waitMs: number, serverArgs: string[]) {
+      // A lock wait long enough to hold the attempt while the release arrives.
+      const other = await startServer(
+        ["--grpc-path", mode, "--lock-timeout", "30s", ...serverArgs],
+        { limits: { ...defaultLimits, minTtlMs: 50 } },
+      );
+      const there = grpcClient(other.url);
+      const accountId = account(name);
+      const { keep } = await opened(accountId, 30_000, 0, "", there);
+      const key = { accountId, sessionId: "contended" };
+      const blocker = await there.acquire({ key, ttl: ms(60_000) });
+      if (!blocker.lease) throw new Error("blocker not acquired");
+      const runId = randomUUID();
+      keep.send({ id: 9n, op: { case: "acquire", value: { key, runId, wait: ms(waitMs) } } });
+      await waitFor(() => other.streaming.waiters.stats.waiting === 1, {
+        what: "the acquire waiting",
+      });
+      const lockWaits = async () =>
+        (
+          await db.sql`SELECT 1 FROM pg_stat_activity
+            WHERE datname = current_database() AND wait_event_type = 'Lock'`
+        ).length;
+      const freeing = await openTransaction(
+        db,
+        (tx) => tx`UPDATE leases SET expires_at = acquired_at
+          WHERE account_id = ${accountId} AND session_id = ${key.sessionId}`,
+      );
+      try {
+        await waitFor(async () => (await lockWaits()) >= 1, {
+          what: "an attempt waiting on the lease row",
+          timeoutMs: 5_000,
+        });
+        // The release gives the acquire up as it arrives (the heartbeat
+        // behind it is answered once it has).
+        keep.send({ id: 10n, op: { case: "release", value: { key, runId } } });
+        const beat = await ask(keep, { case: "heartbeat", value: {} });
+        expect(beat.result.case).toBe("keeper");
+      } finally {
+        await freeing.end();
+      }
+      return { keep, there, key, runId, accountId };
+    }
+
+    /** The given-up run was granted once, and nothing of it is left once the release is answered. */
+    async function expectGivenUp(given: Awaited<ReturnType<typeof giveUpDuringAttempt>>) {
+      const { keep, there, key, runId, accountId } = given;
+      expect(errorOf(await keep.answer(9n, 5_000)).code).toBe(Code.Canceled);
+      expect((await keep.answer(10n, 5_000)).result.case).toBe("release");
+      const granted = async () =>
+        (
+          await db.sql`SELECT 1 FROM lease_events WHERE account_id = ${accountId}
+            AND session_id = ${key.sessionId} AND type = 'acquired' AND run_id = ${runId}::uuid`
+        ).length;
+      // The attempt did grant the given-up run (what this case is about) ...
+      await waitFor(async () => (await granted()) === 1, { what: "the attempt's grant" });
+      // ... and the release, answered after the acquire, left none of it.
+      expect((await there.get({ key })).held).toBe(false);
+      keep.abort();
+    }
+
+    it("a release that gives up an acquire whose wait ran out while its last attempt grants it: the acquire is answered CANCELLED, and the grant ended", async () => {
+      await expectGivenUp(await giveUpDuringAttempt("give-up-last", 1_000, []));
+    });
+
+    it("a release that gives up an acquire while one of its attempts grants it (a lease on the keeper, which the waiters cannot end by its grant's deadline): the grant ended before the release is answered", async () => {
+      // Attempts every 100 ms: one of them is deciding when the release comes.
+      const given = await giveUpDuringAttempt("give-up-attempt", 60_000, [
+        "--recheck-interval",
+        "100ms",
+      ]);
+      await expectGivenUp(given);
     });
 
     it("answers by id in any order: an acquire waiting on a held key does not hold up the heartbeat behind it", async () => {

@@ -198,12 +198,20 @@ const lossOfKeeper: Record<KeeperEnd, LossCause> = {
   not_found: "not_found",
 };
 
+/** An acquire that may wait, noted as it arrived: what gives it up, and when it was answered. */
+interface MayWait {
+  readonly own: AbortController;
+  /** Resolves once the acquire is answered (KeepSession.depart). */
+  readonly answered: Promise<void>;
+  readonly markAnswered: () => void;
+}
+
 /** What a request's arrival noted (KeepSession.arrive). */
 interface Arrival {
   /** An acquire that may wait: its run key, and what gives it up. */
-  readonly wait?: { readonly rk: string; readonly own: AbortController };
+  readonly wait?: { readonly rk: string; readonly acquire: MayWait };
   /** A release: the waiting acquires of its run that arrived before it. */
-  readonly release?: readonly AbortController[];
+  readonly release?: readonly MayWait[];
 }
 
 /** An error that ends the stream rather than one request: the caller's token or certificate expired. */
@@ -245,7 +253,7 @@ export class KeepSession {
    * release of the same run gives up those that arrived before it, so a
    * candidate that stopped waiting leaves no waiter.
    */
-  private readonly waiting = new Map<string, Set<AbortController>>();
+  private readonly waiting = new Map<string, Set<MayWait>>();
   private queue: KeepResponse[] = [];
   private outlet: Outlet<KeepResponse> | undefined;
   private blocked = false;
@@ -402,22 +410,27 @@ export class KeepSession {
     const rk = runKey(key, runId.toLowerCase());
     if (op.case === "release") return { release: [...(this.waiting.get(rk) ?? [])] };
     if (op.value.wait === undefined) return undefined;
-    const own = new AbortController();
+    let markAnswered!: () => void;
+    const answered = new Promise<void>((resolve) => {
+      markAnswered = resolve;
+    });
+    const acquire: MayWait = { own: new AbortController(), answered, markAnswered };
     let set = this.waiting.get(rk);
     if (!set) {
       set = new Set();
       this.waiting.set(rk, set);
     }
-    set.add(own);
-    return { wait: { rk, own } };
+    set.add(acquire);
+    return { wait: { rk, acquire } };
   }
 
   private depart(arrival: Arrival | undefined): void {
     if (!arrival?.wait) return;
-    const { rk, own } = arrival.wait;
+    const { rk, acquire } = arrival.wait;
     const set = this.waiting.get(rk);
-    set?.delete(own);
+    set?.delete(acquire);
     if (set?.size === 0) this.waiting.delete(rk);
+    acquire.markAnswered();
   }
 
   private opsLimitError(): ResourceExhaustedError {
@@ -468,7 +481,7 @@ export class KeepSession {
       case "heartbeat":
         return this.heartbeat(id, keeper, op.value.ttl);
       case "acquire":
-        return this.acquire(id, keeper, op.value, arrival?.wait?.own);
+        return this.acquire(id, keeper, op.value, arrival?.wait?.acquire.own);
       case "release":
         return this.release(id, keeper, op.value, arrival?.release ?? []);
       case "get":
@@ -705,18 +718,23 @@ export class KeepSession {
     id: bigint,
     keeper: KeeperRecord,
     r: ReleaseRequest,
-    earlier: readonly AbortController[],
+    earlier: readonly MayWait[],
   ): Promise<KeepResponse> {
     const key = this.keyOf("release", r.key, keeper);
     const runId = checkRunId("release.run_id", r.runId);
     for (const given of earlier) {
-      given.abort(
+      given.own.abort(
         new ConnectError(
           "the acquire was given up: its run was released while it waited",
           Code.Canceled,
         ),
       );
     }
+    // Decided once they are answered: an attempt of theirs still deciding
+    // may grant the run, and this release then ends that grant (the waiters'
+    // own release of it is guarded by the grant's deadline, which a lease on
+    // a keeper does not carry).
+    await Promise.all(earlier.map((given) => given.answered));
     // Not followed from here: this stream's own release is no loss to report.
     this.unfollow(key, runId);
     const ended = await this.deps.store.release(key, runId);

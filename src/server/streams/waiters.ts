@@ -49,6 +49,13 @@ interface Waiter {
   attempting: boolean;
   /** The wait ran out during an attempt: that attempt's answer is the final one. */
   waitOver: boolean;
+  /**
+   * Given up (its signal aborted) while an attempt for it was in flight:
+   * that attempt answers it with this reason once decided, after ending a
+   * grant it made, so the caller hears of the give-up only when no grant of
+   * it remains.
+   */
+  givenUp?: { reason: unknown };
 }
 
 interface KeyQueue {
@@ -140,6 +147,11 @@ export function createWaiters(options: WaitersOptions): Waiters {
           result = await store.acquire(head.input);
         } catch (error) {
           head.attempting = false;
+          if (head.givenUp) {
+            head.reject(head.givenUp.reason);
+            q.again = true;
+            continue;
+          }
           // The waiter's own run had its lease end (S4), or the keeper it
           // asked for is over (K1: expired, closed, revoked): no later
           // attempt can grant it, so that is the answer now, and the next
@@ -163,6 +175,12 @@ export function createWaiters(options: WaitersOptions): Waiters {
           break;
         }
         head.attempting = false;
+        if (head.givenUp) {
+          if (result.acquired) await releaseUnwanted(result);
+          head.reject(head.givenUp.reason);
+          q.again = true;
+          continue;
+        }
         if (result.acquired && head.done) {
           // The caller gave up while the grant was being made: nobody will
           // use or release this lease, so end it now and let the next go.
@@ -235,6 +253,10 @@ export function createWaiters(options: WaitersOptions): Waiters {
           clearTimeout(timer);
           if (w.done) return;
           finish(k, w);
+          if (w.attempting) {
+            w.givenUp = { reason: signal.reason };
+            return;
+          }
           reject(signal.reason);
         };
         signal.addEventListener("abort", onAbort, { once: true });
@@ -263,8 +285,11 @@ export function createWaiters(options: WaitersOptions): Waiters {
           finish(k, w);
           store.acquire(input).then(
             (result) => {
+              // Given up while this attempt decided (the waiter left the
+              // queue, so onAbort no longer answers): answered all the same,
+              // once a grant nobody will use is ended.
               if (result.acquired && signal.aborted) {
-                void releaseUnwanted(result);
+                void releaseUnwanted(result).then(() => w.reject(signal.reason));
                 return;
               }
               if (result.acquired) stats.granted += 1;
