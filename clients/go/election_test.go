@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -815,6 +816,77 @@ func TestElectionObserveYieldsEveryChangeInOrderAcrossAStoppedInstance(t *testin
 	}
 	if seen[1].Leader.Value != "first-v2" || seen[3].Leader.Value != "second" || seen[6].How != "resigned" {
 		t.Fatalf("proclaimed %+v, second %+v, last end %+v; want first-v2, second, resigned", seen[1].Leader, seen[3].Leader, seen[6])
+	}
+}
+
+// E1: a term granted between a fresh snapshot (nobody leading) and the
+// History read after it is seen elected, not ended, and its end is seen
+// once, as it happened. The watcher's first History read after its watch
+// is cut lets that term begin first: the snapshot shows nobody, History
+// shows the term.
+func TestElectionObserveTermGrantedBetweenTheSnapshotAndHistoryIsElectedNotEnded(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	actor := dial(t, []string{shared.Addr})
+	o := leasehold.CampaignOptions{TTL: 30 * time.Second}
+	var armed atomic.Bool
+	var second atomic.Pointer[leasehold.Leadership]
+	hook := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if strings.HasSuffix(method, "/History") && armed.CompareAndSwap(true, false) {
+			l, err := actor.Campaign(ctx, key, "second", o)
+			if err != nil {
+				return err
+			}
+			second.Store(l)
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	watcher := dial(t, []string{p.Addr}, leasehold.WithDialOptions(grpc.WithChainUnaryInterceptor(hook)))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	changes, errs, done := observeInto(ctx, watcher, key)
+	var seen []leasehold.ElectionChange
+	next := func(what string) { seen = append(seen, nextChange(t, changes, errs, what)) }
+	next("the current leader (none)")
+	first := campaign(t, actor, key, "first", o)
+	next("the first term")
+	resign(t, first)
+	next("the first term's end")
+	// The watch is cut; it comes back with a fresh snapshot (nobody leads).
+	armed.Store(true)
+	p.Cut()
+	next("the second term")
+	if second.Load() == nil {
+		t.Fatal("the second term began without the watcher's History read")
+	}
+	// Nothing else is yielded until the second term really ends.
+	select {
+	case ch := <-changes:
+		t.Fatalf("change %+v while the second term leads, want none", ch)
+	case err := <-errs:
+		t.Fatalf("Observe ended with %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	resign(t, second.Load())
+	next("the second term's end")
+	cancel()
+	<-done
+	got := make([]seenChange, len(seen))
+	for i, ch := range seen {
+		got[i] = seenChange{ch.Type, ch.Term}
+	}
+	want := []seenChange{
+		{leasehold.ChangeCurrent, 0},
+		{leasehold.ChangeElected, first.Term()},
+		{leasehold.ChangeEnded, first.Term()},
+		{leasehold.ChangeElected, second.Load().Term()},
+		{leasehold.ChangeEnded, second.Load().Term()},
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("changes %v, want %v", got, want)
+	}
+	if seen[4].How != "resigned" {
+		t.Fatalf("the second term's end %+v, want resigned", seen[4])
 	}
 }
 
