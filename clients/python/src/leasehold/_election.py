@@ -227,7 +227,7 @@ class ElectionView:
             if reached or not page.next_page_token:
                 break
             page_token = page.next_page_token
-        known = self.highest
+        known, before = self.highest, self.current
         changes = [c for c in map(self.apply, reversed(missed)) if c is not None]
         current = self.current
         if lease is not None and lease.fencing_token > self.highest:
@@ -239,7 +239,13 @@ class ElectionView:
                 # Elected in History, absent from the snapshot: granted after
                 # it (still held: its end comes on the stream), or ended
                 # before it unrecorded (not held: it ends here).
-                now = yield READ_LEASE
+                try:
+                    now = yield READ_LEASE
+                except BaseException:
+                    # Not read: History's changes are not yielded, so they
+                    # are not seen either; the next snapshot reads them again.
+                    self.highest, self.current = known, before
+                    raise
                 assert now is None or isinstance(now, Lease)
                 if now is not None and now.fencing_token == current.term:
                     return changes
