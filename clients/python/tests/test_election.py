@@ -1063,6 +1063,46 @@ def test_e1_run_election_starts_a_campaign_again_after_its_waiting_call_is_lost(
     assert admin.leader(ACCOUNT, name) is None
 
 
+def test_e1_run_election_calls_on_new_leader_after_the_servers_were_out_of_reach_at_start(
+    eserver: Server,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+) -> None:
+    """E1: run_election started while no instance answers still calls
+    on_new_leader once one does: its observer keeps trying, as after a
+    reconnect, rather than ending with its first failed call."""
+    name = election("run-early")
+    proxy = proxies(eserver.address)
+    proxy.drop()
+    leaders: list[int] = []
+    led: list[int] = []
+
+    def admit() -> None:
+        # The campaign has been refused twice (and the observer's first
+        # calls with it); then the instance is in reach again.
+        wait_for("two refused connections", lambda: proxy.accepted >= 2)
+        proxy.pass_()
+
+    def lead(leadership: Leadership) -> None:
+        led.append(leadership.term)
+        wait_for("on_new_leader with this term", lambda: leadership.term in leaders, timeout=10)
+
+    admitting = threading.Thread(target=admit)
+    admitting.start()
+    clients(proxy.address, token=token()).run_election(
+        ACCOUNT,
+        name,
+        lead,
+        on_new_leader=lambda leader: leaders.append(leader.term),
+        value="started-early",
+        ttl=5,
+        again=False,
+    )
+    admitting.join()
+    assert len(led) == 1
+
+
 async def ended_by_async(
     client: AsyncLeaseClient,
     admin: LeaseClient,
@@ -1231,6 +1271,40 @@ async def test_e1_async_run_election_starts_a_campaign_again_after_its_waiting_c
     assert len(led) == 1 and led[0] > holder.term
     assert grants(admin, name) == ["holder", "patient"]
     assert admin.leader(ACCOUNT, name) is None
+
+
+async def test_e1_async_run_election_calls_on_new_leader_after_the_servers_were_out_of_reach_at_start(  # noqa: E501
+    eserver: Server,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    name = election("arun-early")
+    proxy = proxies(eserver.address)
+    proxy.drop()
+    leaders: list[int] = []
+    led: list[int] = []
+
+    async def admit() -> None:
+        await until("two refused connections", lambda: proxy.accepted >= 2)
+        proxy.pass_()
+
+    async def lead(leadership: AsyncLeadership) -> None:
+        led.append(leadership.term)
+        await until("on_new_leader with this term", lambda: leadership.term in leaders, limit=10)
+
+    admitting = asyncio.ensure_future(admit())
+    await aclients(proxy.address, token=token()).run_election(
+        ACCOUNT,
+        name,
+        lead,
+        on_new_leader=lambda leader: leaders.append(leader.term),
+        value="started-early",
+        ttl=5,
+        again=False,
+    )
+    await admitting
+    assert len(led) == 1
 
 
 async def test_e1_async_run_election_cancelled_as_its_grant_arrives_ends_the_term_once_and_releases_it(  # noqa: E501
