@@ -42,7 +42,7 @@ from leasehold import (
     StopReason,
     UnavailableError,
 )
-from support import Server, fresh_session, lease_server, wait_for
+from support import Server, TcpProxy, fresh_session, lease_server, wait_for
 
 __all__ = ["aclients"]  # the fixture, imported for this file's async tests
 
@@ -519,6 +519,73 @@ def test_e1_a_campaign_whose_timeout_passes_is_not_acquired_and_names_the_leader
         late.__enter__()
     assert refused.value.holder == "holder"
     next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
+
+
+def late_grants_then_prompt(admin: LeaseClient, name: str, proxy: TcpProxy) -> Callable[[], bool]:
+    """Every answer comes 0.8 s late (past a 1 s lease's local deadline)
+    until a late grant of the election has been released (its confirming
+    re-acquire was late too); answers are prompt from then on."""
+
+    def released() -> bool:
+        events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
+        if not any(e.type == "RELEASED" for e in events):
+            return False
+        proxy.answer_lag = 0.0
+        return True
+
+    proxy.answer_lag = 0.8
+    return released
+
+
+def test_e1_l2_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+    pool: ThreadPoolExecutor,
+) -> None:
+    """E1, L2, S4: a grant whose answer (and its confirmation's) came after
+    its local deadline is released and the campaign goes on; that run never
+    holds the election again (S4), so the campaign asks with a new run and
+    leads."""
+    name = election("late")
+    proxy = proxies(eserver.address)
+    c = clients(proxy.address, token=token())
+    c.get(SessionKey(ACCOUNT, name))
+    released = late_grants_then_prompt(admin, name, proxy)
+    leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
+    entering = pool.submit(leadership.__enter__)
+    wait_for("a late grant released", released)
+    assert entering.result(timeout=20) is leadership
+    events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
+    late_run = next(e.run_id for e in events if e.type == "RELEASED")
+    assert leadership.run_id != late_run
+    leader = admin.leader(ACCOUNT, name)
+    assert leader is not None and leader.run_id == leadership.run_id
+    leadership.resign()
+
+
+async def test_e1_l2_async_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    name = election("alate")
+    proxy = proxies(eserver.address)
+    c = aclients(proxy.address, token=token())
+    await c.get(SessionKey(ACCOUNT, name))
+    released = late_grants_then_prompt(admin, name, proxy)
+    leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
+    entering = asyncio.ensure_future(leadership.__aenter__())
+    await until("a late grant released", released)
+    assert await asyncio.wait_for(entering, 20) is leadership
+    events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
+    late_run = next(e.run_id for e in events if e.type == "RELEASED")
+    assert leadership.run_id != late_run
+    await leadership.resign()
 
 
 async def test_e1_async_a_waiting_candidate_whose_connection_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501

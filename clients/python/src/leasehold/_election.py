@@ -51,6 +51,7 @@ from .types import (
     StopReason,
     acquire_result,
     lease_from,
+    normalize_run_id,
     release_result,
     seconds,
 )
@@ -299,7 +300,8 @@ class BaseLeadership(Generic[HoldT]):
         self.election = election
         #: The election's session key.
         self.key = SessionKey(account_id, election)
-        #: This candidate's run id, the same for every waiting Acquire of the campaign.
+        #: This candidate's run id, the same for every waiting Acquire of the
+        #: campaign (a new one after a late grant, which was released).
         self.run_id = run_id
         #: The value advertised now.
         self.value = check_value(value)
@@ -387,6 +389,9 @@ class BaseLeadership(Generic[HoldT]):
         if self._cancelled:
             raise campaign_cancelled() from error
         if isinstance(error, LateGrantError):
+            # That grant was released, and a run whose lease ended never
+            # holds the session again (S4): a new run asks.
+            self.run_id = normalize_run_id(None)
             return
         self._last_seen = error.current or self._last_seen
         if time.monotonic() < give_up_at:
