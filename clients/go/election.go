@@ -155,7 +155,9 @@ func (o CampaignOptions) check() error {
 // The wait is the server's waiting Acquire, served in arrival order on one
 // instance; it is asked again, with the same run id, whenever one wait
 // (WaitChunk) runs out. A grant whose answer arrives after its own local
-// deadline is released and the campaign goes on. ctx bounds the campaign
+// deadline is released (or, found ended by the re-acquire that would
+// confirm it, dropped) and the campaign goes on with a new run: a run
+// whose lease ended never holds the session again (S4). ctx bounds the campaign
 // only, as Hold's bounds the acquire: the term ends with Resign or its
 // loss. Campaign returns — leaving no lease and no waiter on the server —
 // context.Cause(ctx) when ctx ends, the waiting call's error when it fails
@@ -209,8 +211,12 @@ func (c *Client) Campaign(ctx context.Context, key SessionKey, value string, o C
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
-		if errors.Is(err, ErrLateGrant) {
-			runID = NewRunID() // that grant was released: a new run asks again
+		if errors.Is(err, ErrLateGrant) || errors.Is(err, ErrLeaseNotHeld) {
+			// A late grant, released; or one whose confirming re-acquire
+			// found it ended (its answer came after the lease's own
+			// deadline). That run never holds the session again (S4): a
+			// new run asks again.
+			runID = NewRunID()
 			continue
 		}
 		var na *NotAcquiredError

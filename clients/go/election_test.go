@@ -447,6 +447,70 @@ func TestElectionCampaignTimeoutNamesTheLeader(t *testing.T) {
 	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
 }
 
+// E1: one waiting Acquire is bounded (the server's --max-wait; here a
+// 200ms WaitChunk): the campaign asks again until the leader resigns, and
+// then leads; the session is granted to the holder and then to the
+// candidate only (no wait left anything behind).
+func TestElectionCampaignAsksAgainWheneverOneWaitRunsOut(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	c := dial(t, []string{srv.Addr})
+	holder := campaign(t, c, key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	patient := campaignAsync(context.Background(), c, key, "patient", leasehold.CampaignOptions{TTL: time.Minute, WaitChunk: 200 * time.Millisecond})
+	testenv.WaitFor(t, 10*time.Second, "three waits, one after another", func() bool { return queued(srv, key) >= 3 })
+	resign(t, holder)
+	won := leads(t, patient, 5*time.Second, "the patient candidate")
+	if won.Term() <= holder.Term() {
+		t.Fatalf("term %d after %d, want higher", won.Term(), holder.Term())
+	}
+	if got := grantedTo(t, c, key); !slices.Equal(got, []string{"holder", "patient"}) {
+		t.Fatalf("grants %v, want [holder patient]", got)
+	}
+	resign(t, won)
+}
+
+// E1, L2, S4: a grant whose answer came after its local deadline is
+// released and the campaign goes on, with a new run (the released run
+// never holds the session again, S4), and leads. Here each answer chunk is
+// held 800ms: the waited grant's answer comes after its 1s lease expired,
+// so the re-acquire that would confirm it finds the run's lease ended.
+func TestElectionCampaignWhoseGrantCameLateGoesOnWithANewRunAndLeads(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr})
+	direct := dial(t, []string{shared.Addr})
+	if _, err := c.Get(context.Background(), key); err != nil {
+		t.Fatal(err)
+	}
+	// Every answer chunk 800ms late: past the 500ms a 1s lease with a
+	// 500ms margin leaves, until a late grant has been released.
+	p.Delay(800 * time.Millisecond)
+	campaigning := campaignAsync(context.Background(), c, key, "patient", leasehold.CampaignOptions{TTL: time.Second, SafetyMargin: 500 * time.Millisecond})
+	late := ""
+	testenv.WaitFor(t, 20*time.Second, "a late grant ended", func() bool {
+		for _, e := range history(t, direct, key) {
+			if e.GetType() == leasev1.EventType_EVENT_TYPE_ACQUIRED {
+				late = e.GetRunId()
+			}
+		}
+		now, err := direct.Get(context.Background(), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return late != "" && now.GetRunId() != late
+	})
+	p.Delay(0)
+	l := leads(t, campaigning, 20*time.Second, "the campaign")
+	if l.RunID() == late {
+		t.Fatalf("led with run %s, the one whose late grant was released", late)
+	}
+	leader, err := direct.Leader(context.Background(), key)
+	if err != nil || leader == nil || leader.RunID != l.RunID() || leader.Term != l.Term() {
+		t.Fatalf("Leader = %+v, %v; want run %s in term %d", leader, err, l.RunID(), l.Term())
+	}
+	resign(t, l)
+}
+
 // E1: a campaign on a keeper gives up when its Timeout passes even when
 // the keeper's stream is cut while it waits: the acquire sent again on the
 // re-attached stream waits only what is left of the first one's wait.
