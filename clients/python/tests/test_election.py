@@ -521,22 +521,36 @@ def test_e1_a_campaign_whose_timeout_passes_is_not_acquired_and_names_the_leader
     next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
 
 
-def late_grants_then_prompt(admin: LeaseClient, name: str, proxy: TcpProxy) -> Callable[[], bool]:
-    """Every answer comes 0.8 s late (past a 1 s lease's local deadline)
-    until a late grant of the election has been released (its confirming
-    re-acquire was late too); answers are prompt from then on."""
+def late_grants_then_prompt(
+    admin: LeaseClient, name: str, proxy: TcpProxy, lag: float
+) -> Callable[[], str | None]:
+    """Every answer comes ``lag`` seconds late (past a 1 s lease's local
+    deadline) until a late grant of the election has ended; answers are
+    prompt from then on. Returns a predicate: the late run, once it ended."""
 
-    def released() -> bool:
+    def ended() -> str | None:
         events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
-        if not any(e.type == "RELEASED" for e in events):
-            return False
+        late = next((e.run_id for e in events if e.type == "ACQUIRED"), None)
+        leader = admin.leader(ACCOUNT, name)
+        if late is None or (leader is not None and leader.run_id == late):
+            return None
         proxy.answer_lag = 0.0
-        return True
+        return late
 
-    proxy.answer_lag = 0.8
-    return released
+    proxy.answer_lag = lag
+    return ended
 
 
+#: Answers 0.8 s late: the re-acquire confirming the waited grant comes back
+#: late too (LateGrantError, released). 1.5 s: the grant's 1 s lease has
+#: expired when its answer comes, and the re-acquire finds it ended
+#: (LeaseNotHeldError).
+LAGS = pytest.mark.parametrize(
+    "lag", [0.8, 1.5], ids=["confirmed-late", "expired-before-confirmed"]
+)
+
+
+@LAGS
 def test_e1_l2_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
     eserver: Server,
     admin: LeaseClient,
@@ -544,47 +558,48 @@ def test_e1_l2_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads
     clients: Clients,
     proxies: Proxies,
     pool: ThreadPoolExecutor,
+    lag: float,
 ) -> None:
-    """E1, L2, S4: a grant whose answer (and its confirmation's) came after
-    its local deadline is released and the campaign goes on; that run never
-    holds the election again (S4), so the campaign asks with a new run and
-    leads."""
+    """E1, L2, S4: a grant whose answer came after its local deadline is
+    released (or found ended) and the campaign goes on; that run never holds
+    the election again (S4), so the campaign asks with a new run and leads."""
     name = election("late")
     proxy = proxies(eserver.address)
     c = clients(proxy.address, token=token())
     c.get(SessionKey(ACCOUNT, name))
-    released = late_grants_then_prompt(admin, name, proxy)
+    ended = late_grants_then_prompt(admin, name, proxy, lag)
     leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
     entering = pool.submit(leadership.__enter__)
-    wait_for("a late grant released", released)
+    late = wait_for("a late grant ended", ended)
     assert entering.result(timeout=20) is leadership
-    events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
-    late_run = next(e.run_id for e in events if e.type == "RELEASED")
-    assert leadership.run_id != late_run
+    assert leadership.run_id != late
     leader = admin.leader(ACCOUNT, name)
     assert leader is not None and leader.run_id == leadership.run_id
     leadership.resign()
 
 
+@LAGS
 async def test_e1_l2_async_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
     eserver: Server,
     admin: LeaseClient,
     token: Callable[..., str],
     aclients: AsyncClients,
     proxies: Proxies,
+    lag: float,
 ) -> None:
     name = election("alate")
     proxy = proxies(eserver.address)
     c = aclients(proxy.address, token=token())
     await c.get(SessionKey(ACCOUNT, name))
-    released = late_grants_then_prompt(admin, name, proxy)
+    ended = late_grants_then_prompt(admin, name, proxy, lag)
     leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
     entering = asyncio.ensure_future(leadership.__aenter__())
-    await until("a late grant released", released)
+    await until("a late grant ended", ended)
+    late = ended()
     assert await asyncio.wait_for(entering, 20) is leadership
-    events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
-    late_run = next(e.run_id for e in events if e.type == "RELEASED")
-    assert leadership.run_id != late_run
+    assert late is not None and leadership.run_id != late
+    leader = admin.leader(ACCOUNT, name)
+    assert leader is not None and leader.run_id == leadership.run_id
     await leadership.resign()
 
 

@@ -37,6 +37,7 @@ from .errors import (
     LateGrantError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
 )
 from .types import (
@@ -301,7 +302,7 @@ class BaseLeadership(Generic[HoldT]):
         #: The election's session key.
         self.key = SessionKey(account_id, election)
         #: This candidate's run id, the same for every waiting Acquire of the
-        #: campaign (a new one after a late grant, which was released).
+        #: campaign (a new one after a late grant, whose lease ended).
         self.run_id = run_id
         #: The value advertised now.
         self.value = check_value(value)
@@ -381,15 +382,17 @@ class BaseLeadership(Generic[HoldT]):
             )
         return hold
 
-    def _refused(self, error: NotAcquiredError, give_up_at: float) -> None:
-        """A waiting Acquire ended without a grant (its wait ran out) or with
-        a late one (refused and released): returns to campaign again; raises
-        once the campaign is cancelled or its timeout has passed
-        (NotAcquiredError naming the leader)."""
+    def _refused(self, error: NotAcquiredError | LeaseNotHeldError, give_up_at: float) -> None:
+        """A waiting Acquire ended without a grant (its wait ran out), with a
+        late one (refused and released), or with one that the re-acquire
+        confirming it found ended (LeaseNotHeldError: its answer came after
+        the lease's own deadline): returns to campaign again; raises once the
+        campaign is cancelled or its timeout has passed (NotAcquiredError
+        naming the leader)."""
         if self._cancelled:
             raise campaign_cancelled() from error
-        if isinstance(error, LateGrantError):
-            # That grant was released, and a run whose lease ended never
+        if isinstance(error, (LateGrantError, LeaseNotHeldError)):
+            # That run's lease ended, and a run whose lease ended never
             # holds the session again (S4): a new run asks.
             self.run_id = normalize_run_id(None)
             return

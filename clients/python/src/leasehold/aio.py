@@ -54,6 +54,7 @@ from .errors import (
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -390,7 +391,7 @@ class AsyncLeadership(BaseLeadership[AsyncHold]):
             self._waiting = asyncio.ensure_future(hold.__aenter__())
             try:
                 await self._waiting
-            except NotAcquiredError as refused:
+            except (NotAcquiredError, LeaseNotHeldError) as refused:
                 self._refused(refused, give_up_at)
                 continue
             except asyncio.CancelledError:

@@ -53,6 +53,7 @@ from .errors import (
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -511,7 +512,7 @@ class Leadership(BaseLeadership[Hold]):
             hold._in_flight = self._in_flight
             try:
                 hold.__enter__()
-            except NotAcquiredError as refused:
+            except (NotAcquiredError, LeaseNotHeldError) as refused:
                 self._refused(refused, give_up_at)
                 continue
             except CanceledError as error:
