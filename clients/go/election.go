@@ -155,7 +155,9 @@ func (o CampaignOptions) check() error {
 // The wait is the server's waiting Acquire, served in arrival order on one
 // instance; it is asked again, with the same run id, whenever one wait
 // (WaitChunk) runs out. A grant whose answer arrives after its own local
-// deadline is released and the campaign goes on. ctx bounds the campaign
+// deadline is released (or, found ended by the re-acquire that would
+// confirm it, dropped) and the campaign goes on with a new run: a run
+// whose lease ended never holds the session again (S4). ctx bounds the campaign
 // only, as Hold's bounds the acquire: the term ends with Resign or its
 // loss. Campaign returns — leaving no lease and no waiter on the server —
 // context.Cause(ctx) when ctx ends, the waiting call's error when it fails
@@ -209,8 +211,12 @@ func (c *Client) Campaign(ctx context.Context, key SessionKey, value string, o C
 		if ctx.Err() != nil {
 			return nil, context.Cause(ctx)
 		}
-		if errors.Is(err, ErrLateGrant) {
-			runID = NewRunID() // that grant was released: a new run asks again
+		if errors.Is(err, ErrLateGrant) || errors.Is(err, ErrLeaseNotHeld) {
+			// A late grant, released; or one whose confirming re-acquire
+			// found it ended (its answer came after the lease's own
+			// deadline). That run never holds the session again (S4): a
+			// new run asks again.
+			runID = NewRunID()
 			continue
 		}
 		var na *NotAcquiredError
@@ -571,6 +577,7 @@ func (o *observer) missed(ctx context.Context) ([]*leasev1.Event, error) {
 }
 
 // resync reconciles a snapshot: History first, when it may hide a change.
+// With an error, the changes already made are returned too, to be yielded.
 func (o *observer) resync(ctx context.Context, leases []*leasev1.Lease) ([]ElectionChange, error) {
 	var lease *leasev1.Lease
 	for _, l := range leases {
@@ -608,9 +615,20 @@ func (o *observer) resync(ctx context.Context, leases []*leasev1.Lease) ([]Elect
 		o.current = leaderOf(lease)
 		changes = append(changes, ElectionChange{Type: ChangeElected, Leader: o.current, Term: o.current.Term})
 	case lease == nil && o.current != nil:
-		term := o.current.Term
-		o.current = nil
-		changes = append(changes, ElectionChange{Type: ChangeEnded, Term: term, How: "expired"})
+		// The snapshot shows nobody, but History (read after it) may show
+		// a term granted since: that one still leads, and its end comes on
+		// the stream. Only a term that Get also finds over has ended.
+		now, err := o.c.Get(ctx, o.key)
+		if err != nil {
+			// History's changes are made: they are yielded, and the term
+			// stays current until a later snapshot settles it.
+			return changes, err
+		}
+		if now.GetFencingToken() != o.current.Term {
+			term := o.current.Term
+			o.current = nil
+			changes = append(changes, ElectionChange{Type: ChangeEnded, Term: term, How: "expired"})
+		}
 	case lease != nil && o.current != nil && o.current.Term == lease.GetFencingToken() && lease.GetHolder() != o.current.Value:
 		o.current = leaderOf(lease)
 		changes = append(changes, ElectionChange{Type: ChangeProclaimed, Leader: o.current, Term: o.current.Term})
@@ -638,7 +656,9 @@ func permanent(err error) bool {
 // sends a fresh snapshot mid-stream, the terms granted meanwhile are read
 // from History before the snapshot is applied, so no term the server
 // recorded is skipped; changes are deduplicated by term, so none is yielded
-// twice. Terms granted before Observe began are not changes.
+// twice. A term History shows that the snapshot does not may have begun
+// after it: it is said to have ended only when a Get finds it no longer
+// held. Terms granted before Observe began are not changes.
 func (c *Client) Observe(ctx context.Context, key SessionKey) iter.Seq2[ElectionChange, error] {
 	return func(yield func(ElectionChange, error) bool) {
 		o := &observer{c: c, key: key}
@@ -708,9 +728,7 @@ func (o *observer) watch(ctx context.Context, reconnecting bool, emit func(Elect
 		}
 		var changes []ElectionChange
 		if snap := resp.GetSnapshot(); snap != nil {
-			if changes, err = o.resync(ctx, snap.GetLeases()); err != nil {
-				return err
-			}
+			changes, err = o.resync(ctx, snap.GetLeases())
 		} else if e := resp.GetEvent(); e != nil && o.started {
 			if ch, ok := o.apply(e); ok {
 				changes = append(changes, ch)
@@ -720,6 +738,9 @@ func (o *observer) watch(ctx context.Context, reconnecting bool, emit func(Elect
 			if !emit(ch) {
 				return errStopped
 			}
+		}
+		if err != nil {
+			return err
 		}
 	}
 	return nil

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -446,6 +447,70 @@ func TestElectionCampaignTimeoutNamesTheLeader(t *testing.T) {
 	leaveNothingBehind(t, srv, key, holder, queued(srv, key))
 }
 
+// E1: one waiting Acquire is bounded (the server's --max-wait; here a
+// 200ms WaitChunk): the campaign asks again until the leader resigns, and
+// then leads; the session is granted to the holder and then to the
+// candidate only (no wait left anything behind).
+func TestElectionCampaignAsksAgainWheneverOneWaitRunsOut(t *testing.T) {
+	srv := testenv.StartDebugServer(t)
+	key := freshKey(t)
+	c := dial(t, []string{srv.Addr})
+	holder := campaign(t, c, key, "holder", leasehold.CampaignOptions{TTL: time.Minute})
+	patient := campaignAsync(context.Background(), c, key, "patient", leasehold.CampaignOptions{TTL: time.Minute, WaitChunk: 200 * time.Millisecond})
+	testenv.WaitFor(t, 10*time.Second, "three waits, one after another", func() bool { return queued(srv, key) >= 3 })
+	resign(t, holder)
+	won := leads(t, patient, 5*time.Second, "the patient candidate")
+	if won.Term() <= holder.Term() {
+		t.Fatalf("term %d after %d, want higher", won.Term(), holder.Term())
+	}
+	if got := grantedTo(t, c, key); !slices.Equal(got, []string{"holder", "patient"}) {
+		t.Fatalf("grants %v, want [holder patient]", got)
+	}
+	resign(t, won)
+}
+
+// E1, L2, S4: a grant whose answer came after its local deadline is
+// released and the campaign goes on, with a new run (the released run
+// never holds the session again, S4), and leads. Here each answer chunk is
+// held 800ms: the waited grant's answer comes after its 1s lease expired,
+// so the re-acquire that would confirm it finds the run's lease ended.
+func TestElectionCampaignWhoseGrantCameLateGoesOnWithANewRunAndLeads(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	c := dial(t, []string{p.Addr})
+	direct := dial(t, []string{shared.Addr})
+	if _, err := c.Get(context.Background(), key); err != nil {
+		t.Fatal(err)
+	}
+	// Every answer chunk 800ms late: past the 500ms a 1s lease with a
+	// 500ms margin leaves, until a late grant has been released.
+	p.Delay(800 * time.Millisecond)
+	campaigning := campaignAsync(context.Background(), c, key, "patient", leasehold.CampaignOptions{TTL: time.Second, SafetyMargin: 500 * time.Millisecond})
+	late := ""
+	testenv.WaitFor(t, 20*time.Second, "a late grant ended", func() bool {
+		for _, e := range history(t, direct, key) {
+			if e.GetType() == leasev1.EventType_EVENT_TYPE_ACQUIRED {
+				late = e.GetRunId()
+			}
+		}
+		now, err := direct.Get(context.Background(), key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return late != "" && now.GetRunId() != late
+	})
+	p.Delay(0)
+	l := leads(t, campaigning, 20*time.Second, "the campaign")
+	if l.RunID() == late {
+		t.Fatalf("led with run %s, the one whose late grant was released", late)
+	}
+	leader, err := direct.Leader(context.Background(), key)
+	if err != nil || leader == nil || leader.RunID != l.RunID() || leader.Term != l.Term() {
+		t.Fatalf("Leader = %+v, %v; want run %s in term %d", leader, err, l.RunID(), l.Term())
+	}
+	resign(t, l)
+}
+
 // E1: a campaign on a keeper gives up when its Timeout passes even when
 // the keeper's stream is cut while it waits: the acquire sent again on the
 // re-attached stream waits only what is left of the first one's wait.
@@ -815,6 +880,77 @@ func TestElectionObserveYieldsEveryChangeInOrderAcrossAStoppedInstance(t *testin
 	}
 	if seen[1].Leader.Value != "first-v2" || seen[3].Leader.Value != "second" || seen[6].How != "resigned" {
 		t.Fatalf("proclaimed %+v, second %+v, last end %+v; want first-v2, second, resigned", seen[1].Leader, seen[3].Leader, seen[6])
+	}
+}
+
+// E1: a term granted between a fresh snapshot (nobody leading) and the
+// History read after it is seen elected, not ended, and its end is seen
+// once, as it happened. The watcher's first History read after its watch
+// is cut lets that term begin first: the snapshot shows nobody, History
+// shows the term.
+func TestElectionObserveTermGrantedBetweenTheSnapshotAndHistoryIsElectedNotEnded(t *testing.T) {
+	key := freshKey(t)
+	p := testenv.StartProxy(t, shared.Addr)
+	actor := dial(t, []string{shared.Addr})
+	o := leasehold.CampaignOptions{TTL: 30 * time.Second}
+	var armed atomic.Bool
+	var second atomic.Pointer[leasehold.Leadership]
+	hook := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if strings.HasSuffix(method, "/History") && armed.CompareAndSwap(true, false) {
+			l, err := actor.Campaign(ctx, key, "second", o)
+			if err != nil {
+				return err
+			}
+			second.Store(l)
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	watcher := dial(t, []string{p.Addr}, leasehold.WithDialOptions(grpc.WithChainUnaryInterceptor(hook)))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	changes, errs, done := observeInto(ctx, watcher, key)
+	var seen []leasehold.ElectionChange
+	next := func(what string) { seen = append(seen, nextChange(t, changes, errs, what)) }
+	next("the current leader (none)")
+	first := campaign(t, actor, key, "first", o)
+	next("the first term")
+	resign(t, first)
+	next("the first term's end")
+	// The watch is cut; it comes back with a fresh snapshot (nobody leads).
+	armed.Store(true)
+	p.Cut()
+	next("the second term")
+	if second.Load() == nil {
+		t.Fatal("the second term began without the watcher's History read")
+	}
+	// Nothing else is yielded until the second term really ends.
+	select {
+	case ch := <-changes:
+		t.Fatalf("change %+v while the second term leads, want none", ch)
+	case err := <-errs:
+		t.Fatalf("Observe ended with %v", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	resign(t, second.Load())
+	next("the second term's end")
+	cancel()
+	<-done
+	got := make([]seenChange, len(seen))
+	for i, ch := range seen {
+		got[i] = seenChange{ch.Type, ch.Term}
+	}
+	want := []seenChange{
+		{leasehold.ChangeCurrent, 0},
+		{leasehold.ChangeElected, first.Term()},
+		{leasehold.ChangeEnded, first.Term()},
+		{leasehold.ChangeElected, second.Load().Term()},
+		{leasehold.ChangeEnded, second.Load().Term()},
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("changes %v, want %v", got, want)
+	}
+	if seen[4].How != "resigned" {
+		t.Fatalf("the second term's end %+v, want resigned", seen[4])
 	}
 }
 

@@ -42,7 +42,7 @@ from leasehold import (
     StopReason,
     UnavailableError,
 )
-from support import Server, fresh_session, lease_server, wait_for
+from support import Server, TcpProxy, fresh_session, lease_server, wait_for
 
 __all__ = ["aclients"]  # the fixture, imported for this file's async tests
 
@@ -519,6 +519,88 @@ def test_e1_a_campaign_whose_timeout_passes_is_not_acquired_and_names_the_leader
         late.__enter__()
     assert refused.value.holder == "holder"
     next_candidate_leads_at_once(eserver, admin, direct, pool, name, holder)
+
+
+def late_grants_then_prompt(
+    admin: LeaseClient, name: str, proxy: TcpProxy, lag: float
+) -> Callable[[], str | None]:
+    """Every answer comes ``lag`` seconds late (past a 1 s lease's local
+    deadline) until a late grant of the election has ended; answers are
+    prompt from then on. Returns a predicate: the late run, once it ended."""
+
+    def ended() -> str | None:
+        events = admin.history(SessionKey(ACCOUNT, name), page_size=100).events
+        late = next((e.run_id for e in events if e.type == "ACQUIRED"), None)
+        leader = admin.leader(ACCOUNT, name)
+        if late is None or (leader is not None and leader.run_id == late):
+            return None
+        proxy.answer_lag = 0.0
+        return late
+
+    proxy.answer_lag = lag
+    return ended
+
+
+#: Answers 0.8 s late: the re-acquire confirming the waited grant comes back
+#: late too (LateGrantError, released). 1.5 s: the grant's 1 s lease has
+#: expired when its answer comes, and the re-acquire finds it ended
+#: (LeaseNotHeldError).
+LAGS = pytest.mark.parametrize(
+    "lag", [0.8, 1.5], ids=["confirmed-late", "expired-before-confirmed"]
+)
+
+
+@LAGS
+def test_e1_l2_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+    pool: ThreadPoolExecutor,
+    lag: float,
+) -> None:
+    """E1, L2, S4: a grant whose answer came after its local deadline is
+    released (or found ended) and the campaign goes on; that run never holds
+    the election again (S4), so the campaign asks with a new run and leads."""
+    name = election("late")
+    proxy = proxies(eserver.address)
+    c = clients(proxy.address, token=token())
+    c.get(SessionKey(ACCOUNT, name))
+    ended = late_grants_then_prompt(admin, name, proxy, lag)
+    leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
+    entering = pool.submit(leadership.__enter__)
+    late = wait_for("a late grant ended", ended)
+    assert entering.result(timeout=20) is leadership
+    assert leadership.run_id != late
+    leader = admin.leader(ACCOUNT, name)
+    assert leader is not None and leader.run_id == leadership.run_id
+    leadership.resign()
+
+
+@LAGS
+async def test_e1_l2_async_a_campaign_whose_grant_came_late_goes_on_with_a_new_run_and_leads(
+    eserver: Server,
+    admin: LeaseClient,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+    lag: float,
+) -> None:
+    name = election("alate")
+    proxy = proxies(eserver.address)
+    c = aclients(proxy.address, token=token())
+    await c.get(SessionKey(ACCOUNT, name))
+    ended = late_grants_then_prompt(admin, name, proxy, lag)
+    leadership = c.campaign(ACCOUNT, name, value="patient", ttl=1.0, safety_margin=0.5)
+    entering = asyncio.ensure_future(leadership.__aenter__())
+    await until("a late grant ended", ended)
+    late = ended()
+    assert await asyncio.wait_for(entering, 20) is leadership
+    assert late is not None and leadership.run_id != late
+    leader = admin.leader(ACCOUNT, name)
+    assert leader is not None and leader.run_id == leadership.run_id
+    await leadership.resign()
 
 
 async def test_e1_async_a_waiting_candidate_whose_connection_is_lost_aborts_and_leaves_no_candidate_behind(  # noqa: E501
@@ -1063,6 +1145,46 @@ def test_e1_run_election_starts_a_campaign_again_after_its_waiting_call_is_lost(
     assert admin.leader(ACCOUNT, name) is None
 
 
+def test_e1_run_election_calls_on_new_leader_after_the_servers_were_out_of_reach_at_start(
+    eserver: Server,
+    token: Callable[..., str],
+    clients: Clients,
+    proxies: Proxies,
+) -> None:
+    """E1: run_election started while no instance answers still calls
+    on_new_leader once one does: its observer keeps trying, as after a
+    reconnect, rather than ending with its first failed call."""
+    name = election("run-early")
+    proxy = proxies(eserver.address)
+    proxy.drop()
+    leaders: list[int] = []
+    led: list[int] = []
+
+    def admit() -> None:
+        # The campaign has been refused twice (and the observer's first
+        # calls with it); then the instance is in reach again.
+        wait_for("two refused connections", lambda: proxy.accepted >= 2)
+        proxy.pass_()
+
+    def lead(leadership: Leadership) -> None:
+        led.append(leadership.term)
+        wait_for("on_new_leader with this term", lambda: leadership.term in leaders, timeout=10)
+
+    admitting = threading.Thread(target=admit)
+    admitting.start()
+    clients(proxy.address, token=token()).run_election(
+        ACCOUNT,
+        name,
+        lead,
+        on_new_leader=lambda leader: leaders.append(leader.term),
+        value="started-early",
+        ttl=5,
+        again=False,
+    )
+    admitting.join()
+    assert len(led) == 1
+
+
 async def ended_by_async(
     client: AsyncLeaseClient,
     admin: LeaseClient,
@@ -1231,6 +1353,40 @@ async def test_e1_async_run_election_starts_a_campaign_again_after_its_waiting_c
     assert len(led) == 1 and led[0] > holder.term
     assert grants(admin, name) == ["holder", "patient"]
     assert admin.leader(ACCOUNT, name) is None
+
+
+async def test_e1_async_run_election_calls_on_new_leader_after_the_servers_were_out_of_reach_at_start(  # noqa: E501
+    eserver: Server,
+    token: Callable[..., str],
+    aclients: AsyncClients,
+    proxies: Proxies,
+) -> None:
+    name = election("arun-early")
+    proxy = proxies(eserver.address)
+    proxy.drop()
+    leaders: list[int] = []
+    led: list[int] = []
+
+    async def admit() -> None:
+        await until("two refused connections", lambda: proxy.accepted >= 2)
+        proxy.pass_()
+
+    async def lead(leadership: AsyncLeadership) -> None:
+        led.append(leadership.term)
+        await until("on_new_leader with this term", lambda: leadership.term in leaders, limit=10)
+
+    admitting = asyncio.ensure_future(admit())
+    await aclients(proxy.address, token=token()).run_election(
+        ACCOUNT,
+        name,
+        lead,
+        on_new_leader=lambda leader: leaders.append(leader.term),
+        value="started-early",
+        ttl=5,
+        again=False,
+    )
+    await admitting
+    assert len(led) == 1
 
 
 async def test_e1_async_run_election_cancelled_as_its_grant_arrives_ends_the_term_once_and_releases_it(  # noqa: E501

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import grpc
+import pytest
+
 from leasehold import ElectionChange, Event, HistoryResult, Lease, SessionKey, Snapshot
 from leasehold._election import ElectionView
 from leasehold._flow import drive
+from leasehold.errors import UnavailableError
 
 KEY = SessionKey("acct", "scheduler")
 
@@ -161,3 +165,27 @@ def test_a_term_history_shows_but_the_snapshot_does_not_is_ended_only_if_it_no_l
     expired_unrecorded = [HistoryResult([event("ACQUIRED", 7, "c"), event("RELEASED", 6, "b")], "")]
     assert resync(view, [], expired_unrecorded, None) == ["elected 7 c", "ended 7 expired"]
     assert described(view.apply(event("ACQUIRED", 7, "c", with_lease=True))) == "-"
+
+
+def test_a_lease_read_that_fails_loses_no_change_history_showed() -> None:
+    """The lease read after History fails (an instance gone at that moment):
+    observing reconnects and resyncs. The changes History showed are not
+    yielded then, and must not count as seen either: the next snapshot reads
+    them from History again and yields each once."""
+    view = ElectionView(KEY, highest=4)
+    snapshot(view, [lease(5, "a")], [])
+    granted_in_between = HistoryResult(
+        [event("ACQUIRED", 6, "b"), event("RELEASED", 5, "a"), event("ACQUIRED", 5, "a")], ""
+    )
+
+    def unreachable(step: object) -> HistoryResult | Lease | None:
+        if isinstance(step, str):
+            return granted_in_between
+        raise UnavailableError("no instance answered", grpc.StatusCode.UNAVAILABLE)
+
+    with pytest.raises(UnavailableError):
+        drive(view.snapshot_flow(Snapshot([], None)), unreachable, ())
+    assert resync(view, [lease(6, "b")], [granted_in_between], None) == [
+        "ended 5 resigned",
+        "elected 6 b",
+    ]

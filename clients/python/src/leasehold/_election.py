@@ -37,6 +37,7 @@ from .errors import (
     LateGrantError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
 )
 from .types import (
@@ -51,6 +52,7 @@ from .types import (
     StopReason,
     acquire_result,
     lease_from,
+    normalize_run_id,
     release_result,
     seconds,
 )
@@ -227,7 +229,7 @@ class ElectionView:
             if reached or not page.next_page_token:
                 break
             page_token = page.next_page_token
-        known = self.highest
+        known, before = self.highest, self.current
         changes = [c for c in map(self.apply, reversed(missed)) if c is not None]
         current = self.current
         if lease is not None and lease.fencing_token > self.highest:
@@ -239,7 +241,13 @@ class ElectionView:
                 # Elected in History, absent from the snapshot: granted after
                 # it (still held: its end comes on the stream), or ended
                 # before it unrecorded (not held: it ends here).
-                now = yield READ_LEASE
+                try:
+                    now = yield READ_LEASE
+                except BaseException:
+                    # Not read: History's changes are not yielded, so they
+                    # are not seen either; the next snapshot reads them again.
+                    self.highest, self.current = known, before
+                    raise
                 assert now is None or isinstance(now, Lease)
                 if now is not None and now.fencing_token == current.term:
                     return changes
@@ -293,7 +301,8 @@ class BaseLeadership(Generic[HoldT]):
         self.election = election
         #: The election's session key.
         self.key = SessionKey(account_id, election)
-        #: This candidate's run id, the same for every waiting Acquire of the campaign.
+        #: This candidate's run id, the same for every waiting Acquire of the
+        #: campaign (a new one after a late grant, whose lease ended).
         self.run_id = run_id
         #: The value advertised now.
         self.value = check_value(value)
@@ -373,14 +382,19 @@ class BaseLeadership(Generic[HoldT]):
             )
         return hold
 
-    def _refused(self, error: NotAcquiredError, give_up_at: float) -> None:
-        """A waiting Acquire ended without a grant (its wait ran out) or with
-        a late one (refused and released): returns to campaign again; raises
-        once the campaign is cancelled or its timeout has passed
-        (NotAcquiredError naming the leader)."""
+    def _refused(self, error: NotAcquiredError | LeaseNotHeldError, give_up_at: float) -> None:
+        """A waiting Acquire ended without a grant (its wait ran out), with a
+        late one (refused and released), or with one that the re-acquire
+        confirming it found ended (LeaseNotHeldError: its answer came after
+        the lease's own deadline): returns to campaign again; raises once the
+        campaign is cancelled or its timeout has passed (NotAcquiredError
+        naming the leader)."""
         if self._cancelled:
             raise campaign_cancelled() from error
-        if isinstance(error, LateGrantError):
+        if isinstance(error, (LateGrantError, LeaseNotHeldError)):
+            # That run's lease ended, and a run whose lease ended never
+            # holds the session again (S4): a new run asks.
+            self.run_id = normalize_run_id(None)
             return
         self._last_seen = error.current or self._last_seen
         if time.monotonic() < give_up_at:

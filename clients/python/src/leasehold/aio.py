@@ -54,6 +54,7 @@ from .errors import (
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -390,7 +391,7 @@ class AsyncLeadership(BaseLeadership[AsyncHold]):
             self._waiting = asyncio.ensure_future(hold.__aenter__())
             try:
                 await self._waiting
-            except NotAcquiredError as refused:
+            except (NotAcquiredError, LeaseNotHeldError) as refused:
                 self._refused(refused, give_up_at)
                 continue
             except asyncio.CancelledError:
@@ -486,11 +487,16 @@ class AsyncElectionObserver(BaseObserver):
 
     async def _changes(self) -> AsyncIterator[ElectionChange]:
         client = self._client
-        view = ElectionView(self.key, (await client.check_fence(self.key, 1)).highest_token)
+        view: ElectionView | None = None
         reconnecting = False
         failures = 0
         while not self._closed:
             try:
+                if view is None:
+                    # Asked again, as the Watch is opened again, while no
+                    # instance answers.
+                    fence = await client.check_fence(self.key, 1)
+                    view = ElectionView(self.key, fence.highest_token)
                 # One Get first moves the Watch to an instance that answers.
                 if reconnecting:
                     await client.get(self.key)

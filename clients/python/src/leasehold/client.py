@@ -53,6 +53,7 @@ from .errors import (
     DeadlineExceededError,
     LeaseholdError,
     LeaseLostError,
+    LeaseNotHeldError,
     NotAcquiredError,
     UnavailableError,
     from_rpc_error,
@@ -511,7 +512,7 @@ class Leadership(BaseLeadership[Hold]):
             hold._in_flight = self._in_flight
             try:
                 hold.__enter__()
-            except NotAcquiredError as refused:
+            except (NotAcquiredError, LeaseNotHeldError) as refused:
                 self._refused(refused, give_up_at)
                 continue
             except CanceledError as error:
@@ -599,11 +600,15 @@ class ElectionObserver(BaseObserver):
 
     def __iter__(self) -> Iterator[ElectionChange]:
         client = self._client
-        view = ElectionView(self.key, client.check_fence(self.key, 1).highest_token)
+        view: ElectionView | None = None
         reconnecting = False
         failures = 0
         while not self._closed:
             try:
+                if view is None:
+                    # Asked again, as the Watch is opened again, while no
+                    # instance answers.
+                    view = ElectionView(self.key, client.check_fence(self.key, 1).highest_token)
                 # The Watch goes to the instance that answered the client's
                 # last unary call, and unary calls fail over: one Get first
                 # moves it to an instance that answers.
