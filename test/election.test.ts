@@ -252,6 +252,35 @@ describe("campaign", () => {
     expect(await leader(client(), e)).toBeUndefined();
   });
 
+  it("E1, L2: a waited grant whose answer arrives after its lease expired is no term: the campaign goes on with a new run and leads", async () => {
+    const e = election("late-expired");
+    const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });
+    const proxy = await proxyTo(server.url);
+    const pending = campaign(client({ baseUrl: proxy.url }), { ...e, value: "late", ttlMs: 1_000 });
+    await waitFor(() => waiting() >= 1, { what: "the candidate waiting" });
+    // Its grant is made while the answer is held on the way back, and
+    // expires on the database clock before the answer arrives.
+    proxy.stall();
+    await holder.resign();
+    const grant = async () => {
+      const [row] = await db.sql<{ runId: string; fencingToken: bigint }[]>`
+        SELECT run_id, fencing_token FROM leases
+        WHERE account_id = ${e.accountId} AND session_id = ${e.election}
+          AND run_id <> ${holder.runId}::uuid`;
+      return row;
+    };
+    await waitFor(async () => (await grant()) !== undefined, { what: "the held-back grant" });
+    const late = await grant();
+    await db.sql`
+      SELECT pg_sleep_until(expires_at + interval '50 milliseconds') FROM leases
+      WHERE account_id = ${e.accountId} AND session_id = ${e.election}`;
+    proxy.pass();
+    const won = await within(pending, { what: "the campaign to lead", timeoutMs: 10_000 });
+    expect(won.runId).not.toBe(late?.runId);
+    expect(won.term).toBeGreaterThan(late?.fencingToken ?? 0n);
+    await won.resign();
+  });
+
   it("E1: a campaign whose timeout passes is not acquired and names the leader", async () => {
     const e = election("timeout");
     const holder = await campaign(client(), { ...e, value: "holder", ttlMs: 60_000 });

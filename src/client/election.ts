@@ -29,6 +29,7 @@ import {
   InvalidArgumentError,
   LateGrantError,
   LeaseLostError,
+  LeaseNotHeldError,
   NotAcquiredError,
   toLeaseholdError,
   UnavailableError,
@@ -268,7 +269,11 @@ export async function campaign(
     try {
       term = await granted.promise;
     } catch (error) {
-      if (error instanceof LateGrantError) continue;
+      // A grant whose answer came too late is released; one that had already
+      // ended when runExclusive re-acquired to confirm it (LEASE_NOT_HELD:
+      // this run's lease expired before the answer arrived) is none either.
+      // Each attempt is a new run, so the next one can be granted.
+      if (error instanceof LateGrantError || error instanceof LeaseNotHeldError) continue;
       if (error instanceof NotAcquiredError && !run.signal.aborted) {
         lastSeen = error.current ?? lastSeen;
         if (performance.now() < giveUpAt) continue;
