@@ -103,7 +103,12 @@ export function createWaiters(options: WaitersOptions): Waiters {
         expiresAtUs: lease.expiresAtUs,
       });
     } catch (error) {
-      logger.warn({ err: error }, "could not release a grant nobody waited for; it will expire");
+      logger.warn(
+        { err: error, keeperId: result.lease.keeperId },
+        result.lease.keeperId
+          ? "could not release a grant nobody waited for; it ends with its keeper, or when its run releases it"
+          : "could not release a grant nobody waited for; it will expire",
+      );
     }
   }
 
