@@ -315,10 +315,10 @@ describe("the election examples, one replica of each language in one election", 
 
     /**
      * Waits until the leader acts: a tick of its term. A term may end
-     * before its first tick — a waited grant answered just before its local
-     * deadline is lost at once (L2) and left to expire on the server — and
-     * then the next leader is waited for, whose grant must come at or after
-     * that term's database deadline.
+     * before its first tick, reported lost (L2: its local deadline passed;
+     * the lease is left to expire on the server); then the next leader is
+     * waited for, whose grant must come at or after that term's database
+     * deadline.
      */
     const actingLeader = async () => {
       for (;;) {
