@@ -1,7 +1,8 @@
 import { defineConfig } from "vitest/config";
 
 // Polyglot client tests (npm run test:polyglot): the Python and Go example
-// workers against `leasehold serve` and `leasehold guarded serve`, the Python
+// workers against `leasehold serve` and `leasehold guarded serve`, the
+// TypeScript, Python and Go election examples in one election, the Python
 // client library's pytest suites and the Go client's `go test -race`. They
 // need protoc from Debian (protobuf-compiler, which
 // examples/install-toolchains.sh installs when missing), Go 1.26 or later

@@ -25,9 +25,13 @@ from typing import Any
 
 import leasehold
 
+_emitting = threading.Lock()
+
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, "lang": "python", **fields}), flush=True)
+    # The callbacks run on the client's threads: one line at a time, whole.
+    with _emitting:
+        print(json.dumps({"event": event, "lang": "python", **fields}), flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -11,7 +11,12 @@
 
 import { setTimeout as sleep } from "node:timers/promises";
 import { parseArgs } from "node:util";
-import { createLeaseClient, type Leadership, runElection } from "../../src/client/index.js";
+import {
+  createLeaseClient,
+  type Leadership,
+  LeaseLostError,
+  runElection,
+} from "../../src/client/index.js";
 
 const { values } = parseArgs({
   options: {
@@ -36,7 +41,15 @@ async function lead(leadership: Leadership): Promise<void> {
     // A write to a fenced resource carries the term: leadership.headers()
     // for a plain HTTP call, leadership.callOptions() for a Connect client
     // with fencingInterceptor(). Both throw once the term is over (L2).
-    const headers = leadership.headers();
+    let headers: Headers;
+    try {
+      headers = leadership.headers();
+    } catch (error) {
+      // The term ended before its signal said so (the local deadline
+      // passed while this process could not run): campaign again.
+      if (error instanceof LeaseLostError) return;
+      throw error;
+    }
     console.log(`${values.name}: tick as leader, term ${headers.get("leasehold-fencing-token")}`);
     await sleep(1_000, undefined, { signal: leadership.signal }).catch(() => undefined);
   }
