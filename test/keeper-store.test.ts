@@ -470,30 +470,177 @@ describe("K2 lock-delay", () => {
   });
 });
 
+/** How a keeper is ended, and the audit row each of its open leases gets. */
+const endings = [
+  { how: { ended: "closed" as const }, event: "released" },
+  { how: { ended: "revoked" as const, reason: "drain" }, event: "revoked" },
+];
+
 describe("close racing a grant", () => {
-  it("K1, S5: a grant on a keeper racing its close on independent connections is refused, or granted and then released by the close (audited); never left held, 30 rounds", async () => {
-    const granter = createLeaseStore(db.connect(1));
-    const closer = createKeeperStore(db.connect(1));
-    for (let round = 0; round < 30; round++) {
-      const keeper = await openKeeper();
-      const key = freshKey("close-race");
-      const [grant, closed] = await Promise.all([
-        acquireOn(keeper, key, granter).catch((e: unknown) => e),
-        closer.end(account, keeper.id, { ended: "closed" }),
-      ]);
-      expect(closed.ended).toBe(true);
-      expect(await store.get(key)).toBeUndefined();
-      if (grant instanceof Error) {
-        expect(grant).toBeInstanceOf(KeeperNotHeldError);
-        continue;
-      }
-      const lease = granted(grant as AcquireResult);
-      expect(closed.leases.map((l) => l.runId)).toEqual([lease.runId]);
-      const [released] = await db.sql<{ n: number }[]>`
+  it.each(endings)(
+    "K1, S5: a grant on a keeper racing its end ($how.ended) on independent connections is refused, or granted and then ended by it (audited); never left held, 30 rounds",
+    async ({ how, event }) => {
+      const granter = createLeaseStore(db.connect(1));
+      const closer = createKeeperStore(db.connect(1));
+      for (let round = 0; round < 30; round++) {
+        const keeper = await openKeeper();
+        const key = freshKey("close-race");
+        const [grant, closed] = await Promise.all([
+          acquireOn(keeper, key, granter).catch((e: unknown) => e),
+          closer.end(account, keeper.id, how),
+        ]);
+        expect(closed.ended).toBe(true);
+        expect(await store.get(key)).toBeUndefined();
+        if (grant instanceof Error) {
+          expect(grant).toBeInstanceOf(KeeperNotHeldError);
+          continue;
+        }
+        const lease = granted(grant as AcquireResult);
+        expect(closed.leases.map((l) => l.runId)).toEqual([lease.runId]);
+        const [ended] = await db.sql<{ n: number }[]>`
         SELECT count(*)::int AS n FROM lease_events
-        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} AND type = 'released'`;
-      expect(released?.n).toBe(1);
-    }
+        WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} AND type = ${event}`;
+        expect(ended?.n).toBe(1);
+      }
+    },
+  );
+});
+
+/**
+ * A real grant statement on `keeper`, held in flight: another transaction
+ * has inserted `key`'s row (a tombstone) and not committed it, so the
+ * grant's upsert waits on that row after `keeper_granting` has locked the
+ * keeper's row. `finish` commits the tombstone, which the grant then takes
+ * over, and answers the grant.
+ */
+async function grantHeldInFlight(keeper: KeeperRecord, key: SessionKey) {
+  const blocker = await openTransaction(
+    db,
+    (tx) => tx`
+      INSERT INTO leases (account_id, session_id, run_id, fencing_token, holder, ttl,
+                          acquired_at, expires_at, ended)
+      VALUES (${key.accountId}, ${key.sessionId}, gen_random_uuid(), nextval('lease_fencing_token'),
+              'blocker', interval '1 second', clock_timestamp() - interval '1 minute',
+              clock_timestamp() - interval '59 seconds', 'released')`,
+  );
+  const before = await lockWaiters();
+  const grant = acquireOn(keeper, key, createLeaseStore(db.connect(1, { lockTimeoutMs: 20_000 })));
+  let answered = false;
+  void grant.then(
+    () => {
+      answered = true;
+    },
+    () => {
+      answered = true;
+    },
+  );
+  await untilOneMoreWaits(before, "the grant waiting on the key's row");
+  // The setup is what it means to be: the grant holds the keeper's row.
+  await expect(
+    db.sql`SELECT 1 FROM keepers WHERE id = ${keeper.id}::uuid FOR UPDATE NOWAIT`,
+  ).rejects.toMatchObject({ code: "55P03" });
+  return {
+    inFlight: () => !answered,
+    finish: async () => {
+      await blocker.end();
+      return grant;
+    },
+  };
+}
+
+/** How many sessions of this database wait on a lock. */
+async function lockWaiters(): Promise<number> {
+  const [row] = await db.sql<{ n: number }[]>`
+    SELECT count(*)::int AS n FROM pg_stat_activity
+    WHERE datname = current_database() AND wait_event_type = 'Lock'`;
+  return row?.n ?? 0;
+}
+
+/** Waits until one more session than `before` waits on a lock. */
+async function untilOneMoreWaits(before: number, what: string): Promise<void> {
+  await waitFor(async () => (await lockWaiters()) > before, { what });
+}
+
+describe("a grant in flight on a keeper", () => {
+  it("K1, S8: a batched heartbeat renews the keeper at once while a grant statement on it is in flight", async () => {
+    const keeper = await openKeeper();
+    const key = freshKey("beat-grant");
+    const held = await grantHeldInFlight(keeper, key);
+    // lock_timeout 1 s: a heartbeat that waited for the grant would fail.
+    const batched = createKeeperStore(db.connect(2));
+    const beat = await batched.heartbeat(account, keeper.id);
+    if (!beat.held) throw new Error(`heartbeat failed: ${beat.cause}`);
+    expect(beat.keeper.expiresAtUs).toBeGreaterThan(keeper.expiresAtUs);
+    expect(held.inFlight()).toBe(true);
+    const lease = granted(await held.finish());
+    // K1: the lease granted meanwhile has the renewed keeper's deadline.
+    expect((await store.get(key))?.expiresAtUs).toBe(beat.keeper.expiresAtUs);
+    expect(lease.keeperId).toBe(keeper.id);
+  });
+
+  it.each(endings)(
+    "K1, S5: an end of the keeper ($how.ended) waits for a grant in flight on it, then ends its lease (audited); a later grant is refused",
+    async ({ how, event }) => {
+      const keeper = await openKeeper();
+      const key = freshKey("end-grant");
+      const held = await grantHeldInFlight(keeper, key);
+      const closer = createKeeperStore(db.connect(1, { lockTimeoutMs: 20_000 }));
+      const before = await lockWaiters();
+      let endAnswered = false;
+      const ending = closer.end(account, keeper.id, how).then((r) => {
+        endAnswered = true;
+        return r;
+      });
+      await untilOneMoreWaits(before, "the end waiting on the keeper's row");
+      expect(endAnswered).toBe(false);
+      const lease = granted(await held.finish());
+      const ended = await ending;
+      expect(ended.ended).toBe(true);
+      expect(ended.leases.map((l) => l.runId)).toEqual([lease.runId]);
+      expect(await store.get(key)).toBeUndefined();
+      const [audited] = await db.sql<{ n: number }[]>`
+      SELECT count(*)::int AS n FROM lease_events
+      WHERE account_id = ${key.accountId} AND session_id = ${key.sessionId} AND type = ${event}
+        AND run_id = ${lease.runId}::uuid`;
+      expect(audited?.n).toBe(1);
+      await expect(acquireOn(keeper, freshKey("end-grant"))).rejects.toBeInstanceOf(
+        KeeperNotHeldError,
+      );
+    },
+  );
+
+  it("K1, K2: a takeover that marks the keeper expired waits for a grant in flight on it; that grant's lease then ends at the keeper's deadline", async () => {
+    const keeper = await openKeeper();
+    const first = freshKey("mark-grant");
+    const firstLease = granted(await acquireOn(keeper, first));
+    const key = freshKey("mark-grant");
+    const held = await grantHeldInFlight(keeper, key);
+    // A heartbeat (it does not wait for the grant) shortens the keeper's TTL.
+    const beat = await keepers.heartbeat(account, keeper.id, 1_000);
+    if (!beat.held) throw new Error(`heartbeat failed: ${beat.cause}`);
+    await untilKeeperOver(db.sql, keeper.id);
+    const before = await lockWaiters();
+    let takeoverAnswered = false;
+    const takeover = acquireOn(
+      undefined,
+      first,
+      createLeaseStore(db.connect(1, { lockTimeoutMs: 20_000 })),
+    ).then((r) => {
+      takeoverAnswered = true;
+      return r;
+    });
+    await untilOneMoreWaits(before, "the takeover waiting on the keeper's row");
+    expect(takeoverAnswered).toBe(false);
+    const lease = granted(await held.finish());
+    const next = granted(await takeover);
+    expect(next.fencingToken).toBeGreaterThan(firstLease.fencingToken);
+    const [row] = await db.sql<{ ended: string }[]>`
+      SELECT ended FROM keepers WHERE id = ${keeper.id}::uuid`;
+    expect(row?.ended).toBe("expired");
+    // The lease granted before the marking ends with its keeper (K1).
+    expect(await store.get(key)).toBeUndefined();
+    expect(lease.keeperId).toBe(keeper.id);
+    expect(await keepers.heartbeat(account, keeper.id)).toEqual({ held: false, cause: "expired" });
   });
 });
 

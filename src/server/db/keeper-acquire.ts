@@ -7,7 +7,7 @@
 //
 // Takeover. An open lease on a keeper is taken over once its keeper is gone
 // and, after an expiry, its lock-delay has passed: the SQL function
-// leasehold_keeper_free_at (migrations/lease/0006_keepers.sql), called under
+// leasehold_keeper_free_at (migrations/lease/0007_keeper_row_locks.sql), called under
 // the lease row's lock, marks a keeper past its deadline `expired` under the
 // keeper's row lock first. The write is what makes it safe against a
 // heartbeat in flight that read its clock before the deadline: either the
@@ -15,12 +15,22 @@
 // not mark: no takeover), or it waits behind the marking and re-checks
 // `ended IS NULL` on the marked version (it fails: the keeper is lost). A
 // FOR SHARE lock would let that heartbeat go on without a re-check, and
-// extend a keeper one of whose leases was just taken over.
+// extend a keeper one of whose leases was just taken over. The marking
+// locks the row FOR UPDATE before it writes (migrations/lease/0007): its
+// UPDATE alone would lock FOR NO KEY UPDATE, which a grant's FOR KEY SHARE
+// does not conflict with, and a grant could then commit on a keeper whose
+// expiry was recorded before it.
 //
 // Grant on a keeper. The keeper must be valid, of the account, and below the
-// leases-per-keeper limit, read under FOR SHARE (`keeper_granting`): a close
-// or a heartbeat of it waits for the grant, and the grant sees a close that
-// committed first. Its leases take its TTL.
+// leases-per-keeper limit, read under FOR KEY SHARE (`keeper_granting`). A
+// heartbeat locks the row FOR NO KEY UPDATE (it changes no key column), which
+// does not conflict: a heartbeat never waits for a grant, however many grant
+// statements hold the row. What must not race a grant locks the row FOR
+// UPDATE first, which does conflict: a close or revoke (keeper-store.ts) and
+// the expiry marking above wait for a grant in flight to commit, and a grant
+// that comes after them waits, then re-checks `ended IS NULL` on the version
+// they wrote, and is refused. So a close sees every grant that committed
+// before it, and none commits after it. Its leases take its TTL.
 
 import type postgres from "postgres";
 import type { Sql } from "../../postgres/pool.js";
@@ -59,7 +69,7 @@ export function keeperAcquireCtes(
       FROM keepers kp, lease_clock c
       WHERE kp.id IN (SELECT w.keeper_id FROM wanted w)
         AND kp.ended IS NULL AND kp.expires_at > c.observed_at
-      FOR SHARE OF kp
+      FOR KEY SHARE OF kp
     )`;
 }
 

@@ -11,6 +11,11 @@
 //     `expired` under its row lock first (keeper-acquire.ts), so a heartbeat
 //     that read its clock before the deadline and waited behind that
 //     marking re-checks `ended` and fails.
+// Row locks on a keeper (docs/keepers.md): a grant reads the keeper row FOR
+//     KEY SHARE; a heartbeat locks it FOR NO KEY UPDATE, which does not
+//     conflict with that, so a heartbeat never waits for a grant; a close or
+//     revoke locks it FOR UPDATE, which does: it waits for a grant in flight,
+//     and a grant after it is refused.
 
 import { ResourceExhaustedError } from "../../lease/errors.js";
 import type {
@@ -113,8 +118,13 @@ export function createKeeperStore(
    * DESIGN §3's batching, as for KeepAlive renewals), also for a batch of
    * one: rows are locked in id order with SKIP LOCKED, so a keeper's row
    * another transaction holds never holds up the statement, nor the
-   * heartbeats queued behind it (S8). Undefined: not renewed here (locked,
-   * or not held), decided alone by heartbeatOne outside the batch.
+   * heartbeats queued behind it (S8). FOR NO KEY UPDATE, the lock the
+   * UPDATE takes anyway (it changes no key column): it does not conflict
+   * with the FOR KEY SHARE of grants on the keeper, so a heartbeat is not
+   * skipped for a grant in flight; a close or revoke (FOR UPDATE), an
+   * expiry marking, another heartbeat or a stuck writer still skip it.
+   * Undefined: not renewed here (locked, or not held), decided alone by
+   * heartbeatOne outside the batch.
    */
   const heartbeatMany = async (beats: readonly Beat[]): Promise<(KeeperRecord | undefined)[]> => {
     const rows = await sql<(KeeperRecord & { idx: number; beaten: boolean })[]>`
@@ -134,7 +144,7 @@ export function createKeeperStore(
           SELECT k.ctid FROM keepers k
           WHERE k.id = w.id AND k.account_id = w.account_id AND k.ended IS NULL
             AND k.expires_at > (SELECT observed_at FROM lease_clock)
-          FOR UPDATE SKIP LOCKED
+          FOR NO KEY UPDATE SKIP LOCKED
         ) held
       ),
       beaten AS (
@@ -258,14 +268,27 @@ export function createKeeperStore(
         // The keeper first, alone: once it is ended, every lease on it is
         // over (keeperValid), whatever happens to the second statement. Its
         // end is never before its last heartbeat's clock reading.
+        // K1, S5: the row is locked FOR UPDATE before it is written (the
+        // UPDATE alone would take FOR NO KEY UPDATE, which a grant's FOR
+        // KEY SHARE does not conflict with). So this waits for every grant
+        // in flight on the keeper to commit, which the second statement
+        // then sees and ends; a grant that comes later waits for this one
+        // and re-checks `ended IS NULL` on the ended version: refused. The
+        // scalar subquery takes the lock before the UPDATE reads the row.
         const reason = how.ended === "revoked" ? how.reason : null;
         const ended = await sql<{ id: string }[]>`
-          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at)
+          WITH lease_clock AS MATERIALIZED (SELECT clock_timestamp() AS observed_at),
+          closing AS MATERIALIZED (
+            SELECT k.id FROM keepers k, lease_clock
+            WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+              AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
+            FOR UPDATE OF k
+          )
           UPDATE keepers AS k
           SET ended = ${how.ended}, end_reason = ${reason}::text,
               expires_at = greatest(lease_clock.observed_at, k.expires_at - k.ttl)
           FROM lease_clock
-          WHERE k.id = ${id}::uuid AND k.account_id = ${accountId}
+          WHERE k.id = (SELECT c.id FROM closing c)
             AND k.ended IS NULL AND k.expires_at > lease_clock.observed_at
           RETURNING k.id`;
         const cause = ended.length > 0 ? undefined : await keeperEnd(sql, accountId, id);
