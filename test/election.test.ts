@@ -13,6 +13,7 @@ import {
   type ElectionChange,
   fencingInterceptor,
   type Leadership,
+  type LeaseClient,
   LeaseLostError,
   leader,
   observe,
@@ -532,6 +533,34 @@ describe("runElection", () => {
   });
 });
 
+/**
+ * Observes `e` through `watcher` in the background: every change seen so
+ * far, a wait for the n-th, and a stop that ends the iteration.
+ */
+function observing(watcher: LeaseClient, e: { accountId: string; election: string }) {
+  const seen: ElectionChange[] = [];
+  const arrived: (() => void)[] = [];
+  const stopping = new AbortController();
+  const reading = (async () => {
+    for await (const change of observe(watcher, e, { signal: stopping.signal })) {
+      seen.push(change);
+      for (const notify of arrived.splice(0)) notify();
+    }
+  })();
+  const count = async (n: number) => {
+    while (seen.length < n) {
+      await within(new Promise<void>((resolve) => arrived.push(resolve)), {
+        what: `change number ${n}`,
+      });
+    }
+  };
+  const stop = async () => {
+    stopping.abort();
+    await reading;
+  };
+  return { seen, count, stop };
+}
+
 describe("observe", () => {
   it("E1: yields the current leader first, then every change in order, across an instance stopped mid-watch", async () => {
     const [one, two] = await Promise.all([spawnServer(), spawnServer()]);
@@ -543,22 +572,7 @@ describe("observe", () => {
     const actor = client({ baseUrl: two.url });
     const first = await campaign(actor, { ...e, value: "first", ttlMs: 10_000 });
 
-    const seen: ElectionChange[] = [];
-    const arrived: (() => void)[] = [];
-    const stop = new AbortController();
-    const reading = (async () => {
-      for await (const change of observe(watcher, e, { signal: stop.signal })) {
-        seen.push(change);
-        for (const notify of arrived.splice(0)) notify();
-      }
-    })();
-    const count = async (n: number) => {
-      while (seen.length < n) {
-        await within(new Promise<void>((resolve) => arrived.push(resolve)), {
-          what: `change number ${n}`,
-        });
-      }
-    };
+    const { seen, count, stop } = observing(watcher, e);
     await count(1);
     await first.proclaim("first-v2");
     await count(2);
@@ -575,8 +589,7 @@ describe("observe", () => {
     await count(6);
     await third.resign();
     await count(7);
-    stop.abort();
-    await reading;
+    await stop();
 
     expect(seen.map((c) => [c.type, "leader" in c ? c.leader?.term : c.term])).toEqual([
       ["current", first.term],
@@ -601,6 +614,12 @@ describe("observe", () => {
     // lets a new term begin: the snapshot shows no leader, History shows it.
     let second: Leadership | undefined;
     let hooked = false;
+    // The observer's reading of the session after that History read: the
+    // term must not end before it, or the observer rightly finds it over.
+    let checked: () => void = () => {};
+    const reconciled = new Promise<void>((resolve) => {
+      checked = resolve;
+    });
     const watcher = new Proxy(real, {
       get(target, name, receiver) {
         if (name === "history") {
@@ -612,25 +631,17 @@ describe("observe", () => {
             return target.history(...args);
           };
         }
+        if (name === "get" && hooked) {
+          return async (...args: Parameters<typeof real.get>) => {
+            const answer = await target.get(...args);
+            checked();
+            return answer;
+          };
+        }
         return Reflect.get(target, name, receiver);
       },
     });
-    const seen: ElectionChange[] = [];
-    const arrived: (() => void)[] = [];
-    const stop = new AbortController();
-    const reading = (async () => {
-      for await (const change of observe(watcher, e, { signal: stop.signal })) {
-        seen.push(change);
-        for (const notify of arrived.splice(0)) notify();
-      }
-    })();
-    const count = async (n: number) => {
-      while (seen.length < n) {
-        await within(new Promise<void>((resolve) => arrived.push(resolve)), {
-          what: `change number ${n}`,
-        });
-      }
-    };
+    const { seen, count, stop } = observing(watcher, e);
     await count(1);
     const first = await campaign(actor, { ...e, value: "first", ttlMs: 30_000 });
     await count(2);
@@ -640,11 +651,11 @@ describe("observe", () => {
     toServer.drop();
     toServer.pass();
     await count(4);
+    await within(reconciled, { what: "the observer's Get after the History read" });
     expect(second).toBeDefined();
     await second?.resign();
     await count(5);
-    stop.abort();
-    await reading;
+    await stop();
     expect(seen.map((c) => [c.type, "leader" in c ? c.leader?.term : c.term])).toEqual([
       ["current", undefined],
       ["elected", first.term],
